@@ -1,0 +1,1 @@
+"""encode-server client."""

@@ -1,0 +1,97 @@
+"""Domain errors: what went wrong, in the words of the API contract.
+
+Every error carries the contract's ``type`` string and, where one item caused it, that item's
+``index``. The front doors (HTTP, gRPC) map the *class* to a status code; nothing here knows about
+HTTP.
+
+    EncodeServerError
+    ├── BadInput                 400  invalid_json, invalid_base64, invalid_hash, hash_mismatch,
+    │                                 invalid_image, unsupported_image
+    ├── InvalidRequest           422  invalid_request (body does not match the schema)
+    ├── TooLarge                 413  payload_too_large, image_too_large, too_many_items
+    ├── UnsupportedMediaType     415  unsupported_media_type
+    ├── Unauthorized             401  unauthorized
+    ├── Conflict                 409  no_shared_tier
+    ├── Unavailable              503  overloaded, not_ready (carry ``retry_after`` seconds)
+    └── Timeout                  504  timeout
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BadInput",
+    "Conflict",
+    "EncodeServerError",
+    "InvalidRequest",
+    "Timeout",
+    "TooLarge",
+    "Unauthorized",
+    "Unavailable",
+    "UnsupportedMediaType",
+]
+
+
+class EncodeServerError(Exception):
+    """Base class; ``type`` is the stable, documented error code."""
+
+    type: str = "internal"
+
+    def __init__(self, message: str, *, type: str | None = None, index: int | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        if type is not None:
+            self.type = type
+        self.index = index
+
+    def with_index(self, index: int) -> EncodeServerError:
+        """The same error, attributed to another item (a follower of a shared encode)."""
+        clone = type(self)(self.message, type=self.type, index=index)
+        clone.__dict__.update({k: v for k, v in self.__dict__.items() if k not in ("index",)})
+        clone.index = index
+        return clone
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(type={self.type!r}, index={self.index!r}, message={self.message!r})"
+
+
+class BadInput(EncodeServerError):
+    type = "invalid_image"
+
+
+class InvalidRequest(EncodeServerError):
+    type = "invalid_request"
+
+
+class TooLarge(EncodeServerError):
+    type = "payload_too_large"
+
+
+class UnsupportedMediaType(EncodeServerError):
+    type = "unsupported_media_type"
+
+
+class Unauthorized(EncodeServerError):
+    type = "unauthorized"
+
+
+class Conflict(EncodeServerError):
+    type = "no_shared_tier"
+
+
+class Unavailable(EncodeServerError):
+    type = "overloaded"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        type: str | None = None,
+        index: int | None = None,
+        retry_after: float = 1.0,
+    ) -> None:
+        super().__init__(message, type=type, index=index)
+        self.retry_after = retry_after
+
+
+class Timeout(EncodeServerError):
+    type = "timeout"

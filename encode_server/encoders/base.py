@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from PIL import Image
 
+from encode_server.core.types import EncodedTensor
+
 __all__ = ["EncodedTensor", "EncoderInfo", "PreparedImage", "VisionEncoder"]
 
 
@@ -43,19 +45,6 @@ class PreparedImage:
     num_tokens: int  # N, the rows of this image's embedding
     cost_tokens: int  # patch tokens through the vision tower (budgeted by --max-batch-tokens)
     meta: dict[str, Any] = field(default_factory=dict)  # JSON-able, e.g. {"image_grid_thw": [1, 8, 12]}
-
-
-@dataclass(frozen=True)
-class EncodedTensor:
-    """An embedding as it travels and is cached: raw little-endian bytes, dtype and shape."""
-
-    data: bytes
-    shape: tuple[int, ...]
-    dtype: str
-
-    @property
-    def nbytes(self) -> int:
-        return len(self.data)
 
 
 class VisionEncoder(ABC):

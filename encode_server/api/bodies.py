@@ -1,0 +1,164 @@
+"""Request bodies to ``RequestItem``s: JSON, multipart, or one raw image. Pure parsing, no I/O
+beyond reading the body under its size limit."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+from starlette.datastructures import UploadFile
+from starlette.formparsers import MultiPartException
+from starlette.requests import Request
+
+from encode_server.api.schemas import EncodeRequestIn, LookupRequestIn
+from encode_server.core.errors import BadInput, InvalidRequest, TooLarge, UnsupportedMediaType
+from encode_server.core.types import RequestItem
+
+__all__ = [
+    "EncodeBody",
+    "media_type",
+    "parse_encode_body",
+    "parse_lookup_body",
+    "read_body",
+]
+
+_DATA_URL = re.compile(r"^data:image/[\w.+-]+(;[\w.+-]+=[\w.+-]+)*;base64,", re.IGNORECASE)
+_WHITESPACE = re.compile(rb"\s+")
+
+
+@dataclass(frozen=True)
+class EncodeBody:
+    items: list[RequestItem]
+    want_embeddings: bool
+
+
+def media_type(request: Request) -> str:
+    raw = request.headers.get("content-type", "application/json")
+    return raw.split(";", 1)[0].strip().lower()
+
+
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    """The whole body, refusing (413) past ``max_bytes`` before reading it all."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise TooLarge(f"request body is {declared} bytes, above the limit of {max_bytes}")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise TooLarge(f"request body is above the limit of {max_bytes} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _load_json(body: bytes) -> Any:
+    if not body.strip():
+        raise BadInput("empty body: expected a JSON object", type="invalid_json")
+    try:
+        return json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BadInput(f"body is not valid JSON: {exc}", type="invalid_json") from exc
+
+
+def _validation_error(exc: ValidationError) -> InvalidRequest:
+    first = exc.errors()[0]
+    loc = [str(part) for part in first["loc"]]
+    index = int(loc[1]) if len(loc) > 1 and loc[0] in ("items", "hashes") and loc[1].isdigit() else None
+    where = ".".join(loc) or "body"
+    return InvalidRequest(f"{where}: {first['msg']}", index=index)
+
+
+def _check_count(obj: Any, field: str, limit: int) -> None:
+    if isinstance(obj, dict) and isinstance(obj.get(field), list) and len(obj[field]) > limit:
+        raise TooLarge(f"{len(obj[field])} {field} in one request, above the limit of {limit}", type="too_many_items")
+
+
+def decode_base64(text: str, index: int) -> bytes:
+    """Standard base64, or a ``data:image/...;base64,`` URL; whitespace (line wrapping) ignored."""
+    match = _DATA_URL.match(text)
+    if match:
+        text = text[match.end():]
+    elif text.startswith("data:"):
+        raise BadInput("only data:image/...;base64, URLs are accepted", type="invalid_base64", index=index)
+    try:
+        raw = _WHITESPACE.sub(b"", text.encode("ascii"))
+        return base64.b64decode(raw, validate=True)
+    except (UnicodeEncodeError, binascii.Error, ValueError) as exc:
+        raise BadInput(f"data is not valid base64: {exc}", type="invalid_base64", index=index) from exc
+
+
+def _json_items(body: bytes, max_items: int) -> EncodeBody:
+    obj = _load_json(body)
+    _check_count(obj, "items", max_items)
+    try:
+        parsed = EncodeRequestIn.model_validate(obj)
+    except ValidationError as exc:
+        raise _validation_error(exc) from None
+    items = []
+    for index, item in enumerate(parsed.items):
+        if item.data is None and item.hash is None:
+            raise InvalidRequest("an item needs 'data', 'hash' or both", index=index)
+        data = decode_base64(item.data, index) if item.data is not None else None
+        items.append(RequestItem(index=index, mm_hash=item.hash, data=data))
+    return EncodeBody(items, want_embeddings=parsed.return_ == "embeddings")
+
+
+async def _multipart_items(request: Request, max_items: int, max_bytes: int) -> EncodeBody:
+    try:
+        form = await request.form(max_files=max_items, max_fields=max_items + 16, max_part_size=max_bytes)
+    except MultiPartException as exc:
+        if "too many files" in exc.message.lower():
+            raise TooLarge(f"more than {max_items} files in one request", type="too_many_items") from exc
+        raise InvalidRequest(f"malformed multipart body: {exc.message}") from exc
+    except (ValueError, KeyError, AssertionError) as exc:  # python-multipart on broken framing
+        raise InvalidRequest(f"malformed multipart body: {exc}") from exc
+    try:
+        files = [value for _, value in form.multi_items() if isinstance(value, UploadFile)]
+        if len(files) > max_items:
+            raise TooLarge(f"more than {max_items} files in one request", type="too_many_items")
+        if not files:
+            raise InvalidRequest("multipart body has no file parts")
+        items = [RequestItem(index=i, data=await f.read()) for i, f in enumerate(files)]
+        ret = form.get("return", "embeddings")
+        if ret not in ("embeddings", "metadata"):
+            raise InvalidRequest('"return" must be "embeddings" or "metadata"')
+        return EncodeBody(items, want_embeddings=ret == "embeddings")
+    finally:
+        await form.close()
+
+
+async def parse_encode_body(request: Request, *, max_items: int, max_bytes: int) -> EncodeBody:
+    kind = media_type(request)
+    if kind == "multipart/form-data":
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+            raise TooLarge(f"request body is {declared} bytes, above the limit of {max_bytes}")
+        return await _multipart_items(request, max_items, max_bytes)
+    if kind not in ("application/json", "application/octet-stream") and not kind.startswith("image/"):
+        raise UnsupportedMediaType(
+            f"unsupported content type {kind!r}: use application/json, multipart/form-data, "
+            "image/* or application/octet-stream"
+        )
+    body = await read_body(request, max_bytes)
+    if kind == "application/json":
+        return _json_items(body, max_items)
+    if not body:
+        raise BadInput("empty body: expected the bytes of one image", type="invalid_image", index=0)
+    return EncodeBody([RequestItem(index=0, data=body)], want_embeddings=True)
+
+
+async def parse_lookup_body(request: Request, *, max_hashes: int, max_bytes: int) -> list[str]:
+    if media_type(request) != "application/json":
+        raise UnsupportedMediaType("/v1/lookup takes application/json")
+    obj = _load_json(await read_body(request, max_bytes))
+    _check_count(obj, "hashes", max_hashes)
+    try:
+        return LookupRequestIn.model_validate(obj).hashes
+    except ValidationError as exc:
+        raise _validation_error(exc) from None

@@ -1,0 +1,333 @@
+"""The HTTP front door: parse, call the service, map errors. No logic of its own.
+
+Routes are bound methods of ``HttpApi``, which holds the ``Runtime`` it serves: no closures over
+app state, no globals.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+import os
+import signal
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from encode_server import __version__
+from encode_server.api.bodies import parse_encode_body, parse_lookup_body
+from encode_server.api.schemas import EncodeRequestIn, EncodeResponseOut, ErrorOut, LookupRequestIn, LookupResponseOut
+from encode_server.config import Settings
+from encode_server.core.errors import (
+    BadInput,
+    Conflict,
+    EncodeServerError,
+    InvalidRequest,
+    Timeout,
+    TooLarge,
+    Unauthorized,
+    Unavailable,
+    UnsupportedMediaType,
+)
+from encode_server.core.types import ItemResult
+from encode_server.core.wire import WireTensor, dump_safetensors
+from encode_server.encoders.base import VisionEncoder
+from encode_server.metrics import CONTENT_TYPE_LATEST, Metrics
+from encode_server.service import EncodeService
+
+__all__ = ["Runtime", "create_app", "status_for"]
+
+log = logging.getLogger(__name__)
+
+SAFETENSORS = "application/vnd.safetensors"
+
+_STATUS: tuple[tuple[type[EncodeServerError], int], ...] = (
+    (BadInput, 400),
+    (Unauthorized, 401),
+    (Conflict, 409),
+    (TooLarge, 413),
+    (UnsupportedMediaType, 415),
+    (InvalidRequest, 422),
+    (Unavailable, 503),
+    (Timeout, 504),
+)
+
+
+def status_for(exc: EncodeServerError) -> int:
+    for cls, status in _STATUS:
+        if isinstance(exc, cls):
+            return status
+    return 500
+
+
+def error_response(exc: EncodeServerError) -> JSONResponse:
+    headers = {}
+    if isinstance(exc, Unavailable):
+        headers["Retry-After"] = str(max(1, round(exc.retry_after)))
+    body = {"error": {"type": exc.type, "message": exc.message, "index": exc.index}}
+    return JSONResponse(body, status_code=status_for(exc), headers=headers)
+
+
+def _error_doc(*types: str) -> dict[str, Any]:
+    return {"model": ErrorOut, "description": "error types: " + ", ".join(types)}
+
+
+_ENCODE_ERRORS: dict[int | str, dict[str, Any]] = {
+    400: _error_doc(
+        "invalid_json", "invalid_base64", "invalid_hash", "hash_mismatch", "invalid_image", "unsupported_image"
+    ),
+    409: _error_doc("no_shared_tier"),
+    413: _error_doc("payload_too_large", "image_too_large", "too_many_items"),
+    415: _error_doc("unsupported_media_type"),
+    422: _error_doc("invalid_request"),
+    503: _error_doc("overloaded", "not_ready"),
+    504: _error_doc("timeout"),
+}
+
+
+@dataclass
+class Runtime:
+    """What a running server holds. ``service`` is None until the model is loaded and warm."""
+
+    settings: Settings
+    metrics: Metrics
+    service: EncodeService | None = None
+    draining: bool = False
+    load_error: BaseException | None = None
+    _loader: asyncio.Task[None] | None = field(default=None, repr=False)
+
+    @property
+    def ready(self) -> bool:
+        return self.service is not None and not self.draining
+
+    def require_service(self) -> EncodeService:
+        if self.service is None or self.draining:
+            reason = "server is draining" if self.draining else "model is loading"
+            raise Unavailable(reason, type="not_ready", retry_after=5.0)
+        return self.service
+
+
+class HttpApi:
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+
+    async def encode(self, request: Request) -> Response:
+        """Resolve images (uploads, hashes, or both) to embeddings: tiers first, encoder last."""
+        s = self.runtime.settings
+        service = self.runtime.require_service()
+        body = await parse_encode_body(request, max_items=s.max_items, max_bytes=s.max_request_bytes)
+        try:
+            results = await asyncio.wait_for(
+                service.encode(body.items, want_embeddings=body.want_embeddings), s.request_timeout
+            )
+        except asyncio.TimeoutError:
+            self.runtime.metrics.rejected.labels(reason="timeout").inc()
+            raise Timeout(f"request took longer than {s.request_timeout:g} s") from None
+        accept = request.headers.get("accept", "")
+        if SAFETENSORS in accept and body.want_embeddings:
+            return self._safetensors(service, results)
+        items = [_item_json(r, with_embedding=body.want_embeddings, with_key=not body.want_embeddings) for r in results]
+        content = {"model": service.encoder.info.model_id, "fingerprint": service.fingerprint, "items": items}
+        return Response(json.dumps(content, separators=(",", ":")).encode(), media_type="application/json")
+
+    def _safetensors(self, service: EncodeService, results: list[ItemResult]) -> Response:
+        tensors = [
+            WireTensor(str(r.index), r.embedding.tensor.dtype, r.embedding.tensor.shape, r.embedding.tensor.data)
+            for r in results
+            if r.embedding is not None
+        ]
+        metadata = {
+            "model": service.encoder.info.model_id,
+            "fingerprint": service.fingerprint,
+            "items": json.dumps([_item_json(r, with_embedding=False, with_key=False) for r in results]),
+        }
+        return Response(dump_safetensors(tensors, metadata), media_type=SAFETENSORS)
+
+    async def lookup(self, request: Request) -> Response:
+        """Which tier holds each hash: no bytes move; cheap enough for a router on every request."""
+        s = self.runtime.settings
+        service = self.runtime.require_service()
+        hashes = await parse_lookup_body(request, max_hashes=max(1024, s.max_items), max_bytes=s.max_request_bytes)
+        found = await service.lookup(hashes)
+        return JSONResponse({"items": [{"hash": f.mm_hash, "cached": f.cached, "tier": f.tier} for f in found]})
+
+    async def model(self) -> Response:
+        """The loaded model, its fingerprint, preprocessing, batching and limits."""
+        return JSONResponse(self.runtime.require_service().describe())
+
+    async def health(self) -> Response:
+        """The process is alive (liveness)."""
+        return JSONResponse({"status": "ok"})
+
+    async def ready(self) -> Response:
+        """200 only when the model is loaded and warm and the server is not draining."""
+        if self.runtime.ready:
+            return JSONResponse({"status": "ready"})
+        reason = "draining" if self.runtime.draining else "loading"
+        return error_response(Unavailable(f"not ready: {reason}", type="not_ready", retry_after=5.0))
+
+    async def metrics(self) -> Response:
+        return Response(self.runtime.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+def _item_json(r: ItemResult, *, with_embedding: bool, with_key: bool) -> dict[str, Any]:
+    out: dict[str, Any] = {"index": r.index, "hash": r.mm_hash, "status": r.status, "source": r.source}
+    if r.embedding is not None:
+        t = r.embedding.tensor
+        out.update(num_tokens=r.embedding.num_tokens, shape=list(t.shape), dtype=t.dtype, meta=r.embedding.meta)
+        if with_embedding:
+            out["embedding"] = base64.b64encode(t.data).decode("ascii")
+    if with_key:
+        out["key"] = r.key
+    return out
+
+
+class MetricsMiddleware:
+    """requests_total, request_seconds, inflight_requests and response_bytes_total per route.
+
+    Pure ASGI (not BaseHTTPMiddleware) so large responses stream through untouched."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics, routes: frozenset[str]) -> None:
+        self.app = app
+        self.metrics = metrics
+        self.routes = routes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        route = path if path in self.routes else "other"
+        code = 500
+        sent = 0
+        started = time.perf_counter()
+
+        async def send_wrapper(message: Message) -> None:
+            nonlocal code, sent
+            if message["type"] == "http.response.start":
+                code = message["status"]
+            elif message["type"] == "http.response.body":
+                sent += len(message.get("body", b""))
+            await send(message)
+
+        self.metrics.inflight_requests.inc()
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            self.metrics.inflight_requests.dec()
+            self.metrics.requests.labels(route=route, code=str(code)).inc()
+            self.metrics.request_seconds.labels(route=route).observe(time.perf_counter() - started)
+            self.metrics.response_bytes.inc(sent)
+
+
+def _request_body_doc(model: type, *extra_media: str) -> dict[str, Any]:
+    content: dict[str, Any] = {"application/json": {"schema": model.model_json_schema(by_alias=True)}}
+    for media in extra_media:
+        content[media] = {"schema": {"type": "string", "format": "binary"}}
+    return {"requestBody": {"required": True, "content": content}}
+
+
+def create_app(runtime: Runtime, load_encoder: Callable[[], VisionEncoder]) -> FastAPI:
+    """Wire a server: ``load_encoder`` runs in a thread after start-up, so ``/health`` answers
+    (and ``/ready`` says 503) while a large model loads."""
+    api = HttpApi(runtime)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        runtime._loader = asyncio.create_task(_load(runtime, load_encoder))
+        try:
+            yield
+        finally:
+            runtime.draining = True
+            runtime._loader.cancel()
+            if runtime.service is not None:
+                await runtime.service.close()
+
+    app = FastAPI(title="encode-server", version=__version__, lifespan=lifespan)
+    routes = frozenset({"/v1/encode", "/v1/lookup", "/v1/model", "/health", "/ready", "/metrics"})
+    app.add_middleware(MetricsMiddleware, metrics=runtime.metrics, routes=routes)
+    common = {503: _error_doc("not_ready")}
+    app.add_api_route(
+        "/v1/encode",
+        api.encode,
+        methods=["POST"],
+        response_model=EncodeResponseOut,
+        responses={200: {"content": {SAFETENSORS: {}}}, **_ENCODE_ERRORS},
+        openapi_extra=_request_body_doc(
+            EncodeRequestIn, "multipart/form-data", "image/*", "application/octet-stream"
+        ),
+    )
+    app.add_api_route(
+        "/v1/lookup",
+        api.lookup,
+        methods=["POST"],
+        response_model=LookupResponseOut,
+        responses={k: v for k, v in _ENCODE_ERRORS.items() if k in (400, 413, 415, 422, 503)},
+        openapi_extra=_request_body_doc(LookupRequestIn),
+    )
+    app.add_api_route("/v1/model", api.model, methods=["GET"], responses=common)
+    app.add_api_route("/health", api.health, methods=["GET"])
+    app.add_api_route("/ready", api.ready, methods=["GET"], responses=common)
+    app.add_api_route("/metrics", api.metrics, methods=["GET"], include_in_schema=False)
+    _install_error_handlers(app)
+    return app
+
+
+async def _load(runtime: Runtime, load_encoder: Callable[[], VisionEncoder]) -> None:
+    try:
+        started = time.perf_counter()
+        encoder = await asyncio.to_thread(load_encoder)
+        service = EncodeService(encoder, runtime.settings, runtime.metrics)
+        await service.start()
+        runtime.service = service
+        info = encoder.info
+        log.info(
+            "model %s loaded and warm in %.1f s: kind=%s device=%s dtype=%s fingerprint=%s",
+            info.model_id, time.perf_counter() - started, info.kind, info.device, info.dtype, service.fingerprint,
+        )
+        if info.meaningless:
+            log.warning(
+                "%s has random weights: its embeddings are deterministic but MEANINGLESS; "
+                "pass --model for a real encoder", info.model_id,
+            )
+    except asyncio.CancelledError:
+        raise
+    except BaseException as exc:
+        runtime.load_error = exc
+        log.exception("model failed to load; shutting down")
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    async def on_domain_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, EncodeServerError)
+        return error_response(exc)
+
+    async def on_validation_error(request: Request, exc: Exception) -> Response:
+        return error_response(InvalidRequest(str(exc)))
+
+    async def on_http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, StarletteHTTPException)
+        kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        body = {"error": {"type": kind, "message": str(exc.detail), "index": None}}
+        return JSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    async def on_unexpected(request: Request, exc: Exception) -> Response:
+        log.exception("unexpected error on %s", request.url.path)
+        body = {"error": {"type": "internal", "message": "internal server error", "index": None}}
+        return JSONResponse(body, status_code=500)
+
+    app.add_exception_handler(EncodeServerError, on_domain_error)
+    app.add_exception_handler(RequestValidationError, on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, on_http_error)
+    app.add_exception_handler(Exception, on_unexpected)

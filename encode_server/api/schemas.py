@@ -1,0 +1,78 @@
+"""Request and response shapes of the HTTP API, for validation and the OpenAPI document."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = [
+    "EncodeItemIn",
+    "EncodeRequestIn",
+    "EncodeResponseOut",
+    "ErrorBody",
+    "ErrorOut",
+    "ItemOut",
+    "LookupItemOut",
+    "LookupRequestIn",
+    "LookupResponseOut",
+]
+
+
+class EncodeItemIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    hash: str | None = Field(None, description="lowercase hex BLAKE3-256 of the image file's bytes")
+    data: str | None = Field(None, description="standard base64 of the image file, or a data: URL")
+
+
+class EncodeRequestIn(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    items: list[EncodeItemIn] = Field(..., min_length=1)
+    return_: Literal["embeddings", "metadata"] = Field("embeddings", alias="return")
+
+
+class ItemOut(BaseModel):
+    index: int
+    hash: str
+    status: Literal["hit", "encoded", "miss"]
+    source: Literal["local", "redis", "encoder"] | None
+    num_tokens: int | None = None
+    shape: list[int] | None = None
+    dtype: str | None = None
+    meta: dict[str, Any] = Field(default_factory=dict)
+    key: str | None = Field(None, description='the store key, with "return": "metadata"')
+    embedding: str | None = Field(None, description="base64 of the raw little-endian tensor bytes")
+
+
+class EncodeResponseOut(BaseModel):
+    model: str
+    fingerprint: str
+    items: list[ItemOut]
+
+
+class LookupRequestIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    hashes: list[str] = Field(..., min_length=1)
+
+
+class LookupItemOut(BaseModel):
+    hash: str
+    cached: bool
+    tier: Literal["local", "redis"] | None
+
+
+class LookupResponseOut(BaseModel):
+    items: list[LookupItemOut]
+
+
+class ErrorBody(BaseModel):
+    type: str = Field(..., description="stable error code, e.g. invalid_image")
+    message: str
+    index: int | None = Field(None, description="the item that caused it, when one did")
+
+
+class ErrorOut(BaseModel):
+    error: ErrorBody

@@ -1,0 +1,36 @@
+"""The protocol a shared cache tier implements (Redis in production).
+
+The local tier is synchronous and lives on the event loop (``LocalTier``); a shared tier is
+remote, so every call is async and batched over many keys: one round trip per request, never
+one per item.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from encode_server.core.types import Embedding
+
+__all__ = ["SharedTier"]
+
+
+class SharedTier(Protocol):
+    name: str
+
+    async def get_many(self, keys: Sequence[str]) -> list[Embedding | None]:
+        """Values for ``keys``, in order; None for a miss or an unusable value. Never raises for
+        a tier fault: a fault is a miss (the tier is an accelerator, not a dependency)."""
+        ...
+
+    async def contains_many(self, keys: Sequence[str]) -> list[bool]: ...
+
+    def put_behind(self, key: str, value: Embedding) -> None:
+        """Write after the response; never blocks the caller."""
+        ...
+
+    async def put_now(self, key: str, value: Embedding) -> None:
+        """Write before returning (the metadata hand-off needs the value in the store)."""
+        ...
+
+    async def close(self) -> None: ...

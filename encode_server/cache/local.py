@@ -1,0 +1,55 @@
+"""The in-process tier: a byte-bounded LRU of embeddings, with pins held by in-flight requests."""
+
+from __future__ import annotations
+
+from encode_server.core.lru import ByteLRU
+from encode_server.core.types import Embedding
+from encode_server.metrics import Metrics
+
+__all__ = ["LocalTier"]
+
+
+class LocalTier:
+    """``ByteLRU`` plus the metrics. Event-loop only, like the LRU itself."""
+
+    name = "local"
+
+    def __init__(self, capacity_bytes: int, metrics: Metrics) -> None:
+        evictions = metrics.cache_evictions.labels(tier=self.name)
+        self._lru: ByteLRU[str, Embedding] = ByteLRU(
+            capacity_bytes, on_evict=lambda _key, _size: evictions.inc()
+        )
+        self._lookups_hit = metrics.cache_lookups.labels(tier=self.name, result="hit")
+        self._lookups_miss = metrics.cache_lookups.labels(tier=self.name, result="miss")
+        metrics.cache_bytes.labels(tier=self.name).set_function(lambda: self._lru.used_bytes)
+        metrics.cache_entries.labels(tier=self.name).set_function(lambda: len(self._lru))
+
+    @property
+    def lru(self) -> ByteLRU[str, Embedding]:
+        return self._lru
+
+    def get_and_pin(self, key: str) -> Embedding | None:
+        """A hit is pinned until ``unpin``; the caller must unpin exactly once."""
+        value = self._lru.get_and_pin(key)
+        (self._lookups_hit if value is not None else self._lookups_miss).inc()
+        return value
+
+    def put_and_pin(self, key: str, value: Embedding) -> bool:
+        """Cache ``value`` and pin it for the caller; False (nothing pinned) when it can't fit."""
+        if not self._lru.put(key, value, value.nbytes):
+            return False
+        self._lru.pin(key)
+        return True
+
+    def unpin(self, key: str) -> None:
+        self._lru.unpin(key)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._lru
+
+    def pin_if_present(self, key: str) -> bool:
+        """Pin an entry another coroutine cached; False when it was not cached (too large)."""
+        if key not in self._lru:
+            return False
+        self._lru.pin(key)
+        return True

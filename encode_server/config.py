@@ -1,0 +1,123 @@
+"""One frozen, typed settings object, built once by the CLI and passed down.
+
+Every field is a CLI flag (``--max-batch-size``) and an environment variable
+(``ENCODE_SERVER_MAX_BATCH_SIZE``); a flag wins over the environment, which wins over the
+default. Nothing reads the environment at import time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+__all__ = ["ENV_PREFIX", "Settings", "build_parser", "settings_from"]
+
+ENV_PREFIX = "ENCODE_SERVER_"
+
+
+def _opt(default: Any, help: str, **extra: Any) -> Any:
+    return field(default=default, metadata={"help": help, **extra})
+
+
+@dataclass(frozen=True)
+class Settings:
+    model: str = _opt("builtin:tiny", "model id on the Hugging Face hub, a local directory, or builtin:tiny")
+    revision: str | None = _opt(None, "hub revision (branch, tag or commit) of --model")
+    output: str = _opt(
+        "hidden", "CLIP/SigLIP only: last hidden state or pooled embedding", choices=("hidden", "pooled")
+    )
+    device: str = _opt("auto", "auto (CUDA when present, else CPU), cpu, cuda or cuda:N")
+    dtype: str = _opt(
+        "auto", "compute/output dtype", choices=("auto", "float32", "bfloat16", "float16")
+    )
+    host: str = _opt("127.0.0.1", "HTTP bind address")
+    port: int = _opt(8000, "HTTP port")
+    cache_mb: float = _opt(1024.0, "local embedding cache budget in MiB (0 turns it off)")
+    cache_prefix: str = _opt("encode", "cache key prefix")
+    max_batch_size: int = _opt(32, "most images in one forward pass")
+    max_batch_tokens: int = _opt(65536, "most patch tokens in one forward pass")
+    max_wait_ms: float = _opt(5.0, "longest a batch waits to fill, in milliseconds")
+    max_queue: int = _opt(1024, "most items pending encode before 503 overloaded")
+    max_request_bytes: int = _opt(64 * 1024 * 1024, "largest request body in bytes")
+    max_items: int = _opt(64, "most items in one request")
+    max_image_pixels: int = _opt(40_000_000, "largest image (width x height), checked before decoding")
+    request_timeout: float = _opt(60.0, "per-request timeout in seconds (504 past it)")
+    preprocess_workers: int = _opt(4, "threads that decode and preprocess images")
+    log_level: str = _opt("info", "log level", choices=("debug", "info", "warning", "error"))
+
+    @property
+    def cache_bytes(self) -> int:
+        return int(self.cache_mb * 1024 * 1024)
+
+    def replace(self, **changes: Any) -> Settings:
+        return dataclasses.replace(self, **changes)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _convert(f: dataclasses.Field[Any], raw: str) -> Any:
+    kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    if kind.startswith("int"):
+        return int(raw)
+    if kind.startswith("float"):
+        return float(raw)
+    if kind.startswith("bool"):
+        return raw.strip().lower() in ("1", "true", "yes", "on")
+    return raw
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="encode-server",
+        description="Vision-encoder service: images (or their hashes) in, embeddings out.",
+        epilog=f"Every flag is also an environment variable: {ENV_PREFIX}<FLAG_NAME>, e.g. "
+        f"{ENV_PREFIX}MAX_BATCH_SIZE=16.",
+    )
+    for f in fields(Settings):
+        parser.add_argument(
+            _flag(f.name),
+            dest=f.name,
+            default=None,
+            type=lambda raw, f=f: _convert(f, raw),
+            choices=f.metadata.get("choices"),
+            help=f"{f.metadata['help']} (default: {f.default})",
+        )
+    return parser
+
+
+def settings_from(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> Settings:
+    """Defaults, overridden by ``ENCODE_SERVER_*`` variables, overridden by flags."""
+    environ = environ or {}
+    args = build_parser().parse_args(list(argv or []))
+    values: dict[str, Any] = {}
+    for f in fields(Settings):
+        cli = getattr(args, f.name)
+        env = environ.get(ENV_PREFIX + f.name.upper())
+        if cli is not None:
+            values[f.name] = cli
+        elif env is not None:
+            choices = f.metadata.get("choices")
+            try:
+                value = _convert(f, env)
+            except ValueError as exc:
+                raise SystemExit(f"{ENV_PREFIX}{f.name.upper()}={env!r}: {exc}") from None
+            if choices and value not in choices:
+                raise SystemExit(f"{ENV_PREFIX}{f.name.upper()}={env!r}: expected one of {choices}")
+            values[f.name] = value
+    settings = Settings(**values)
+    _validate(settings)
+    return settings
+
+
+def _validate(s: Settings) -> None:
+    positive = ("max_batch_size", "max_batch_tokens", "max_queue", "max_request_bytes", "max_items")
+    for name in positive:
+        if getattr(s, name) <= 0:
+            raise SystemExit(f"{_flag(name)} must be positive, got {getattr(s, name)}")
+    if s.cache_mb < 0 or s.max_wait_ms < 0 or s.request_timeout <= 0:
+        raise SystemExit("--cache-mb and --max-wait-ms must be >= 0, --request-timeout > 0")

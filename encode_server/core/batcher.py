@@ -1,0 +1,184 @@
+"""Dynamic batching across requests, bounded by images, tokens and time.
+
+Items from any number of requests queue here; one loop forms a batch from the head of the
+queue and runs it in an executor (the forward pass never blocks the event loop).
+
+Invariants:
+- A batch holds at most ``max_batch_size`` items and at most ``max_batch_tokens`` cost tokens,
+  except that an item costing more than ``max_batch_tokens`` alone runs alone (never starved).
+- A batch starts when it is full, or when its oldest item has waited ``max_wait_s`` (the
+  deadline is monotonic and counts from that item's arrival, as LitServe's loop does).
+- At most ``max_queue`` items wait; ``submit`` past that raises ``Unavailable("overloaded")``
+  instead of growing memory without bound.
+- Items whose future was cancelled before their batch formed are dropped, not run.
+- Order is FIFO: no item is overtaken by a later one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Generic, Protocol, TypeVar
+
+from encode_server.core.errors import Unavailable
+
+__all__ = ["BatchObserver", "BatchStats", "Batcher"]
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+@dataclass(frozen=True)
+class BatchStats:
+    size: int
+    tokens: int
+    queue_waits: tuple[float, ...]  # seconds each item waited before its batch started
+    forward_seconds: float
+
+
+class BatchObserver(Protocol):
+    def __call__(self, stats: BatchStats) -> None: ...
+
+
+@dataclass
+class _Pending(Generic[T, R]):
+    item: T
+    cost: int
+    future: asyncio.Future[R]
+    enqueued_at: float = field(default_factory=time.monotonic)
+
+
+class Batcher(Generic[T, R]):
+    def __init__(
+        self,
+        run_batch: Callable[[Sequence[T]], Sequence[R]],
+        *,
+        max_batch_size: int,
+        max_batch_tokens: int,
+        max_wait_s: float,
+        max_queue: int,
+        executor: Executor | None = None,
+        observer: BatchObserver | None = None,
+    ) -> None:
+        assert max_batch_size > 0 and max_batch_tokens > 0 and max_queue > 0 and max_wait_s >= 0
+        self._run_batch = run_batch
+        self.max_batch_size = max_batch_size
+        self.max_batch_tokens = max_batch_tokens
+        self.max_wait_s = max_wait_s
+        self.max_queue = max_queue
+        self._executor = executor
+        self._observer = observer
+        self._queue: deque[_Pending[T, R]] = deque()
+        self._queued_cost = 0
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self.batches_run = 0
+
+    @property
+    def pending(self) -> int:
+        """Items queued and not yet in a batch."""
+        return len(self._queue)
+
+    def has_room(self, n: int) -> bool:
+        """Could ``n`` more items be queued now? (No mutation.)"""
+        return len(self._queue) + n <= self.max_queue
+
+    def submit(self, item: T, cost: int) -> asyncio.Future[R]:
+        """Queue ``item``; the future resolves to its result. Call from the event loop."""
+        if self._task is None:
+            raise RuntimeError("Batcher.start() was not called")
+        if not self.has_room(1):
+            raise Unavailable(
+                f"encode queue is full ({self.max_queue} items pending)", type="overloaded", retry_after=1.0
+            )
+        future: asyncio.Future[R] = asyncio.get_running_loop().create_future()
+        self._queue.append(_Pending(item, max(1, cost), future))
+        self._queued_cost += max(1, cost)
+        self._wakeup.set()
+        return future
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._loop(), name="batcher")
+
+    async def close(self) -> None:
+        """Stop the loop; items still queued fail with ``Unavailable("not_ready")``."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        while self._queue:
+            p = self._queue.popleft()
+            if not p.future.done():
+                p.future.set_exception(Unavailable("server is shutting down", type="not_ready"))
+        self._queued_cost = 0
+
+    def _full(self) -> bool:
+        return len(self._queue) >= self.max_batch_size or self._queued_cost >= self.max_batch_tokens
+
+    async def _loop(self) -> None:
+        while True:
+            if not self._queue:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            deadline = self._queue[0].enqueued_at + self.max_wait_s
+            while not self._full():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._wakeup.clear()
+                try:
+                    await asyncio.wait_for(self._wakeup.wait(), remaining)
+                except asyncio.TimeoutError:
+                    break
+            batch = self._take()
+            if batch:
+                await self._run(batch)
+
+    def _take(self) -> list[_Pending[T, R]]:
+        batch: list[_Pending[T, R]] = []
+        tokens = 0
+        while self._queue and len(batch) < self.max_batch_size:
+            head = self._queue[0]
+            if head.future.done():  # cancelled while queued
+                self._queue.popleft()
+                self._queued_cost -= head.cost
+                continue
+            if batch and tokens + head.cost > self.max_batch_tokens:
+                break
+            self._queue.popleft()
+            self._queued_cost -= head.cost
+            batch.append(head)
+            tokens += head.cost
+        return batch
+
+    async def _run(self, batch: list[_Pending[T, R]]) -> None:
+        started = time.monotonic()
+        waits = tuple(started - p.enqueued_at for p in batch)
+        loop = asyncio.get_running_loop()
+        try:
+            results = await loop.run_in_executor(self._executor, self._run_batch, [p.item for p in batch])
+            if len(results) != len(batch):
+                raise RuntimeError(f"batch of {len(batch)} returned {len(results)} results")
+        except Exception as exc:
+            for p in batch:
+                if not p.future.done():
+                    p.future.set_exception(exc)
+            return
+        finally:
+            self.batches_run += 1
+        forward_seconds = time.monotonic() - started
+        for p, result in zip(batch, results, strict=True):
+            if not p.future.done():
+                p.future.set_result(result)
+        if self._observer is not None:
+            self._observer(
+                BatchStats(len(batch), sum(p.cost for p in batch), waits, forward_seconds)
+            )

@@ -1,0 +1,75 @@
+"""Bytes to an RGB image, safely: size checked from the header before any pixel is decoded.
+
+Runs in the preprocessing worker pool. Every failure is a ``BadInput`` or ``TooLarge`` naming the
+item, never a bare Pillow exception: bad bytes are the client's problem, not a 500.
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+from encode_server.core.errors import BadInput, TooLarge
+
+__all__ = ["ACCEPTED_FORMATS", "decode_image", "probe_size"]
+
+# Our own --max-image-pixels check does the work; Pillow's warning is silenced and its hard
+# error (above twice its default limit, ~179 MP) is mapped to ``image_too_large``.
+# Formats the contract accepts. Pillow opens more (ICO, PSD, PCX, EPS...), which we refuse as
+# ``unsupported_image`` rather than feed oddities to the model. MPO is how Pillow names a JPEG
+# with embedded previews (many phone cameras).
+ACCEPTED_FORMATS = frozenset({"PNG", "JPEG", "MPO", "WEBP", "GIF", "BMP", "TIFF"})
+
+
+def _open(data: bytes, index: int | None, max_pixels: int) -> Image.Image:
+    if not data:
+        raise BadInput("empty image (0 bytes)", type="invalid_image", index=index)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(data))
+    except Image.DecompressionBombError as exc:
+        raise TooLarge(f"image too large: {exc}", type="image_too_large", index=index) from exc
+    except UnidentifiedImageError as exc:
+        raise BadInput("not a recognised image file", type="invalid_image", index=index) from exc
+    except Exception as exc:  # Pillow raises many types on malformed headers
+        raise BadInput(f"cannot read image header: {exc}", type="invalid_image", index=index) from exc
+    if image.format not in ACCEPTED_FORMATS:
+        raise BadInput(
+            f"unsupported image format {image.format}; accepted: {', '.join(sorted(ACCEPTED_FORMATS))}",
+            type="unsupported_image",
+            index=index,
+        )
+    width, height = image.size
+    if width <= 0 or height <= 0:
+        raise BadInput(f"image has no pixels ({width}x{height})", type="invalid_image", index=index)
+    if width * height > max_pixels:
+        raise TooLarge(
+            f"image is {width}x{height} = {width * height} pixels, above the limit of {max_pixels}",
+            type="image_too_large",
+            index=index,
+        )
+    return image
+
+
+def probe_size(data: bytes, *, max_pixels: int, index: int | None = None) -> tuple[int, int]:
+    """(width, height) from the header alone; the same checks as ``decode_image``."""
+    return _open(data, index, max_pixels).size
+
+
+def decode_image(data: bytes, *, max_pixels: int, index: int | None = None) -> Image.Image:
+    """Decode the first frame, apply EXIF orientation, convert to RGB."""
+    image = _open(data, index, max_pixels)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            image.seek(0)
+            image.load()
+            image = ImageOps.exif_transpose(image) or image
+            return image.convert("RGB")
+    except Image.DecompressionBombError as exc:
+        raise TooLarge(f"image too large: {exc}", type="image_too_large", index=index) from exc
+    except (OSError, ValueError, SyntaxError, EOFError) as exc:
+        raise BadInput(f"cannot decode image: {exc}", type="invalid_image", index=index) from exc

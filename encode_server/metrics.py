@@ -1,0 +1,79 @@
+"""Every metric, defined in one place, on a registry owned by one server instance.
+
+A registry per instance (not prometheus_client's global one) lets tests run several servers in
+one process and keeps the names in DESIGN section 6 the only public surface.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from encode_server.core.batcher import BatchStats
+
+__all__ = ["CONTENT_TYPE_LATEST", "Metrics"]
+
+NAMESPACE = "encode_server"
+
+# Encoder latencies run from about a millisecond (a cache hit) to tens of seconds (a large batch
+# of high-resolution images on a CPU).
+LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+)
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+BATCH_TOKEN_BUCKETS = (64, 256, 1024, 4096, 16384, 65536, 262144, 1048576)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+
+        def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
+            return Counter(name, doc, labels, namespace=NAMESPACE, registry=r)
+
+        def gauge(name: str, doc: str, labels: tuple[str, ...] = ()) -> Gauge:
+            return Gauge(name, doc, labels, namespace=NAMESPACE, registry=r)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...], labels: tuple[str, ...] = ()) -> Histogram:
+            return Histogram(name, doc, labels, namespace=NAMESPACE, registry=r, buckets=buckets)
+
+        self.requests = counter("requests", "HTTP/gRPC requests by route and status code.", ("route", "code"))
+        self.items = counter("items", "Items resolved, by status and source.", ("status", "source"))
+        self.cache_lookups = counter(
+            "cache_lookups", "Cache lookups by tier and result (hit or miss).", ("tier", "result")
+        )
+        self.cache_bytes = gauge("cache_bytes", "Bytes held by a cache tier.", ("tier",))
+        self.cache_entries = gauge("cache_entries", "Entries held by a cache tier.", ("tier",))
+        self.cache_evictions = counter("cache_evictions", "Entries evicted from a cache tier.", ("tier",))
+        self.batch_size = histogram("batch_size", "Images per forward pass.", BATCH_SIZE_BUCKETS)
+        self.batch_tokens = histogram("batch_tokens", "Patch tokens per forward pass.", BATCH_TOKEN_BUCKETS)
+        self.queue_wait = histogram(
+            "queue_wait_seconds", "Time an item waited for its batch to start.", LATENCY_BUCKETS
+        )
+        self.preprocess = histogram(
+            "preprocess_seconds", "Decode and preprocess time per image.", LATENCY_BUCKETS
+        )
+        self.forward = histogram("forward_seconds", "Forward pass time per batch.", LATENCY_BUCKETS)
+        self.request_seconds = histogram(
+            "request_seconds", "Request latency by route.", LATENCY_BUCKETS, ("route",)
+        )
+        self.queue_depth = gauge("queue_depth", "Items waiting for a batch.")
+        self.inflight_requests = gauge("inflight_requests", "Requests being served now.")
+        self.redis_errors = counter("redis_errors", "Redis errors by operation.", ("op",))
+        self.redis_up = gauge("redis_up", "1 when the shared Redis tier is reachable, else 0.")
+        self.upload_bytes = counter("upload_bytes", "Image bytes received.")
+        self.response_bytes = counter("response_bytes", "Response body bytes sent.")
+        self.rejected = counter("rejected", "Requests or items refused, by reason.", ("reason",))
+        self.model_info = gauge(
+            "model_info", "The loaded model; always 1.", ("model", "fingerprint", "dtype", "device")
+        )
+
+    def observe_batch(self, stats: BatchStats) -> None:
+        self.batch_size.observe(stats.size)
+        self.batch_tokens.observe(stats.tokens)
+        self.forward.observe(stats.forward_seconds)
+        for wait in stats.queue_waits:
+            self.queue_wait.observe(wait)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,356 @@
+"""The use case: items -> keys -> cache tiers -> batcher -> write-back.
+
+HTTP and gRPC both call ``EncodeService``; neither holds any logic of its own beyond parsing and
+mapping errors. The service owns the single-flight table: one encode per cache key at a time,
+however many requests (or items of one request) want it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from PIL import Image
+
+from encode_server.cache.base import SharedTier
+from encode_server.cache.local import LocalTier
+from encode_server.config import Settings
+from encode_server.core.batcher import Batcher
+from encode_server.core.errors import BadInput, Conflict, EncodeServerError, Unavailable
+from encode_server.core.hashing import cache_key, fingerprint, mm_hash, parse_mm_hash
+from encode_server.core.types import Embedding, EncodedTensor, ItemResult, RequestItem
+from encode_server.encoders.base import EncoderInfo, PreparedImage, VisionEncoder
+from encode_server.imaging import decode_image
+from encode_server.metrics import Metrics
+
+__all__ = ["EncodeService", "LookupResult", "model_fingerprint"]
+
+log = logging.getLogger(__name__)
+
+# Hashing a large upload takes a few ms per MiB; above this it leaves the event loop.
+_HASH_OFF_LOOP_BYTES = 1 << 20
+
+
+def model_fingerprint(info: EncoderInfo) -> str:
+    """Everything besides the image that changes the embedding (DESIGN section 1)."""
+    return fingerprint(
+        {
+            "model_id": info.model_id,
+            "revision": info.revision,
+            "weights_digest": info.weights_digest,
+            "kind": info.kind,
+            "output": info.output,
+            "dtype": info.dtype,
+            "preprocessing": info.preprocessing,
+        }
+    )
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    mm_hash: str
+    cached: bool
+    tier: str | None
+
+
+@dataclass
+class _Identified:
+    index: int
+    mm_hash: str
+    key: str
+    data: bytes | None
+
+
+class EncodeService:
+    def __init__(
+        self,
+        encoder: VisionEncoder,
+        settings: Settings,
+        metrics: Metrics,
+        *,
+        shared: SharedTier | None = None,
+    ) -> None:
+        self.encoder = encoder
+        self.settings = settings
+        self.metrics = metrics
+        self.shared = shared
+        self.fingerprint = model_fingerprint(encoder.info)
+        self.local = LocalTier(settings.cache_bytes, metrics)
+        self._preprocess_pool = ThreadPoolExecutor(
+            max(1, settings.preprocess_workers), thread_name_prefix="preprocess"
+        )
+        self._forward_pool = ThreadPoolExecutor(1, thread_name_prefix="forward")
+        self.batcher: Batcher[PreparedImage, EncodedTensor] = Batcher(
+            encoder.forward,
+            max_batch_size=settings.max_batch_size,
+            max_batch_tokens=settings.max_batch_tokens,
+            max_wait_s=settings.max_wait_ms / 1000.0,
+            max_queue=settings.max_queue,
+            executor=self._forward_pool,
+            observer=metrics.observe_batch,
+        )
+        metrics.queue_depth.set_function(lambda: self.batcher.pending)
+        info = encoder.info
+        metrics.model_info.labels(
+            model=info.model_id, fingerprint=self.fingerprint, dtype=info.dtype, device=info.device
+        ).set(1)
+        self._inflight: dict[str, asyncio.Future[Embedding]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start the batcher and run one warm-up forward pass (readiness waits for it)."""
+        self.batcher.start()
+        warmup = Image.new("RGB", (64, 64), (127, 127, 127))
+        loop = asyncio.get_running_loop()
+        prepared = await loop.run_in_executor(self._preprocess_pool, self.encoder.preprocess, warmup)
+        await self.batcher.submit(prepared, prepared.cost_tokens)
+
+    async def close(self) -> None:
+        await self.batcher.close()
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._preprocess_pool.shutdown(wait=False, cancel_futures=True)
+        self._forward_pool.shutdown(wait=False, cancel_futures=True)
+        if self.shared is not None:
+            await self.shared.close()
+
+    def key_for(self, h: str) -> str:
+        return cache_key(self.fingerprint, h, prefix=self.settings.cache_prefix)
+
+    # -- use cases -----------------------------------------------------------------------------
+
+    async def encode(self, items: Sequence[RequestItem], *, want_embeddings: bool = True) -> list[ItemResult]:
+        """Resolve every item: a tier hit, an encode of its bytes, or a miss (hash-only, unknown).
+
+        With ``want_embeddings=False`` (the EPD hand-off) every resolved item is also made sure to
+        be in the shared tier before returning, so the caller can read it from there.
+        """
+        if not want_embeddings and self.shared is None:
+            raise Conflict(
+                '"return": "metadata" needs a shared tier (start the server with --redis-url)',
+                type="no_shared_tier",
+            )
+        idents = await self._identify(items)
+        pinned: list[str] = []
+        try:
+            found = self._lookup_local(idents, pinned)
+            await self._lookup_shared(idents, found, pinned)
+            await self._encode_missing(idents, found, pinned)
+            results = [self._result(ident, found.get(ident.key)) for ident in idents]
+            if not want_embeddings:
+                await self._hand_off(results)
+            return results
+        finally:
+            for key in pinned:
+                self.local.unpin(key)
+
+    async def lookup(self, hashes: Sequence[object]) -> list[LookupResult]:
+        """Which tier holds each hash, without moving bytes or changing recency."""
+        parsed = []
+        for index, raw in enumerate(hashes):
+            try:
+                parsed.append(parse_mm_hash(raw))
+            except EncodeServerError as exc:
+                raise exc.with_index(index) from None
+        keys = [self.key_for(h) for h in parsed]
+        tiers: list[str | None] = ["local" if key in self.local else None for key in keys]
+        rest = [i for i, tier in enumerate(tiers) if tier is None]
+        if rest and self.shared is not None:
+            present = await self.shared.contains_many([keys[i] for i in rest])
+            for i, hit in zip(rest, present, strict=True):
+                if hit:
+                    tiers[i] = self.shared.name
+        return [LookupResult(h, tier is not None, tier) for h, tier in zip(parsed, tiers, strict=True)]
+
+    def describe(self) -> dict[str, Any]:
+        info = self.encoder.info
+        s = self.settings
+        return {
+            "id": info.model_id,
+            "revision": info.revision,
+            "fingerprint": self.fingerprint,
+            "kind": info.kind,
+            "output": info.output,
+            "dtype": info.dtype,
+            "device": info.device,
+            "hidden_size": info.hidden_size,
+            "num_parameters": info.num_parameters,
+            "weights_digest": info.weights_digest,
+            "meaningless": info.meaningless,
+            "preprocessing": info.preprocessing,
+            "batching": {
+                "max_batch_size": s.max_batch_size,
+                "max_batch_tokens": s.max_batch_tokens,
+                "max_wait_ms": s.max_wait_ms,
+                "max_queue": s.max_queue,
+            },
+            "limits": {
+                "max_request_bytes": s.max_request_bytes,
+                "max_items": s.max_items,
+                "max_image_pixels": s.max_image_pixels,
+                "request_timeout": s.request_timeout,
+            },
+            "cache": {
+                "local_bytes": self.local.lru.capacity_bytes,
+                "prefix": s.cache_prefix,
+                "shared": self.shared.name if self.shared is not None else None,
+            },
+        }
+
+    # -- steps ---------------------------------------------------------------------------------
+
+    async def _identify(self, items: Sequence[RequestItem]) -> list[_Identified]:
+        uploaded = sum(len(item.data) for item in items if item.data is not None)
+        self.metrics.upload_bytes.inc(uploaded)
+        if uploaded > _HASH_OFF_LOOP_BYTES:
+            return await asyncio.get_running_loop().run_in_executor(
+                self._preprocess_pool, self._identify_all, items
+            )
+        return self._identify_all(items)
+
+    def _identify_all(self, items: Sequence[RequestItem]) -> list[_Identified]:
+        out = []
+        for item in items:
+            try:
+                if item.data is not None:
+                    h = mm_hash(item.data)
+                    if item.mm_hash is not None and parse_mm_hash(item.mm_hash) != h:
+                        raise BadInput(
+                            f"hash {item.mm_hash} does not match the data (BLAKE3 of the data is {h})",
+                            type="hash_mismatch",
+                        )
+                elif item.mm_hash is not None:
+                    h = parse_mm_hash(item.mm_hash)
+                else:
+                    raise BadInput("an item needs 'data', 'hash' or both", type="invalid_hash")
+            except EncodeServerError as exc:
+                raise exc.with_index(item.index) from None
+            out.append(_Identified(item.index, h, self.key_for(h), item.data))
+        return out
+
+    def _lookup_local(self, idents: list[_Identified], pinned: list[str]) -> dict[str, tuple[str, Embedding]]:
+        found: dict[str, tuple[str, Embedding]] = {}
+        for ident in idents:
+            if ident.key in found:
+                continue
+            value = self.local.get_and_pin(ident.key)
+            if value is not None:
+                pinned.append(ident.key)
+                found[ident.key] = ("local", value)
+        return found
+
+    async def _lookup_shared(
+        self, idents: list[_Identified], found: dict[str, tuple[str, Embedding]], pinned: list[str]
+    ) -> None:
+        if self.shared is None:
+            return
+        keys = list(dict.fromkeys(i.key for i in idents if i.key not in found and i.key not in self._inflight))
+        if not keys:
+            return
+        for key, value in zip(keys, await self.shared.get_many(keys), strict=True):
+            if value is not None:
+                found[key] = (self.shared.name, value)
+                if self.local.put_and_pin(key, value):
+                    pinned.append(key)
+
+    async def _encode_missing(
+        self, idents: list[_Identified], found: dict[str, tuple[str, Embedding]], pinned: list[str]
+    ) -> None:
+        # The first item with bytes owns the encode of its key; hash-only items join an encode
+        # already in flight (theirs or another request's) and are otherwise misses.
+        wanted: dict[str, _Identified] = {}
+        for ident in idents:
+            if ident.key in found or ident.key in wanted:
+                continue
+            if ident.data is not None or ident.key in self._inflight:
+                wanted[ident.key] = ident
+        new = [key for key in wanted if key not in self._inflight]
+        if new and not self.batcher.has_room(len(new)):
+            self.metrics.rejected.labels(reason="overloaded").inc()
+            raise Unavailable(
+                f"encode queue is full ({self.batcher.pending} of {self.batcher.max_queue} pending)",
+                type="overloaded",
+                retry_after=1.0,
+            )
+        futures = {
+            key: self._inflight.get(key) or self._start_encode(key, ident) for key, ident in wanted.items()
+        }
+        if not futures:
+            return
+        outcomes = await asyncio.gather(*(asyncio.shield(f) for f in futures.values()), return_exceptions=True)
+        errors: list[EncodeServerError] = []
+        for (key, ident), outcome in zip(wanted.items(), outcomes, strict=True):
+            if isinstance(outcome, EncodeServerError):
+                errors.append(outcome.with_index(ident.index))
+            elif isinstance(outcome, BaseException):
+                raise outcome
+            else:
+                found[key] = ("encoder", outcome)
+                if self.local.pin_if_present(key):
+                    pinned.append(key)
+        if errors:
+            raise min(errors, key=lambda e: e.index if e.index is not None else -1)
+
+    def _start_encode(self, key: str, ident: _Identified) -> asyncio.Future[Embedding]:
+        assert ident.data is not None and key not in self._inflight
+        future: asyncio.Future[Embedding] = asyncio.get_running_loop().create_future()
+        # Mark a failure as retrieved even when every requester has gone (timed out).
+        future.add_done_callback(lambda f: f.cancelled() or f.exception())
+        self._inflight[key] = future
+        task = asyncio.create_task(self._encode_one(key, ident, future))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return future
+
+    async def _encode_one(self, key: str, ident: _Identified, future: asyncio.Future[Embedding]) -> None:
+        assert ident.data is not None
+        try:
+            loop = asyncio.get_running_loop()
+            prepared = await loop.run_in_executor(self._preprocess_pool, self._prepare, ident.data, ident.index)
+            tensor = await self.batcher.submit(prepared, prepared.cost_tokens)
+            value = Embedding(tensor, prepared.meta)
+            self.local.lru.put(key, value, value.nbytes)
+            if self.shared is not None:
+                self.shared.put_behind(key, value)
+            future.set_result(value)
+        except asyncio.CancelledError:
+            future.set_exception(Unavailable("server is shutting down", type="not_ready"))
+            raise
+        except BaseException as exc:
+            future.set_exception(exc)
+        finally:
+            self._inflight.pop(key, None)
+
+    def _prepare(self, data: bytes, index: int) -> PreparedImage:
+        started = time.perf_counter()
+        image = decode_image(data, max_pixels=self.settings.max_image_pixels, index=index)
+        try:
+            prepared = self.encoder.preprocess(image)
+        except ValueError as exc:  # e.g. an aspect ratio the processor refuses
+            raise BadInput(f"image cannot be preprocessed: {exc}", type="unsupported_image", index=index) from exc
+        self.metrics.preprocess.observe(time.perf_counter() - started)
+        return prepared
+
+    def _result(self, ident: _Identified, hit: tuple[str, Embedding] | None) -> ItemResult:
+        if hit is None:
+            status, source, value = "miss", None, None
+        else:
+            source, value = hit
+            status = "encoded" if source == "encoder" else "hit"
+        self.metrics.items.labels(status=status, source=source or "none").inc()
+        return ItemResult(ident.index, ident.mm_hash, status, source, value, key=ident.key)
+
+    async def _hand_off(self, results: list[ItemResult]) -> None:
+        assert self.shared is not None
+        for result in results:
+            if result.embedding is not None and result.source != self.shared.name:
+                await self.shared.put_now(result.key or self.key_for(result.mm_hash), result.embedding)

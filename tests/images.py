@@ -1,0 +1,40 @@
+"""Test images made on the fly, seeded: real files in every accepted format, and broken ones."""
+
+from __future__ import annotations
+
+import io
+import struct
+import zlib
+
+import numpy as np
+from PIL import Image
+
+__all__ = ["bomb_png_header", "image_bytes", "rgb_image", "truncated_jpeg"]
+
+
+def rgb_image(width: int = 64, height: int = 48, seed: int = 0) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8), "RGB")
+
+
+def image_bytes(fmt: str = "PNG", width: int = 64, height: int = 48, seed: int = 0) -> bytes:
+    buf = io.BytesIO()
+    rgb_image(width, height, seed).save(buf, format=fmt)
+    return buf.getvalue()
+
+
+def truncated_jpeg(seed: int = 0) -> bytes:
+    data = image_bytes("JPEG", 128, 128, seed)
+    return data[: len(data) // 2]
+
+
+def _chunk(kind: bytes, payload: bytes) -> bytes:
+    return struct.pack(">I", len(payload)) + kind + payload + struct.pack(">I", zlib.crc32(kind + payload))
+
+
+def bomb_png_header(width: int = 60000, height: int = 60000) -> bytes:
+    """A valid PNG header claiming ``width`` x ``height`` with almost no data: a decompression bomb
+    must be refused from its header, before any pixel is decoded."""
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    idat = zlib.compress(b"\x00" * 16)
+    return b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", ihdr) + _chunk(b"IDAT", idat) + _chunk(b"IEND", b"")

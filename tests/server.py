@@ -1,0 +1,64 @@
+"""Start a real ``encode-server`` process on a free loopback port, and stop it by its PID."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+__all__ = ["ServerProcess", "free_port", "start_server"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class ServerProcess:
+    url: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, timeout: float = 20.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        return self.proc.returncode
+
+
+def start_server(*args: str, log_dir: Path, env: dict[str, str] | None = None, timeout: float = 120.0) -> ServerProcess:
+    port = free_port()
+    log_path = log_dir / f"server-{port}.log"
+    cmd = [sys.executable, "-m", "encode_server", "--host", "127.0.0.1", "--port", str(port), *args]
+    full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **(env or {})}
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env)
+    server = ServerProcess(f"http://127.0.0.1:{port}", proc, log_path)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{server.log()}")
+        try:
+            if httpx.get(server.url + "/ready", timeout=2).status_code == 200:
+                return server
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    server.stop()
+    raise RuntimeError(f"server not ready after {timeout} s:\n{server.log()}")

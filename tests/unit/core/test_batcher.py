@@ -1,0 +1,170 @@
+"""The batcher's invariants, with a plain Python function standing in for the forward pass."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Sequence
+
+import pytest
+
+from encode_server.core.batcher import Batcher, BatchStats
+from encode_server.core.errors import Unavailable
+
+
+class Recorder:
+    """A forward pass that doubles its inputs and records every batch it was given."""
+
+    def __init__(self, delay: float = 0.0) -> None:
+        self.batches: list[list[int]] = []
+        self.delay = delay
+        self.release = threading.Event()
+        self.release.set()
+
+    def __call__(self, items: Sequence[int]) -> list[int]:
+        self.release.wait(10)
+        time.sleep(self.delay)
+        self.batches.append(list(items))
+        return [2 * x for x in items]
+
+
+def run(coro):  # type: ignore[no-untyped-def]
+    return asyncio.run(asyncio.wait_for(coro, 20))
+
+
+def test_items_from_many_submitters_share_a_batch() -> None:
+    async def main() -> Recorder:
+        rec = Recorder()
+        b: Batcher[int, int] = Batcher(rec, max_batch_size=64, max_batch_tokens=10**6, max_wait_s=0.05, max_queue=100)
+        b.start()
+        results = await asyncio.gather(*(b.submit(i, 1) for i in range(32)))
+        assert results == [2 * i for i in range(32)]
+        await b.close()
+        return rec
+
+    rec = run(main())
+    assert len(rec.batches) < 4
+    assert sorted(x for batch in rec.batches for x in batch) == list(range(32))
+
+
+def test_batch_respects_size_and_token_budgets_and_fifo_order() -> None:
+    async def main() -> Recorder:
+        rec = Recorder()
+        rec.release.clear()
+        b: Batcher[int, int] = Batcher(rec, max_batch_size=4, max_batch_tokens=10, max_wait_s=0.01, max_queue=100)
+        b.start()
+        costs = [3, 3, 3, 3, 1, 1, 1, 1, 1, 20, 2]
+        futures = [b.submit(i, c) for i, c in enumerate(costs)]
+        rec.release.set()
+        await asyncio.gather(*futures)
+        await b.close()
+        return rec
+
+    rec = run(main())
+    costs = [3, 3, 3, 3, 1, 1, 1, 1, 1, 20, 2]
+    for batch in rec.batches:
+        assert len(batch) <= 4
+        assert len(batch) == 1 or sum(costs[i] for i in batch) <= 10
+    flat = [x for batch in rec.batches for x in batch]
+    assert flat == sorted(flat), "items were reordered"
+    assert [9] in rec.batches, "an item above the token budget must run alone, not starve"
+
+
+def test_partial_batch_waits_at_most_max_wait() -> None:
+    async def main() -> float:
+        rec = Recorder()
+        b: Batcher[int, int] = Batcher(rec, max_batch_size=64, max_batch_tokens=10**6, max_wait_s=0.1, max_queue=10)
+        b.start()
+        started = time.monotonic()
+        await b.submit(1, 1)
+        elapsed = time.monotonic() - started
+        await b.close()
+        return elapsed
+
+    elapsed = run(main())
+    assert 0.09 <= elapsed < 2.0
+
+
+def test_full_queue_raises_overloaded_and_recovers() -> None:
+    async def main() -> None:
+        rec = Recorder()
+        rec.release.clear()
+        b: Batcher[int, int] = Batcher(rec, max_batch_size=1, max_batch_tokens=10, max_wait_s=0, max_queue=3)
+        b.start()
+        first = b.submit(0, 1)
+        await asyncio.sleep(0.05)  # the first item is now in the (blocked) forward pass
+        queued = [b.submit(i, 1) for i in range(1, 4)]
+        assert not b.has_room(1)
+        with pytest.raises(Unavailable) as info:
+            b.submit(99, 1)
+        assert info.value.type == "overloaded"
+        rec.release.set()
+        assert await asyncio.gather(first, *queued) == [0, 2, 4, 6]
+        assert b.has_room(3)
+        await b.close()
+
+    run(main())
+
+
+def test_forward_failure_fails_only_that_batch() -> None:
+    def flaky(items: Sequence[int]) -> list[int]:
+        if 13 in items:
+            raise RuntimeError("boom")
+        return list(items)
+
+    async def main() -> None:
+        b: Batcher[int, int] = Batcher(flaky, max_batch_size=1, max_batch_tokens=10, max_wait_s=0, max_queue=10)
+        b.start()
+        bad = b.submit(13, 1)
+        good = b.submit(7, 1)
+        with pytest.raises(RuntimeError, match="boom"):
+            await bad
+        assert await good == 7
+        await b.close()
+
+    run(main())
+
+
+def test_cancelled_items_are_not_run_and_observer_sees_each_batch() -> None:
+    stats: list[BatchStats] = []
+
+    async def main() -> Recorder:
+        rec = Recorder()
+        rec.release.clear()
+        b: Batcher[int, int] = Batcher(
+            rec, max_batch_size=8, max_batch_tokens=100, max_wait_s=0.05, max_queue=10, observer=stats.append
+        )
+        b.start()
+        blocker = b.submit(0, 1)
+        await asyncio.sleep(0.1)
+        doomed = b.submit(1, 1)
+        kept = b.submit(2, 5)
+        doomed.cancel()
+        rec.release.set()
+        await asyncio.gather(blocker, kept)
+        await b.close()
+        return rec
+
+    rec = run(main())
+    assert [1] not in rec.batches and all(1 not in batch for batch in rec.batches)
+    assert [s.size for s in stats] == [len(batch) for batch in rec.batches]
+    assert stats[-1].tokens == 5
+
+
+def test_close_fails_queued_items_with_not_ready() -> None:
+    async def main() -> None:
+        rec = Recorder()
+        rec.release.clear()
+        b: Batcher[int, int] = Batcher(rec, max_batch_size=1, max_batch_tokens=10, max_wait_s=0, max_queue=10)
+        b.start()
+        b.submit(0, 1)
+        await asyncio.sleep(0.05)
+        queued = b.submit(1, 1)
+        await b.close()
+        rec.release.set()
+        with pytest.raises(Unavailable) as info:
+            await queued
+        assert info.value.type == "not_ready"
+
+    run(main())

@@ -1,0 +1,34 @@
+from __future__ import annotations
+
+import pytest
+
+from encode_server.config import Settings, settings_from
+
+
+def test_defaults_then_environment_then_flags() -> None:
+    assert settings_from([], {}) == Settings()
+    env = {"ENCODE_SERVER_MAX_BATCH_SIZE": "7", "ENCODE_SERVER_MODEL": "/models/x", "ENCODE_SERVER_CACHE_MB": "1.5"}
+    s = settings_from([], env)
+    assert (s.max_batch_size, s.model, s.cache_bytes) == (7, "/models/x", int(1.5 * 1024 * 1024))
+    s = settings_from(["--max-batch-size", "9", "--max-wait-ms", "2.5"], env)
+    assert (s.max_batch_size, s.max_wait_ms, s.model) == (9, 2.5, "/models/x")
+
+
+def test_settings_are_frozen() -> None:
+    with pytest.raises(AttributeError):
+        Settings().port = 1  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("argv", "env"),
+    [
+        (["--max-batch-size", "0"], {}),
+        (["--device-typo", "cpu"], {}),
+        (["--dtype", "int8"], {}),
+        ([], {"ENCODE_SERVER_DTYPE": "int8"}),
+        ([], {"ENCODE_SERVER_MAX_ITEMS": "many"}),
+    ],
+)
+def test_bad_settings_exit_with_a_message(argv: list[str], env: dict[str, str]) -> None:
+    with pytest.raises(SystemExit):
+        settings_from(argv, env)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -38,6 +39,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     runtime = Runtime(settings, Metrics())
     app = create_app(runtime, _encoder_loader(settings))
+    # uvicorn shuts down gracefully on SIGTERM, then re-raises it to the handler that was there
+    # before; make that one a no-op so a clean drain exits 0, as orchestrators expect.
+    signal.signal(signal.SIGTERM, lambda _sig, _frame: None)
     uvicorn.run(
         app,
         host=settings.host,

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from PIL import Image
 from transformers import (
+    AutoConfig,
     AutoImageProcessor,
     CLIPConfig,
     CLIPImageProcessorPil,
@@ -31,7 +32,12 @@ from transformers import (
     PreTrainedModel,
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
+    Qwen2VLConfig,
+    Qwen2VLForConditionalGeneration,
     Qwen2VLImageProcessorPil,
+    Siglip2Config,
+    Siglip2ImageProcessorPil,
+    Siglip2Model,
     SiglipConfig,
     SiglipImageProcessorPil,
     SiglipModel,
@@ -43,6 +49,7 @@ __all__ = [
     "make_clip",
     "make_llava",
     "make_qwen2_5_vl",
+    "make_qwen2_vl",
     "reference_clip_features",
     "reference_llava_features",
     "reference_qwen_features",
@@ -77,20 +84,23 @@ def _save(model: PreTrainedModel, processor: Any, directory: Path | str) -> Path
 
 
 def make_clip(directory: Path | str, *, kind: str = "clip") -> Path:
-    """A full ``CLIPModel`` (``kind="clip"``) or ``SiglipModel`` (``kind="siglip"``): 32 px, 16 patches."""
+    """A full ``CLIPModel`` (``kind="clip"``) or ``SiglipModel`` (``kind="siglip"``): 32 px, 16 patches;
+    or a NaFlex ``Siglip2Model`` (``kind="siglip2"``): 8 px patches, at most 24 per image."""
     torch.manual_seed(SEED)
     text = {**_TINY_TEXT, "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 1}
     model: PreTrainedModel
     if kind == "clip":
         model = CLIPModel(CLIPConfig(text_config=text, vision_config=_TINY_VIT, projection_dim=24))
-        processor: Any = CLIPImageProcessorPil(
-            size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}
-        )
+        processor: Any = CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
     elif kind == "siglip":
         model = SiglipModel(SiglipConfig(text_config=text, vision_config=_TINY_VIT))
         processor = SiglipImageProcessorPil(size={"height": 32, "width": 32})
+    elif kind == "siglip2":
+        vision = {k: v for k, v in _TINY_VIT.items() if k != "image_size"}
+        model = Siglip2Model(Siglip2Config(text_config=text, vision_config={**vision, "num_patches": 16}))
+        processor = Siglip2ImageProcessorPil(patch_size=8, max_num_patches=24)
     else:
-        raise ValueError(f"kind must be 'clip' or 'siglip', not {kind!r}")
+        raise ValueError(f"kind must be 'clip', 'siglip' or 'siglip2', not {kind!r}")
     return _save(model.eval(), processor, directory)
 
 
@@ -109,53 +119,76 @@ def make_llava(directory: Path | str) -> Path:
     return _save(model.eval(), processor, directory)
 
 
+_TINY_QWEN_TEXT = {
+    **_TINY_TEXT,
+    "hidden_size": 48,
+    "num_key_value_heads": 1,
+    "vocab_size": 256,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 2, 2]},
+}
+_TINY_QWEN_TOKENS = {
+    "image_token_id": 250,
+    "video_token_id": 251,
+    "vision_start_token_id": 252,
+    "vision_end_token_id": 253,
+}
+
+
+def _qwen_processor() -> Qwen2VLImageProcessorPil:
+    return Qwen2VLImageProcessorPil(
+        size={"shortest_edge": 56 * 56, "longest_edge": 224 * 224}, patch_size=14, merge_size=2
+    )
+
+
 def make_qwen2_5_vl(directory: Path | str) -> Path:
     """A full ``Qwen2_5_VLForConditionalGeneration``: windowed + full-attention vision blocks, tiny LLM."""
     torch.manual_seed(SEED)
-    config = Qwen2_5_VLConfig(
-        vision_config={
-            "depth": 2,
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_heads": 2,
-            "out_hidden_size": 48,
-            "patch_size": 14,
-            "spatial_merge_size": 2,
-            "temporal_patch_size": 2,
-            "window_size": 56,
-            "fullatt_block_indexes": [1],
-        },
-        text_config={
-            **_TINY_TEXT,
-            "hidden_size": 48,
-            "num_key_value_heads": 1,
-            "vocab_size": 256,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 2, 2]},
-        },
-        image_token_id=250,
-        video_token_id=251,
-        vision_start_token_id=252,
-        vision_end_token_id=253,
-    )
-    model = Qwen2_5_VLForConditionalGeneration(config)
-    processor = Qwen2VLImageProcessorPil(
-        size={"shortest_edge": 56 * 56, "longest_edge": 224 * 224}, patch_size=14, merge_size=2
-    )
-    return _save(model.eval(), processor, directory)
+    vision = {
+        "depth": 2,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_heads": 2,
+        "out_hidden_size": 48,
+        "patch_size": 14,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "window_size": 56,
+        "fullatt_block_indexes": [1],
+    }
+    config = Qwen2_5_VLConfig(vision_config=vision, text_config=_TINY_QWEN_TEXT, **_TINY_QWEN_TOKENS)
+    return _save(Qwen2_5_VLForConditionalGeneration(config).eval(), _qwen_processor(), directory)
+
+
+def make_qwen2_vl(directory: Path | str) -> Path:
+    """A full ``Qwen2VLForConditionalGeneration`` (full attention in every block), tiny LLM."""
+    torch.manual_seed(SEED)
+    vision = {"depth": 2, "embed_dim": 32, "hidden_size": 48, "num_heads": 2, "mlp_ratio": 2, "patch_size": 14}
+    config = Qwen2VLConfig(vision_config=vision, text_config=_TINY_QWEN_TEXT, **_TINY_QWEN_TOKENS)
+    return _save(Qwen2VLForConditionalGeneration(config).eval(), _qwen_processor(), directory)
 
 
 def load_full_model(path: Path | str) -> PreTrainedModel:
-    """The whole saved model, language model included, through HF's own ``from_pretrained``."""
-    from transformers import AutoConfig
+    """The whole saved model, language model included, through HF's own ``from_pretrained``.
 
+    Its tensors are then copied into fresh (aligned) memory: ``from_pretrained`` may leave them in
+    the safetensors file's memory map at unaligned offsets, where CPU BLAS takes another kernel and
+    rounds differently (~1e-7), which would hide a real mismatch among benign ones.
+    """
     model_type = AutoConfig.from_pretrained(path).model_type
     classes: dict[str, type[PreTrainedModel]] = {
         "clip": CLIPModel,
         "siglip": SiglipModel,
+        "siglip2": Siglip2Model,
         "llava": LlavaForConditionalGeneration,
         "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration,
+        "qwen2_vl": Qwen2VLForConditionalGeneration,
     }
-    return classes[model_type].from_pretrained(path, dtype=torch.float32).eval()
+    model = classes[model_type].from_pretrained(path, dtype=torch.float32).eval()
+    for tensor in [*model.parameters(), *model.buffers()]:
+        tensor.data = tensor.data.clone()
+    return model
 
 
 def _inputs(path: Path | str, image: Image.Image) -> dict[str, torch.Tensor]:
@@ -164,14 +197,21 @@ def _inputs(path: Path | str, image: Image.Image) -> dict[str, torch.Tensor]:
 
 @torch.inference_mode()
 def reference_clip_features(path: Path | str, image: Image.Image, output: str = "hidden") -> torch.Tensor:
-    """The full CLIP/SigLIP model's vision output for one image: N x D hidden or 1 x D pooled."""
+    """The full CLIP/SigLIP(2) model's vision output for one image: N x D hidden or 1 x D pooled.
+
+    For SigLIP2 NaFlex, ``hidden`` keeps the image's own patches, not the padding up to
+    ``max_num_patches``.
+    """
     model: Any = load_full_model(path)
-    pixel_values = _inputs(path, image)["pixel_values"]
-    if output == "hidden":
-        return model.vision_model(pixel_values=pixel_values).last_hidden_state[0]
-    if isinstance(model, CLIPModel):
-        return model.get_image_features(pixel_values=pixel_values).pooler_output
-    return model.vision_model(pixel_values=pixel_values).pooler_output
+    inputs = _inputs(path, image)
+    if isinstance(model, CLIPModel) and output == "pooled":
+        return model.get_image_features(**inputs).pooler_output
+    outputs = model.vision_model(**inputs)
+    if output == "pooled":
+        return outputs.pooler_output
+    if "spatial_shapes" in inputs:
+        return outputs.last_hidden_state[0, : int(inputs["spatial_shapes"][0].prod())]
+    return outputs.last_hidden_state[0]
 
 
 @torch.inference_mode()
@@ -184,7 +224,7 @@ def reference_llava_features(path: Path | str, image: Image.Image) -> torch.Tens
 
 @torch.inference_mode()
 def reference_qwen_features(path: Path | str, image: Image.Image) -> tuple[torch.Tensor, list[int]]:
-    """``Qwen2_5_VLForConditionalGeneration.get_image_features`` for one image: (N x D_llm, [t, h, w])."""
+    """``Qwen2(_5)_VLForConditionalGeneration.get_image_features`` for one image: (N x D_llm, [t, h, w])."""
     model: Any = load_full_model(path)
     inputs = _inputs(path, image)
     grid = inputs["image_grid_thw"]

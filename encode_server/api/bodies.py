@@ -12,8 +12,10 @@ from typing import Any
 
 from pydantic import ValidationError
 from starlette.datastructures import UploadFile
+from starlette.exceptions import HTTPException
 from starlette.formparsers import MultiPartException
 from starlette.requests import Request
+from starlette.types import Message
 
 from encode_server.api.schemas import EncodeRequestIn, LookupRequestIn
 from encode_server.core.errors import BadInput, InvalidRequest, TooLarge, UnsupportedMediaType
@@ -112,10 +114,13 @@ def _json_items(body: bytes, max_items: int) -> EncodeBody:
 async def _multipart_items(request: Request, max_items: int, max_bytes: int) -> EncodeBody:
     try:
         form = await request.form(max_files=max_items, max_fields=max_items + 16, max_part_size=max_bytes)
-    except MultiPartException as exc:
-        if "too many files" in exc.message.lower():
+    except (MultiPartException, HTTPException) as exc:  # Request.form() wraps the former in the latter
+        detail = str(getattr(exc, "detail", None) or getattr(exc, "message", exc))
+        if "too many files" in detail.lower():
             raise TooLarge(f"more than {max_items} files in one request", type="too_many_items") from exc
-        raise InvalidRequest(f"malformed multipart body: {exc.message}") from exc
+        if "part exceeded maximum size" in detail.lower():
+            raise TooLarge(f"a part is above the limit of {max_bytes} bytes") from exc
+        raise InvalidRequest(f"malformed multipart body: {detail}") from exc
     except (ValueError, KeyError, AssertionError) as exc:  # python-multipart on broken framing
         raise InvalidRequest(f"malformed multipart body: {exc}") from exc
     try:
@@ -136,10 +141,14 @@ async def _multipart_items(request: Request, max_items: int, max_bytes: int) -> 
 async def parse_encode_body(request: Request, *, max_items: int, max_bytes: int) -> EncodeBody:
     kind = media_type(request)
     if kind == "multipart/form-data":
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-            raise TooLarge(f"request body is {declared} bytes, above the limit of {max_bytes}")
-        return await _multipart_items(request, max_items, max_bytes)
+        # Read under the limit first, then let Starlette parse the bytes we hold: its own limits
+        # bound fields, not files.
+        body = await read_body(request, max_bytes)
+
+        async def replay() -> Message:
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        return await _multipart_items(Request(request.scope, replay), max_items, max_bytes)
     if kind not in ("application/json", "application/octet-stream") and not kind.startswith("image/"):
         raise UnsupportedMediaType(
             f"unsupported content type {kind!r}: use application/json, multipart/form-data, "

@@ -73,8 +73,7 @@ def parse_mm_hash(s: object) -> str:
     if _HEX64.fullmatch(s) is None:
         shown = s if len(s) <= 80 else s[:77] + "..."
         raise BadInput(
-            f"hash must be exactly 64 hex digits (a full BLAKE3-256 digest), got {shown!r} "
-            f"({len(s)} characters)",
+            f"hash must be exactly 64 hex digits (a full BLAKE3-256 digest), got {shown!r} ({len(s)} characters)",
             type="invalid_hash",
         )
     return s.lower()
@@ -195,12 +194,7 @@ def cache_key(fingerprint: str, mm_hash: str, *, prefix: str = "encode", tenant:
         raise ValueError(f"fingerprint must be 64 lowercase hex digits, got {fingerprint!r}")
     if not isinstance(mm_hash, str) or _LOWER_HEX64.fullmatch(mm_hash) is None:
         raise ValueError(f"mm_hash must be 64 lowercase hex digits (see parse_mm_hash), got {mm_hash!r}")
-    if (
-        not isinstance(prefix, str)
-        or not prefix
-        or not prefix.isprintable()
-        or any(c.isspace() for c in prefix)
-    ):
+    if not isinstance(prefix, str) or not prefix or not prefix.isprintable() or any(c.isspace() for c in prefix):
         raise ValueError(f"prefix must be a non-empty printable string without whitespace, got {prefix!r}")
     if tenant is None:
         return f"{prefix}:{KEY_VERSION}:{fingerprint}:{mm_hash}"

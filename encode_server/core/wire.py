@@ -23,6 +23,7 @@ import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -65,25 +66,27 @@ class DType:
     rank: int
 
 
-DTYPES: Mapping[str, DType] = {
-    d.name: d
-    for d in (
-        DType("bool", "BOOL", 1, "|b1", 0),
-        DType("uint8", "U8", 1, "|u1", 1),
-        DType("int8", "I8", 1, "|i1", 2),
-        DType("int16", "I16", 2, "<i2", 3),
-        DType("uint16", "U16", 2, "<u2", 4),
-        DType("float16", "F16", 2, "<f2", 5),
-        DType("bfloat16", "BF16", 2, None, 6),
-        DType("int32", "I32", 4, "<i4", 7),
-        DType("uint32", "U32", 4, "<u4", 8),
-        DType("float32", "F32", 4, "<f4", 9),
-        DType("float64", "F64", 8, "<f8", 10),
-        DType("int64", "I64", 8, "<i8", 11),
-        DType("uint64", "U64", 8, "<u8", 12),
-    )
-}
-"""Supported element types by our name ("float32", "bfloat16", ...)."""
+DTYPES: Mapping[str, DType] = MappingProxyType(
+    {
+        d.name: d
+        for d in (
+            DType("bool", "BOOL", 1, "|b1", 0),
+            DType("uint8", "U8", 1, "|u1", 1),
+            DType("int8", "I8", 1, "|i1", 2),
+            DType("int16", "I16", 2, "<i2", 3),
+            DType("uint16", "U16", 2, "<u2", 4),
+            DType("float16", "F16", 2, "<f2", 5),
+            DType("bfloat16", "BF16", 2, None, 6),
+            DType("int32", "I32", 4, "<i4", 7),
+            DType("uint32", "U32", 4, "<u4", 8),
+            DType("float32", "F32", 4, "<f4", 9),
+            DType("float64", "F64", 8, "<f8", 10),
+            DType("int64", "I64", 8, "<i8", 11),
+            DType("uint64", "U64", 8, "<u8", 12),
+        )
+    }
+)
+"""Supported element types by our name ("float32", "bfloat16", ...); read-only."""
 
 _BY_CODE: Mapping[str, DType] = {d.code: d for d in DTYPES.values()}
 _BY_NUMPY: Mapping[str, DType] = {np.dtype(d.numpy).name: d for d in DTYPES.values() if d.numpy}
@@ -179,9 +182,7 @@ def load_safetensors(blob: bytes | bytearray | memoryview) -> tuple[dict[str, Wi
     view = memoryview(blob).cast("B")
     total = len(view)
     if total < 8:
-        raise WireFormatError(
-            f"blob is {total} bytes; a safetensors file starts with an 8-byte header length"
-        )
+        raise WireFormatError(f"blob is {total} bytes; a safetensors file starts with an 8-byte header length")
     header_len = int.from_bytes(view[:8], "little")
     if header_len > MAX_HEADER_BYTES:
         raise WireFormatError(f"header length {header_len} exceeds the limit of {MAX_HEADER_BYTES} bytes")
@@ -204,9 +205,7 @@ def load_safetensors(blob: bytes | bytearray | memoryview) -> tuple[dict[str, Wi
             )
         expected_begin = end
     if expected_begin != data_len:
-        raise WireFormatError(
-            f"tensors cover {expected_begin} bytes of data, but the data section holds {data_len}"
-        )
+        raise WireFormatError(f"tensors cover {expected_begin} bytes of data, but the data section holds {data_len}")
 
     tensors = {
         name: WireTensor(name, dtype.name, shape, bytes(view[data_start + begin : data_start + end]))
@@ -275,29 +274,26 @@ def _parse_entry(name: str, info: object, data_len: int) -> tuple[DType, tuple[i
     if end < begin:
         raise WireFormatError(f"tensor {name!r}: data_offsets end {end} is before begin {begin}")
     if end > data_len:
-        raise WireFormatError(
-            f"tensor {name!r}: data_offsets end {end} is past the {data_len}-byte data section"
-        )
+        raise WireFormatError(f"tensor {name!r}: data_offsets end {end} is past the {data_len}-byte data section")
     dtype = _BY_CODE[code]
-    expected = _nbytes(shape, dtype.itemsize, limit=data_len)
+    expected = _nbytes(shape, dtype.itemsize)
     if end - begin != expected:
-        needs = "more than the whole data section" if expected is None else f"{expected} bytes"
+        needs = "more than 2**64 bytes" if expected is None else f"{expected} bytes"
         raise WireFormatError(
-            f"tensor {name!r}: data_offsets span {end - begin} bytes, but shape {shape} of {code} "
-            f"needs {needs}"
+            f"tensor {name!r}: data_offsets span {end - begin} bytes, but shape {shape} of {code} needs {needs}"
         )
     return dtype, tuple(shape), begin, end
 
 
-def _nbytes(shape: list[int], itemsize: int, *, limit: int) -> int | None:
-    """``prod(shape) * itemsize``, or ``None`` once it exceeds ``limit`` (a hostile shape of huge
-    dimensions would otherwise cost big-integer arithmetic)."""
+def _nbytes(shape: list[int], itemsize: int) -> int | None:
+    """``prod(shape) * itemsize``, or ``None`` above 2**64 bytes: a hostile shape of many huge
+    dimensions would otherwise cost unbounded big-integer arithmetic."""
     if 0 in shape:
         return 0
     total = itemsize
     for dim in shape:
         total *= dim
-        if total > limit:
+        if total > 2**64:
             return None
     return total
 

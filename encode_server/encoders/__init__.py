@@ -1,0 +1,82 @@
+"""Vision encoders: the only package that imports torch and transformers.
+
+``load_encoder`` turns ``--model`` (a local directory, a hub id, or ``builtin:tiny``) into a
+``VisionEncoder``, picking the adapter from the checkpoint's ``config.json`` ``model_type``. Every
+adapter holds only the vision tower (and projector): a VLM's language model is never read.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+from transformers import AutoConfig, AutoImageProcessor
+
+from .base import EncodedTensor, EncoderInfo, PreparedImage, VisionEncoder
+from .builtin import BUILTIN_MODELS, load_builtin
+from .clip import load_clip
+from .hf import LoadSpec, resolve_device, resolve_dtype
+from .llava import load_llava
+from .loading import CheckpointFiles
+from .qwen import load_qwen
+from .siglip2 import load_siglip2
+
+__all__ = [
+    "BUILTIN_MODELS",
+    "SUPPORTED_MODEL_TYPES",
+    "EncodedTensor",
+    "EncoderInfo",
+    "PreparedImage",
+    "VisionEncoder",
+    "load_encoder",
+]
+
+_Loader = Callable[[CheckpointFiles, Any, Any, LoadSpec], VisionEncoder]
+_LOADERS: dict[str, _Loader] = {
+    "clip": load_clip,
+    "clip_vision_model": load_clip,
+    "siglip": load_clip,
+    "siglip_vision_model": load_clip,
+    "siglip2": load_siglip2,
+    "siglip2_vision_model": load_siglip2,
+    "llava": load_llava,
+    "qwen2_vl": load_qwen,
+    "qwen2_5_vl": load_qwen,
+}
+SUPPORTED_MODEL_TYPES = tuple(_LOADERS)
+
+
+def load_encoder(
+    model: str,
+    *,
+    device: str = "auto",
+    dtype: str = "auto",
+    output: str = "hidden",
+    revision: str | None = None,
+) -> VisionEncoder:
+    """Load ``model``'s vision encoder, ready for ``preprocess``/``forward``.
+
+    ``device``: ``auto`` (CUDA if present, else CPU) or a torch device string. ``dtype``: ``auto``
+    (bfloat16 on CUDA, float32 on CPU), ``float32``, ``bfloat16`` or ``float16``. ``output``:
+    ``hidden`` or ``pooled`` for CLIP/SigLIP; a VLM has one output (LLaVA ``projected``, Qwen
+    ``merged``), which ``hidden``, the default, selects. ``revision``: a hub branch, tag or commit.
+    """
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device)
+    if model.startswith("builtin:"):
+        return load_builtin(LoadSpec(model, revision, torch_device, torch_dtype, output))
+    files = CheckpointFiles.resolve(model, revision)
+    config_file = files.directory / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{model} has no config.json")
+    model_type = json.loads(config_file.read_text()).get("model_type")
+    loader = _LOADERS.get(model_type)  # type: ignore[arg-type]
+    if loader is None:
+        raise ValueError(
+            f"{model}: model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    config = AutoConfig.from_pretrained(files.directory)
+    processor = AutoImageProcessor.from_pretrained(files.directory)
+    spec = LoadSpec(model, files.revision or revision, torch_device, torch_dtype, output)
+    return loader(files, config, processor, spec)

@@ -1,0 +1,126 @@
+"""What every transformers-backed adapter shares: device and dtype choice, the processor call, the
+move of inputs to the device and of outputs back to bytes, and the ``EncoderInfo`` they report."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from PIL import Image
+
+from .base import EncodedTensor, EncoderInfo, VisionEncoder
+
+__all__ = [
+    "DTYPES",
+    "HFEncoder",
+    "LoadSpec",
+    "dtype_name",
+    "processor_config",
+    "resolve_device",
+    "resolve_dtype",
+    "to_encoded",
+]
+
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str) -> torch.device:
+    """``auto``: the current CUDA device when there is one, else the CPU; otherwise as torch reads it."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and resolved.index is None:
+        resolved = torch.device("cuda", torch.cuda.current_device())
+    return resolved
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """``auto``: bfloat16 on CUDA, float32 elsewhere (CPU half precision is slow and less exact)."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, not {dtype!r}")
+    return DTYPES[dtype]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def to_encoded(tensor: torch.Tensor) -> EncodedTensor:
+    """The tensor's raw little-endian bytes in its own dtype (bfloat16 stays bfloat16), on the CPU."""
+    tensor = tensor.detach().to("cpu").contiguous()
+    data = tensor.reshape(-1).view(torch.uint8).numpy().tobytes()
+    return EncodedTensor(data=data, shape=tuple(tensor.shape), dtype=dtype_name(tensor.dtype))
+
+
+def processor_config(processor: Any) -> dict[str, Any]:
+    """The image processor's settings, JSON-able, plus its class.
+
+    The class matters: transformers saves the PIL and torchvision backends under one
+    ``image_processor_type``, yet they resize differently, so they must not share a fingerprint.
+    """
+    config: dict[str, Any] = json.loads(processor.to_json_string())
+    config["processor_class"] = type(processor).__name__
+    return config
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """How ``load_encoder`` was asked to load a model, resolved (device and dtype are concrete)."""
+
+    model_id: str
+    revision: str | None
+    device: torch.device
+    dtype: torch.dtype
+    output: str
+
+
+class HFEncoder(VisionEncoder):
+    """A transformers module plus its image processor.
+
+    Invariants: ``module`` is in eval mode on ``device`` in ``dtype`` and holds only vision (and
+    projector) weights; ``preprocess`` only reads shared state, so it is safe from any thread.
+    """
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        processor: Any,
+        spec: LoadSpec,
+        *,
+        kind: str,
+        output: str,
+        hidden_size: int,
+        weights_digest: str,
+        meaningless: bool = False,
+    ) -> None:
+        self.module = module
+        self.processor = processor
+        self.device = spec.device
+        self.dtype = spec.dtype
+        self.info = EncoderInfo(
+            model_id=spec.model_id,
+            revision=spec.revision,
+            kind=kind,
+            output=output,
+            dtype=dtype_name(spec.dtype),
+            device=str(spec.device),
+            hidden_size=hidden_size,
+            weights_digest=weights_digest,
+            preprocessing=processor_config(processor),
+            num_parameters=sum(p.numel() for p in module.parameters()),
+            meaningless=meaningless,
+        )
+
+    def _process(self, image: Image.Image) -> dict[str, torch.Tensor]:
+        """The processor's tensors for one image, on the CPU in float32 (as the processor makes them)."""
+        return dict(self.processor(images=image, return_tensors="pt"))
+
+    def _to_device(self, tensors: Sequence[torch.Tensor], *, cast: bool = True) -> torch.Tensor:
+        """Concatenate per-image inputs along dim 0 on the device; pixels cast to the compute dtype."""
+        joined = torch.cat(list(tensors)) if len(tensors) > 1 else tensors[0]
+        return joined.to(self.device, dtype=self.dtype if cast else None)

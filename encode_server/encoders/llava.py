@@ -1,0 +1,79 @@
+"""LLaVA-style VLMs: a CLIP/SigLIP tower, a feature layer picked from it, and the MLP projector.
+
+The output is what ``LlavaForConditionalGeneration.get_image_features`` gives for one image: the
+hidden states of ``vision_feature_layer`` (several layers concatenated when it is a list), the CLS
+token dropped under the ``default`` select strategy, through ``multi_modal_projector``: N x D with
+D the language model's hidden size, ready to splice into the prompt's embeddings.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import AutoModel, LlavaConfig
+from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
+
+from .clip import FixedResolutionEncoder
+from .hf import LoadSpec
+from .loading import CheckpointFiles, Layout, empty_module, load_vision_weights
+
+__all__ = ["LlavaEncoder", "LlavaVision", "load_llava"]
+
+OUTPUTS = ("hidden", "projected")  # "hidden" is accepted as the default and means "projected"
+
+# transformers 5 nests both under ``model.``; checkpoints saved before it (most of the hub) do not.
+LAYOUTS: list[Layout] = [
+    {"model.vision_tower.": "vision_tower.", "model.multi_modal_projector.": "multi_modal_projector."},
+    {"vision_tower.": "vision_tower.", "multi_modal_projector.": "multi_modal_projector."},
+]
+
+
+class LlavaVision(torch.nn.Module):
+    """``LlavaModel`` without its language model: same attribute names, hence the same weight keys."""
+
+    def __init__(self, config: LlavaConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.vision_tower = AutoModel.from_config(config.vision_config, dtype=dtype)
+        self.multi_modal_projector = LlavaMultiModalProjector(config)
+        self.feature_layer: int | list[int] = config.vision_feature_layer
+        self.drop_cls = config.vision_feature_select_strategy == "default"
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        hidden_states = self.vision_tower(pixel_values, output_hidden_states=True, return_dict=True).hidden_states
+        layers = [self.feature_layer] if isinstance(self.feature_layer, int) else self.feature_layer
+        selected = [hidden_states[layer][:, 1:] if self.drop_cls else hidden_states[layer] for layer in layers]
+        features = selected[0] if len(selected) == 1 else torch.cat(selected, dim=-1)
+        return self.multi_modal_projector(features)
+
+
+class LlavaEncoder(FixedResolutionEncoder):
+    """The projected image features; N is the tower's token count, less CLS under ``default``."""
+
+    module: LlavaVision
+
+    def __init__(self, module: LlavaVision, processor: Any, spec: LoadSpec, digest: str) -> None:
+        super().__init__(
+            module,
+            processor,
+            spec,
+            kind="llava",
+            output="projected",
+            hidden_size=module.multi_modal_projector.linear_2.out_features,
+            weights_digest=digest,
+        )
+        tower: Any = module.vision_tower
+        self.cost_tokens = int(tower.embeddings.num_positions)
+        self.num_tokens = self.cost_tokens - 1 if module.drop_cls else self.cost_tokens
+
+    def _embed(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        return self.module(pixel_values)
+
+
+def load_llava(files: CheckpointFiles, config: LlavaConfig, processor: Any, spec: LoadSpec) -> LlavaEncoder:
+    """The LLaVA adapter: tower and projector from the checkpoint, the language model never read."""
+    if spec.output not in OUTPUTS:
+        raise ValueError(f"a LLaVA model's output is its projected features ({OUTPUTS}), not {spec.output!r}")
+    module = empty_module(lambda: LlavaVision(config, spec.dtype), spec.device, spec.dtype)
+    digest = load_vision_weights(module, files, LAYOUTS)
+    return LlavaEncoder(module, processor, spec, digest)

@@ -1,0 +1,186 @@
+"""Find a model's files and load only the vision tower's (and projector's) tensors from them.
+
+A VLM checkpoint is mostly language model. We never build, read or download that part: the
+adapter builds just the vision modules (``empty_module``: no random init, straight on the
+device), the checkpoint's key list (the index json, or the safetensors headers) says which keys
+and which shards we need, and only those tensors are read, with ``safe_open``.
+
+Checkpoints of one family name the same tensors differently (transformers 5's ``model.visual.*``
+against the hub's older ``visual.*``), so an adapter passes several ``Layout``s, most specific
+first; the first one any checkpoint key matches is used. Loading is ``strict``: a vision tensor the
+checkpoint lacks, or an unknown one under a selected prefix, fails loudly instead of leaving
+uninitialised memory in the model.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+import blake3
+import torch
+from safetensors import safe_open
+from transformers.initialization import no_init_weights
+
+__all__ = [
+    "CheckpointFiles",
+    "Layout",
+    "empty_module",
+    "load_vision_weights",
+    "read_tensors",
+    "weights_digest",
+]
+
+Layout = Mapping[str, str]
+"""Checkpoint key prefix -> module key prefix, e.g. ``{"model.visual.": ""}``."""
+
+_CONFIG_FILES = ["config.json", "preprocessor_config.json", "processor_config.json", "*.safetensors.index.json"]
+_INDEX_NAME = "model.safetensors.index.json"
+_DIGEST_TAG = b"encode-server/weights/v1"
+
+M = TypeVar("M", bound=torch.nn.Module)
+
+
+@dataclass(frozen=True)
+class CheckpointFiles:
+    """A model's files: a local directory, or a hub snapshot whose weight shards are fetched on demand.
+
+    For a hub id, ``resolve`` downloads only the configs, the processor's config and the safetensors
+    index; ``path`` downloads a shard when a loader asks for it. ``revision`` is then the resolved
+    commit, so every later file comes from the same snapshot.
+    """
+
+    directory: Path
+    repo_id: str | None = None
+    revision: str | None = None
+
+    @classmethod
+    def resolve(cls, model: str, revision: str | None = None) -> CheckpointFiles:
+        local = Path(model).expanduser()
+        if local.is_dir():
+            return cls(local)
+        from huggingface_hub import snapshot_download
+
+        snapshot = Path(snapshot_download(model, revision=revision, allow_patterns=_CONFIG_FILES))
+        return cls(snapshot, repo_id=model, revision=snapshot.name)
+
+    def path(self, filename: str) -> Path:
+        """The local path of ``filename``, downloading it from the hub if needed."""
+        local = self.directory / filename
+        if local.exists() or self.repo_id is None:
+            return local
+        from huggingface_hub import hf_hub_download
+
+        return Path(hf_hub_download(self.repo_id, filename, revision=self.revision))
+
+    def weight_map(self) -> dict[str, str]:
+        """Every tensor key in the checkpoint -> the safetensors file that holds it."""
+        indexes = sorted(self.directory.glob("*.safetensors.index.json"), key=lambda p: p.name != _INDEX_NAME)
+        if indexes:
+            return dict(json.loads(indexes[0].read_text())["weight_map"])
+        files = sorted(self.directory.glob("*.safetensors"))
+        if not files and self.repo_id is not None:
+            files = [self.path("model.safetensors")]
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors weights in {self.directory} (other formats are not read)")
+        weight_map: dict[str, str] = {}
+        for file in files:
+            with safe_open(file, framework="pt") as f:
+                weight_map.update(dict.fromkeys(f.keys(), file.name))
+        return weight_map
+
+
+def _select(keys: Sequence[str], layouts: Sequence[Layout]) -> dict[str, str]:
+    """Checkpoint key -> module key, under the first layout that any checkpoint key matches."""
+    for layout in layouts:
+        prefixes = sorted(layout, key=len, reverse=True)
+        selected: dict[str, str] = {}
+        for key in keys:
+            prefix = next((p for p in prefixes if key.startswith(p)), None)
+            if prefix is not None:
+                selected[key] = layout[prefix] + key[len(prefix) :]
+        if selected:
+            return selected
+    wanted = sorted({p for layout in layouts for p in layout})
+    raise ValueError(f"the checkpoint holds no tensors under any of the prefixes {wanted}")
+
+
+def read_tensors(files: CheckpointFiles, layouts: Sequence[Layout]) -> dict[str, torch.Tensor]:
+    """The selected tensors, renamed to module keys, read (on CPU) from only the shards that hold them."""
+    weight_map = files.weight_map()
+    selected = _select(list(weight_map), layouts)
+    by_file: dict[str, list[str]] = defaultdict(list)
+    for key in selected:
+        by_file[weight_map[key]].append(key)
+    state: dict[str, torch.Tensor] = {}
+    for filename, keys in sorted(by_file.items()):
+        with safe_open(files.path(filename), framework="pt", device="cpu") as f:
+            for key in keys:
+                state[selected[key]] = f.get_tensor(key)
+    return state
+
+
+def load_vision_weights(module: torch.nn.Module, files: CheckpointFiles, layouts: Sequence[Layout]) -> str:
+    """Fill ``module`` from the checkpoint (strictly: every tensor, nothing else); its weights digest."""
+    state = read_tensors(files, layouts)
+    expected = set(module.state_dict())
+    missing, unexpected = sorted(expected - state.keys()), sorted(state.keys() - expected)
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint {files.repo_id or files.directory} does not match {type(module).__name__}: "
+            f"missing {len(missing)} tensors {missing[:5]}, unexpected {len(unexpected)} {unexpected[:5]}"
+        )
+    module.load_state_dict(state, strict=True)
+    return weights_digest(state)
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def empty_module(factory: Callable[[], M], device: torch.device, dtype: torch.dtype) -> M:
+    """``factory()`` built on ``device`` in ``dtype`` with parameter init skipped, in eval mode.
+
+    Parameters hold garbage until ``load_vision_weights`` fills them; buffers computed in
+    ``__init__`` (rotary frequencies, position ids) are real. Skipping init matters: a 600M-parameter
+    tower takes tens of seconds to randomly initialise on a CPU only to be overwritten. Not
+    thread-safe (it patches torch's init functions and the default dtype): call it at start-up.
+    """
+    with torch.device(device), no_init_weights(), _default_dtype(dtype):
+        module = factory()
+    return module.eval()
+
+
+def _frame(hasher: blake3.blake3, data: bytes | memoryview) -> None:
+    hasher.update(len(data).to_bytes(8, "little"))
+    hasher.update(data)
+
+
+def weights_digest(state: Mapping[str, torch.Tensor]) -> str:
+    """BLAKE3 hex over a state dict, framed so that distinct dicts never serialise alike.
+
+    Keys in sorted order; for each: key, dtype, shape and raw bytes, each length-prefixed. Hence
+    no collision from shifting a key boundary, reinterpreting the same bytes as another dtype or
+    shape, or moving bytes between tensors.
+    """
+    hasher = blake3.blake3()
+    _frame(hasher, _DIGEST_TAG)
+    _frame(hasher, len(state).to_bytes(8, "little"))
+    for key in sorted(state):
+        tensor = state[key].detach().to("cpu").contiguous()
+        _frame(hasher, key.encode())
+        _frame(hasher, str(tensor.dtype).removeprefix("torch.").encode())
+        _frame(hasher, b"".join(int(d).to_bytes(8, "little") for d in tensor.shape))
+        _frame(hasher, tensor.reshape(-1).view(torch.uint8).numpy().data)
+    return hasher.hexdigest()

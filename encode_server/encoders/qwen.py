@@ -1,0 +1,128 @@
+"""Qwen2-VL and Qwen2.5-VL: dynamic resolution, so N follows each image's size.
+
+The processor resizes each image to multiples of ``patch_size * merge_size`` within its pixel
+budget and cuts it into a ``t x h x w`` grid of patches (``t`` = 1 for a still image). The vision
+transformer attends within each image and the merger folds every ``merge_size**2`` neighbouring
+patches into one token in the language model's hidden size. The output is those merged features,
+exactly ``get_image_features``' per-image split: N = t*h*w / merge_size**2 rows, with
+``{"image_grid_thw": [t, h, w]}`` as meta because the LLM's M-RoPE positions need the grid.
+
+A batch is the images' patch rows concatenated, with their grids stacked: the model keeps the
+images apart by their cumulative sequence lengths, and the output is split back by each N.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from PIL import Image
+from transformers import PretrainedConfig
+from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
+
+from .base import EncodedTensor, PreparedImage
+from .hf import HFEncoder, LoadSpec, to_encoded
+from .loading import CheckpointFiles, Layout, empty_module, load_vision_weights
+
+__all__ = ["QwenVisionEncoder", "load_qwen", "vision_model_class"]
+
+OUTPUTS = ("hidden", "merged")  # "hidden" is accepted as the default and means "merged"
+
+# transformers 5 saves the tower as ``model.visual.*``; the hub's original checkpoints as ``visual.*``.
+LAYOUTS: list[Layout] = [{"model.visual.": ""}, {"visual.": ""}]
+
+_VISION_MODELS: dict[str, type[torch.nn.Module]] = {
+    "qwen2_vl": Qwen2VisionTransformerPretrainedModel,
+    "qwen2_5_vl": Qwen2_5_VisionTransformerPretrainedModel,
+}
+
+
+def vision_model_class(kind: str) -> Any:
+    """The vision transformer class of a Qwen VL ``model_type``."""
+    return _VISION_MODELS[kind]
+
+
+class QwenVisionEncoder(HFEncoder):
+    """A Qwen2(.5)-VL vision transformer with its patch merger; variable N, grid in the meta.
+
+    ``cost_tokens`` is t*h*w, the patch tokens the transformer attends over (merging comes last),
+    which is what a batch's compute and activation memory grow with.
+    """
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        processor: Any,
+        spec: LoadSpec,
+        *,
+        kind: str,
+        digest: str,
+        meaningless: bool = False,
+    ) -> None:
+        merger_linears = [m for m in module.get_submodule("merger").modules() if isinstance(m, torch.nn.Linear)]
+        super().__init__(
+            module,
+            processor,
+            spec,
+            kind=kind,
+            output="merged",
+            hidden_size=merger_linears[-1].out_features,
+            weights_digest=digest,
+            meaningless=meaningless,
+        )
+        config: Any = module.config
+        self.merge_size = int(config.spatial_merge_size)
+        self.patch_size = int(config.patch_size)
+        if (processor.patch_size, processor.merge_size) != (self.patch_size, self.merge_size):
+            raise ValueError(
+                f"image processor patch/merge size ({processor.patch_size}, {processor.merge_size}) does not "
+                f"match the vision model's ({self.patch_size}, {self.merge_size})"
+            )
+
+    def preprocess(self, image: Image.Image) -> PreparedImage:
+        inputs = self._process(image)
+        grid = [int(x) for x in inputs["image_grid_thw"][0]]
+        patches = grid[0] * grid[1] * grid[2]
+        return PreparedImage(
+            inputs={"pixel_values": inputs["pixel_values"], "image_grid_thw": inputs["image_grid_thw"]},
+            num_tokens=patches // self.merge_size**2,
+            cost_tokens=patches,
+            meta={"image_grid_thw": grid},
+        )
+
+    def count_tokens(self, width: int, height: int) -> tuple[int, dict[str, Any]]:
+        """The processor's own resize rule (``smart_resize`` within its min/max pixels), not the model."""
+        if self.processor.do_resize:
+            size = self.processor.size
+            height, width = smart_resize(
+                height,
+                width,
+                factor=self.patch_size * self.merge_size,
+                min_pixels=size["shortest_edge"],
+                max_pixels=size["longest_edge"],
+            )
+        grid = [1, height // self.patch_size, width // self.patch_size]
+        return grid[1] * grid[2] // self.merge_size**2, {"image_grid_thw": grid}
+
+    def forward(self, batch: Sequence[PreparedImage]) -> list[EncodedTensor]:
+        if not batch:
+            return []
+        pixel_values = self._to_device([item.inputs["pixel_values"] for item in batch])
+        grid_thw = self._to_device([item.inputs["image_grid_thw"] for item in batch], cast=False)
+        with torch.inference_mode():
+            merged = self.module(pixel_values, grid_thw=grid_thw).pooler_output.to("cpu")
+        return [to_encoded(rows) for rows in torch.split(merged, [item.num_tokens for item in batch])]
+
+
+def load_qwen(files: CheckpointFiles, config: PretrainedConfig, processor: Any, spec: LoadSpec) -> QwenVisionEncoder:
+    """The Qwen VL adapter: just ``config.vision_config``'s transformer, from ``(model.)visual.*``."""
+    if spec.output not in OUTPUTS:
+        raise ValueError(f"a Qwen VL model's output is its merged features ({OUTPUTS}), not {spec.output!r}")
+    cls = vision_model_class(config.model_type)
+    vision = config.vision_config
+    module = empty_module(lambda: cls._from_config(vision, dtype=spec.dtype), spec.device, spec.dtype)
+    digest = load_vision_weights(module, files, LAYOUTS)
+    return QwenVisionEncoder(module, processor, spec, kind=config.model_type, digest=digest)

@@ -1,0 +1,161 @@
+"""Checkpoint reading: only vision tensors, any known layout, strictly; and the weights digest."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file, save_file
+
+import encode_server.encoders as encoders
+from encode_server.encoders import VisionEncoder, load_encoder
+from encode_server.encoders.loading import weights_digest
+from tests.tiny_models import reference_qwen_features
+from tests.unit.encoders.util import decode
+
+
+def rewrite_checkpoint(
+    src: Path,
+    dst: Path,
+    *,
+    rename: Callable[[str], str | None] = lambda key: key,
+    shard_of: Callable[[str], str] = lambda key: "model.safetensors",
+) -> Path:
+    """A copy of ``src`` with keys renamed (``None`` drops one) and spread over shards with an index."""
+    dst.mkdir(parents=True)
+    for config in src.glob("*.json"):
+        shutil.copy(config, dst)
+    shards: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
+    for key, tensor in load_file(src / "model.safetensors").items():
+        new_key = rename(key)
+        if new_key is not None:
+            shards[shard_of(new_key)][new_key] = tensor
+    for name, tensors in shards.items():
+        save_file(tensors, dst / name, metadata={"format": "pt"})
+    if len(shards) > 1:
+        weight_map = {key: name for name, tensors in shards.items() for key in tensors}
+        (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return dst
+
+
+def assert_matches_reference(encoder: VisionEncoder, qwen_dir: Path, image: Image.Image) -> None:
+    [encoded] = encoder.forward([encoder.preprocess(image)])
+    assert torch.equal(decode(encoded), reference_qwen_features(qwen_dir, image)[0])
+
+
+def to_transformers5_layout(key: str) -> str:
+    """Legacy Qwen2.5-VL keys (``visual.*``, ``model.layers.*``) as transformers 5 names them."""
+    if key.startswith("visual."):
+        return "model." + key
+    if key.startswith("model."):
+        return "model.language_model." + key.removeprefix("model.")
+    return key
+
+
+def test_transformers5_and_legacy_layouts_load_the_same_weights(
+    qwen_dir: Path, tmp_path: Path, image: Image.Image
+) -> None:
+    legacy = load_encoder(str(qwen_dir), device="cpu")
+    modern = load_encoder(
+        str(rewrite_checkpoint(qwen_dir, tmp_path / "t5", rename=to_transformers5_layout)), device="cpu"
+    )
+    assert modern.info.weights_digest == legacy.info.weights_digest
+    assert torch.equal(
+        decode(modern.forward([modern.preprocess(image)])[0]), reference_qwen_features(qwen_dir, image)[0]
+    )
+
+
+def test_language_model_shards_are_never_opened(qwen_dir: Path, tmp_path: Path, image: Image.Image) -> None:
+    def shard_of(key: str) -> str:
+        if key.startswith("visual.blocks.0."):
+            return "model-00001-of-00003.safetensors"
+        if key.startswith("visual."):
+            return "model-00002-of-00003.safetensors"
+        return "model-00003-of-00003.safetensors"
+
+    sharded = rewrite_checkpoint(qwen_dir, tmp_path / "sharded", shard_of=shard_of)
+    (sharded / "model-00003-of-00003.safetensors").unlink()  # the language model: listed, but gone
+    encoder = load_encoder(str(sharded), device="cpu")
+    assert torch.equal(
+        decode(encoder.forward([encoder.preprocess(image)])[0]), reference_qwen_features(qwen_dir, image)[0]
+    )
+
+
+def test_a_missing_vision_tensor_fails_loudly(qwen_dir: Path, tmp_path: Path) -> None:
+    dropped = "visual.blocks.1.mlp.down_proj.weight"
+    broken = rewrite_checkpoint(qwen_dir, tmp_path / "broken", rename=lambda key: None if key == dropped else key)
+    with pytest.raises(ValueError, match=r"missing 1 tensors \['blocks\.1\.mlp\.down_proj\.weight'\]"):
+        load_encoder(str(broken), device="cpu")
+
+
+def test_a_checkpoint_without_vision_tensors_says_so(qwen_dir: Path, tmp_path: Path) -> None:
+    text_only = rewrite_checkpoint(qwen_dir, tmp_path / "text", rename=lambda k: None if k.startswith("visual.") else k)
+    with pytest.raises(ValueError, match="no tensors under any of the prefixes"):
+        load_encoder(str(text_only), device="cpu")
+
+
+def test_unknown_model_type_is_named_in_the_error(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    with pytest.raises(ValueError, match="model_type 'bert' is not supported"):
+        load_encoder(str(tmp_path), device="cpu")
+
+
+def test_unknown_dtype_and_builtin_are_refused() -> None:
+    with pytest.raises(ValueError, match="dtype"):
+        load_encoder("builtin:tiny", dtype="int8")
+    with pytest.raises(ValueError, match="builtin:huge"):
+        load_encoder("builtin:huge")
+
+
+def test_public_surface() -> None:
+    assert set(encoders.__all__) == {
+        "BUILTIN_MODELS",
+        "SUPPORTED_MODEL_TYPES",
+        "EncodedTensor",
+        "EncoderInfo",
+        "PreparedImage",
+        "VisionEncoder",
+        "load_encoder",
+    }
+    assert all(hasattr(encoders, name) for name in encoders.__all__)
+
+
+class TestWeightsDigest:
+    """Distinct state dicts never serialise alike; equal ones always do."""
+
+    def test_insertion_order_does_not_matter(self) -> None:
+        a, b = torch.arange(4.0), torch.ones(2, 2)
+        assert weights_digest({"a": a, "b": b}) == weights_digest({"b": b, "a": a})
+
+    def test_moving_a_key_boundary_changes_it(self) -> None:
+        t = torch.zeros(1)
+        assert weights_digest({"ab": t, "c": t}) != weights_digest({"a": t, "bc": t})
+
+    def test_same_bytes_as_another_dtype_change_it(self) -> None:
+        floats = torch.tensor([1.0, 2.0])
+        assert weights_digest({"w": floats}) != weights_digest({"w": floats.view(torch.int32)})
+
+    def test_same_bytes_in_another_shape_change_it(self) -> None:
+        t = torch.arange(6.0)
+        assert weights_digest({"w": t.reshape(2, 3)}) != weights_digest({"w": t.reshape(3, 2)})
+
+    def test_moving_bytes_between_tensors_changes_it(self) -> None:
+        t = torch.arange(4.0)
+        assert weights_digest({"a": t[:1], "b": t[1:]}) != weights_digest({"a": t[:2], "b": t[2:]})
+
+    def test_one_bit_changes_it(self) -> None:
+        t = torch.zeros(8)
+        flipped = t.clone()
+        flipped.view(torch.int32)[5] ^= 1
+        assert weights_digest({"w": t}) != weights_digest({"w": flipped})
+
+    def test_bfloat16_is_hashed_as_its_own_bytes(self) -> None:
+        t = torch.randn(5).to(torch.bfloat16)
+        assert len(weights_digest({"w": t})) == 64
+        assert weights_digest({"w": t}) != weights_digest({"w": t.float()})

@@ -1,0 +1,90 @@
+"""Qwen2.5-VL: dynamic resolution, variable N, output equal to ``get_image_features``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from PIL import Image
+from transformers import AutoImageProcessor
+
+from encode_server.encoders import load_encoder
+from tests.tiny_models import load_full_model, reference_qwen_features
+from tests.unit.encoders.util import decode, noise_image, num_parameters
+
+# (width, height): tiny, below min_pixels, wide, tall, above max_pixels, not multiples of 28
+SIZES = [(28, 28), (10, 10), (300, 40), (45, 200), (640, 480), (101, 99)]
+
+
+def test_output_is_bit_identical_to_get_image_features(qwen_dir: Path, image: Image.Image) -> None:
+    encoder = load_encoder(str(qwen_dir), device="cpu")
+    prepared = encoder.preprocess(image)
+    [encoded] = encoder.forward([prepared])
+    expected, grid = reference_qwen_features(qwen_dir, image)
+    assert torch.equal(decode(encoded), expected)
+    assert prepared.meta == {"image_grid_thw": grid}
+    assert (encoder.info.kind, encoder.info.output, encoder.info.hidden_size) == ("qwen2_5_vl", "merged", 48)
+
+
+@pytest.mark.parametrize(("width", "height"), SIZES)
+def test_num_tokens_follow_the_models_own_processor(qwen_dir: Path, width: int, height: int) -> None:
+    encoder = load_encoder(str(qwen_dir), device="cpu")
+    image = noise_image(width, height)
+    grid = AutoImageProcessor.from_pretrained(qwen_dir)(images=image, return_tensors="pt")["image_grid_thw"][0]
+    prepared = encoder.preprocess(image)
+    assert prepared.num_tokens == int(grid.prod()) // 2**2
+    assert prepared.cost_tokens == int(grid.prod())
+    assert encoder.count_tokens(width, height) == (prepared.num_tokens, prepared.meta)
+    assert encoder.forward([prepared])[0].shape == (prepared.num_tokens, 48)
+
+
+def test_batch_equals_the_models_own_batched_call(qwen_dir: Path) -> None:
+    """Rows and grids are concatenated, then the output is split back by each image's N."""
+    encoder = load_encoder(str(qwen_dir), device="cpu")
+    images = [noise_image(w, h, seed=i) for i, (w, h) in enumerate(SIZES[2:5])]
+    prepared = [encoder.preprocess(image) for image in images]
+    batched = encoder.forward(prepared)
+    full: Any = load_full_model(qwen_dir)
+    inputs = AutoImageProcessor.from_pretrained(qwen_dir)(images=images, return_tensors="pt")
+    with torch.inference_mode():
+        expected = full.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"]).pooler_output
+    assert [e.shape[0] for e in batched] == [p.num_tokens for p in prepared]
+    for encoded, reference in zip(batched, expected, strict=True):
+        assert torch.equal(decode(encoded), reference)
+
+
+def test_qwen2_vl_output_is_bit_identical_too(qwen2_vl_dir: Path, image: Image.Image) -> None:
+    encoder: Any = load_encoder(str(qwen2_vl_dir), device="cpu")
+    prepared = encoder.preprocess(image)
+    [encoded] = encoder.forward([prepared])
+    expected, grid = reference_qwen_features(qwen2_vl_dir, image)
+    assert torch.equal(decode(encoded), expected)
+    assert encoder.count_tokens(*image.size) == (prepared.num_tokens, {"image_grid_thw": grid})
+    assert (encoder.info.kind, encoder.info.hidden_size) == ("qwen2_vl", 48)
+    full: Any = load_full_model(qwen2_vl_dir)
+    assert encoder.info.num_parameters == num_parameters(full.model.visual) < num_parameters(full)
+
+
+def test_holds_only_the_vision_transformer(qwen_dir: Path) -> None:
+    encoder: Any = load_encoder(str(qwen_dir), device="cpu")
+    full: Any = load_full_model(qwen_dir)
+    assert encoder.info.num_parameters == num_parameters(encoder.module) == num_parameters(full.model.visual)
+    assert encoder.info.num_parameters < num_parameters(full)
+
+
+def test_bfloat16_stays_bfloat16_on_the_wire(qwen_dir: Path, image: Image.Image) -> None:
+    encoder = load_encoder(str(qwen_dir), device="cpu", dtype="bfloat16")
+    [encoded] = encoder.forward([encoder.preprocess(image)])
+    assert (encoder.info.dtype, encoded.dtype) == ("bfloat16", "bfloat16")
+    assert encoded.nbytes == encoded.shape[0] * encoded.shape[1] * 2
+    reference, _ = reference_qwen_features(qwen_dir, image)
+    torch.testing.assert_close(decode(encoded).float(), reference, atol=0.1, rtol=0.1)
+
+
+def test_preprocessing_names_the_processor_backend(qwen_dir: Path) -> None:
+    encoder = load_encoder(str(qwen_dir), device="cpu")
+    preprocessing = encoder.info.preprocessing
+    assert preprocessing["processor_class"] == type(AutoImageProcessor.from_pretrained(qwen_dir)).__name__
+    assert preprocessing["size"] == {"shortest_edge": 56 * 56, "longest_edge": 224 * 224}

@@ -71,7 +71,7 @@ def load_encoder(
     if not config_file.is_file():
         raise FileNotFoundError(f"{model} has no config.json")
     model_type = json.loads(config_file.read_text()).get("model_type")
-    loader = _LOADERS.get(model_type)  # type: ignore[arg-type]
+    loader = _LOADERS.get(model_type)
     if loader is None:
         raise ValueError(
             f"{model}: model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"

@@ -2,7 +2,7 @@
 
 It runs the real dynamic-resolution path (windowed and full attention, 2D rotary positions, the
 2x2 patch merger, variable N with ``image_grid_thw``), small enough for a CPU: 2 blocks of width
-64, 128-dim output, images held to at most 448*448 pixels (<= 256 patches, <= 64 tokens).
+64, 128-dim output, images held to at most 448*448 pixels (<= 1024 patches, <= 256 tokens).
 
 The weights come from ``torch.manual_seed`` on the CPU in float32, in a forked RNG so the caller's
 random state is untouched: every process that loads it holds bit-identical weights, hence the same

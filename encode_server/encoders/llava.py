@@ -22,7 +22,8 @@ __all__ = ["LlavaEncoder", "LlavaVision", "load_llava"]
 
 OUTPUTS = ("hidden", "projected")  # "hidden" is accepted as the default and means "projected"
 
-# transformers 5 nests both under ``model.``; checkpoints saved before it (most of the hub) do not.
+# Newer transformers nest both under ``model.``; the hub's checkpoints (and transformers 5's
+# ``save_pretrained``, which writes the legacy names) do not.
 LAYOUTS: list[Layout] = [
     {"model.vision_tower.": "vision_tower.", "model.multi_modal_projector.": "multi_modal_projector."},
     {"vision_tower.": "vision_tower.", "multi_modal_projector.": "multi_modal_projector."},

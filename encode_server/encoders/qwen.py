@@ -31,7 +31,8 @@ __all__ = ["QwenVisionEncoder", "load_qwen", "vision_model_class"]
 
 OUTPUTS = ("hidden", "merged")  # "hidden" is accepted as the default and means "merged"
 
-# transformers 5 saves the tower as ``model.visual.*``; the hub's original checkpoints as ``visual.*``.
+# ``model.visual.*``: current transformers module names, found in some re-saved checkpoints;
+# ``visual.*``: the hub's original checkpoints, and what transformers 5's ``save_pretrained`` writes.
 LAYOUTS: list[Layout] = [{"model.visual.": ""}, {"visual.": ""}]
 
 _VISION_MODELS: dict[str, type[torch.nn.Module]] = {

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import shutil
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 
+import huggingface_hub
 import pytest
 import torch
 from PIL import Image
@@ -50,7 +52,7 @@ def assert_matches_reference(encoder: VisionEncoder, qwen_dir: Path, image: Imag
 
 
 def to_transformers5_layout(key: str) -> str:
-    """Legacy Qwen2.5-VL keys (``visual.*``, ``model.layers.*``) as transformers 5 names them."""
+    """Legacy Qwen2.5-VL keys (``visual.*``, ``model.layers.*``) as newer transformers name the modules."""
     if key.startswith("visual."):
         return "model." + key
     if key.startswith("model."):
@@ -71,20 +73,59 @@ def test_transformers5_and_legacy_layouts_load_the_same_weights(
     )
 
 
-def test_language_model_shards_are_never_opened(qwen_dir: Path, tmp_path: Path, image: Image.Image) -> None:
-    def shard_of(key: str) -> str:
-        if key.startswith("visual.blocks.0."):
-            return "model-00001-of-00003.safetensors"
-        if key.startswith("visual."):
-            return "model-00002-of-00003.safetensors"
-        return "model-00003-of-00003.safetensors"
+def shard_of(key: str) -> str:
+    """Vision tensors over two shards, the language model in a third."""
+    if key.startswith("visual.blocks.0."):
+        return "model-00001-of-00003.safetensors"
+    if key.startswith("visual."):
+        return "model-00002-of-00003.safetensors"
+    return "model-00003-of-00003.safetensors"
 
+
+def test_language_model_shards_are_never_opened(qwen_dir: Path, tmp_path: Path, image: Image.Image) -> None:
     sharded = rewrite_checkpoint(qwen_dir, tmp_path / "sharded", shard_of=shard_of)
     (sharded / "model-00003-of-00003.safetensors").unlink()  # the language model: listed, but gone
     encoder = load_encoder(str(sharded), device="cpu")
     assert torch.equal(
         decode(encoder.forward([encoder.preprocess(image)])[0]), reference_qwen_features(qwen_dir, image)[0]
     )
+
+
+def test_a_hub_model_downloads_configs_then_only_vision_shards(
+    qwen_dir: Path, tmp_path: Path, image: Image.Image, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The hub calls are faked by a local "remote"; what matters is which files are asked for."""
+    remote = rewrite_checkpoint(qwen_dir, tmp_path / "remote", shard_of=shard_of)
+    commit = "c0ffee" * 6 + "beef"
+    snapshot = tmp_path / "hub" / "snapshots" / commit
+    downloaded: list[str] = []
+
+    def snapshot_download(repo_id: str, revision: str | None = None, allow_patterns: list[str] | None = None) -> str:
+        assert (repo_id, revision) == ("org/tiny-qwen", "main")
+        snapshot.mkdir(parents=True)
+        for file in remote.iterdir():
+            if any(fnmatch.fnmatch(file.name, pattern) for pattern in allow_patterns or ["*"]):
+                downloaded.append(file.name)
+                shutil.copy(file, snapshot)
+        return str(snapshot)
+
+    def hf_hub_download(repo_id: str, filename: str, revision: str | None = None) -> str:
+        assert (repo_id, revision) == ("org/tiny-qwen", commit)  # later files come from the same snapshot
+        downloaded.append(filename)
+        return str(shutil.copy(remote / filename, snapshot))
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", hf_hub_download)
+    encoder = load_encoder("org/tiny-qwen", device="cpu", revision="main")
+    assert sorted(downloaded) == [
+        "config.json",
+        "model-00001-of-00003.safetensors",
+        "model-00002-of-00003.safetensors",
+        "model.safetensors.index.json",
+        "preprocessor_config.json",
+    ]
+    assert (encoder.info.model_id, encoder.info.revision) == ("org/tiny-qwen", commit)
+    assert_matches_reference(encoder, qwen_dir, image)
 
 
 def test_a_missing_vision_tensor_fails_loudly(qwen_dir: Path, tmp_path: Path) -> None:

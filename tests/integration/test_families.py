@@ -1,0 +1,132 @@
+"""Each model family through the real ``--model PATH`` code path, over real HTTP.
+
+The checkpoints are tiny full models (language model included) saved with ``save_pretrained``;
+the server must give, bit for bit, what the full Hugging Face model gives for the same image.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from blake3 import blake3
+from PIL import Image, ImageOps
+
+from encode_server.core.wire import load_safetensors
+from tests import tiny_models
+from tests.images import image_bytes
+from tests.server import ServerProcess, start_server
+
+FAMILIES = {
+    # name: (builder, extra server args, reference)
+    "clip": (lambda d: tiny_models.make_clip(d, kind="clip"), (), "clip"),
+    "clip-pooled": (lambda d: tiny_models.make_clip(d, kind="clip"), ("--output", "pooled"), "clip-pooled"),
+    "siglip": (lambda d: tiny_models.make_clip(d, kind="siglip"), (), "clip"),
+    "llava": (tiny_models.make_llava, (), "llava"),
+    "qwen2_5_vl": (tiny_models.make_qwen2_5_vl, (), "qwen"),
+}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, server_logs: Path
+) -> Iterator[tuple[str, Path, ServerProcess]]:
+    name = request.param
+    build, args, _ = FAMILIES[name]
+    path = build(tmp_path_factory.mktemp(name))
+    server = start_server("--model", str(path), "--max-wait-ms", "1", *args, log_dir=server_logs)
+    yield name, path, server
+    assert server.stop() == 0, server.log()
+
+
+def _decode(data: bytes) -> Image.Image:
+    image = Image.open(io.BytesIO(data))
+    return (ImageOps.exif_transpose(image) or image).convert("RGB")
+
+
+def _reference(name: str, path: Path, data: bytes) -> tuple[torch.Tensor, dict]:
+    image = _decode(data)
+    kind = FAMILIES[name][2]
+    if kind == "clip":
+        return tiny_models.reference_clip_features(path, image), {}
+    if kind == "clip-pooled":
+        return tiny_models.reference_clip_features(path, image, output="pooled").reshape(1, -1), {}
+    if kind == "llava":
+        return tiny_models.reference_llava_features(path, image), {}
+    features, grid = tiny_models.reference_qwen_features(path, image)
+    return features, {"image_grid_thw": grid}
+
+
+def _tensor(item: dict) -> torch.Tensor:
+    assert item["dtype"] == "float32"
+    raw = np.frombuffer(base64.b64decode(item["embedding"]), dtype="<f4").copy()
+    return torch.from_numpy(raw).reshape(item["shape"])
+
+
+def _encode(server: ServerProcess, items: list[dict], accept: str = "application/json") -> httpx.Response:
+    r = httpx.post(server.url + "/v1/encode", json={"items": items}, headers={"Accept": accept}, timeout=60)
+    assert r.status_code == 200, r.text
+    return r
+
+
+def test_server_equals_the_full_model_and_hash_only_hits(family: tuple[str, Path, ServerProcess]) -> None:
+    name, path, server = family
+    for fmt, size, seed in (("PNG", (61, 47), 1), ("JPEG", (120, 90), 2), ("PNG", (30, 200), 3)):
+        data = image_bytes(fmt, *size, seed=seed)
+        mm_hash = blake3(data).hexdigest()
+        item = _encode(server, [{"data": base64.b64encode(data).decode()}]).json()["items"][0]
+        assert (item["status"], item["source"], item["hash"]) == ("encoded", "encoder", mm_hash)
+        expected, meta = _reference(name, path, data)
+        got = _tensor(item)
+        assert got.shape == expected.shape, (name, fmt)
+        assert torch.equal(got, expected.float()), f"{name}: numeric drift, max {(got - expected).abs().max()}"
+        assert item["num_tokens"] == expected.shape[0]
+        for key, value in meta.items():
+            assert item["meta"][key] == value
+
+        hit = _encode(server, [{"hash": mm_hash}]).json()["items"][0]
+        assert (hit["status"], hit["source"]) == ("hit", "local")
+        assert hit["embedding"] == item["embedding"]
+
+        st = _encode(server, [{"hash": mm_hash}], accept="application/vnd.safetensors")
+        tensors, metadata = load_safetensors(st.content)
+        assert tensors["0"].data == base64.b64decode(item["embedding"])
+        assert json.loads(metadata["items"])[0]["shape"] == item["shape"]
+
+
+def test_model_reports_its_family(family: tuple[str, Path, ServerProcess]) -> None:
+    name, path, server = family
+    model = httpx.get(server.url + "/v1/model").json()
+    assert model["id"] == str(path)
+    assert model["kind"] == {"clip-pooled": "clip"}.get(name, name)
+    assert model["meaningless"] is False
+    item = _encode(server, [{"data": base64.b64encode(image_bytes("PNG", 64, 64, seed=9)).decode()}]).json()
+    assert item["items"][0]["shape"][-1] == model["hidden_size"]
+
+
+def test_token_counts_follow_the_processor(family: tuple[str, Path, ServerProcess]) -> None:
+    """Qwen: N varies with the image and equals the processor's grid / merge**2; the others: fixed N."""
+    name, path, server = family
+    from transformers import AutoImageProcessor
+
+    processor = AutoImageProcessor.from_pretrained(path)
+    counts = set()
+    for w, h in ((56, 56), (100, 60), (224, 224), (300, 120), (57, 333), (640, 480)):
+        data = image_bytes("PNG", w, h, seed=w * h)
+        item = _encode(server, [{"data": base64.b64encode(data).decode()}]).json()["items"][0]
+        counts.add(item["num_tokens"])
+        if name == "qwen2_5_vl":
+            grid = processor(images=_decode(data), return_tensors="pt")["image_grid_thw"][0].tolist()
+            assert item["meta"]["image_grid_thw"] == grid
+            assert item["num_tokens"] == int(np.prod(grid)) // processor.merge_size**2
+    if name == "qwen2_5_vl":
+        assert len(counts) > 3, "sizes should give different token counts"
+    else:
+        assert len(counts) == 1, f"{name} is fixed-resolution, got N in {counts}"

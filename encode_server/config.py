@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
+from functools import partial
 from typing import Any
 
 __all__ = ["ENV_PREFIX", "Settings", "build_parser", "settings_from"]
@@ -83,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
             _flag(f.name),
             dest=f.name,
             default=None,
-            type=lambda raw, f=f: _convert(f, raw),
+            type=partial(_convert, f),
             choices=f.metadata.get("choices"),
             help=f"{f.metadata['help']} (default: {f.default})",
         )

@@ -37,12 +37,16 @@ _HASH_OFF_LOOP_BYTES = 1 << 20
 
 
 def model_fingerprint(info: EncoderInfo) -> str:
-    """Everything besides the image that changes the embedding (DESIGN section 1)."""
+    """Everything besides the image that changes the embedding (DESIGN section 1).
+
+    Content, not names: the digest of the loaded weights stands for the model id and revision, so
+    replicas that mount one checkpoint at different paths (or pull it by hub id) share a cache,
+    and a re-uploaded checkpoint under an old name does not.
+    """
     return fingerprint(
         {
-            "model_id": info.model_id,
-            "revision": info.revision,
             "weights_digest": info.weights_digest,
+            "architecture": info.architecture,
             "kind": info.kind,
             "output": info.output,
             "dtype": info.dtype,

@@ -21,6 +21,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -230,7 +231,7 @@ class MetricsMiddleware:
             self.metrics.response_bytes.inc(sent)
 
 
-def _request_body_doc(model: type, *extra_media: str) -> dict[str, Any]:
+def _request_body_doc(model: type[BaseModel], *extra_media: str) -> dict[str, Any]:
     content: dict[str, Any] = {"application/json": {"schema": model.model_json_schema(by_alias=True)}}
     for media in extra_media:
         content[media] = {"schema": {"type": "string", "format": "binary"}}
@@ -256,7 +257,7 @@ def create_app(runtime: Runtime, load_encoder: Callable[[], VisionEncoder]) -> F
     app = FastAPI(title="encode-server", version=__version__, lifespan=lifespan)
     routes = frozenset({"/v1/encode", "/v1/lookup", "/v1/model", "/health", "/ready", "/metrics"})
     app.add_middleware(MetricsMiddleware, metrics=runtime.metrics, routes=routes)
-    common = {503: _error_doc("not_ready")}
+    common: dict[int | str, dict[str, Any]] = {503: _error_doc("not_ready")}
     app.add_api_route(
         "/v1/encode",
         api.encode,

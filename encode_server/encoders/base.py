@@ -35,6 +35,9 @@ class EncoderInfo:
     preprocessing: dict[str, Any]  # the image processor's config, JSON-able
     num_parameters: int  # resident parameters: the vision tower (+ projector) only
     meaningless: bool = False  # built-in random weights: deterministic, not useful
+    # The module's config (depth, feature layer, window size...), machine-specific keys removed:
+    # editing config.json next to unchanged weights must change the fingerprint too.
+    architecture: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

@@ -15,6 +15,7 @@ from .base import EncodedTensor, EncoderInfo, VisionEncoder
 
 __all__ = [
     "DTYPES",
+    "architecture",
     "HFEncoder",
     "LoadSpec",
     "dtype_name",
@@ -68,6 +69,27 @@ def processor_config(processor: Any) -> dict[str, Any]:
     return config
 
 
+# Keys that say where or by what a config was written, not what the model computes.
+_VOLATILE_CONFIG_KEYS = frozenset({"_name_or_path", "_commit_hash", "transformers_version", "torch_dtype", "dtype"})
+
+
+def _stable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _stable(v) for k, v in value.items() if k not in _VOLATILE_CONFIG_KEYS}
+    if isinstance(value, list):
+        return [_stable(v) for v in value]
+    return value
+
+
+def architecture(module: torch.nn.Module) -> dict[str, Any]:
+    """The module's config as JSON, without the keys that vary by path, version or dtype, so
+    replicas that mount one model at different paths share a fingerprint."""
+    config = getattr(module, "config", None)
+    if config is None:
+        raise TypeError(f"{type(module).__name__} has no .config to fingerprint")
+    return _stable(json.loads(config.to_json_string(use_diff=False)))
+
+
 @dataclass(frozen=True)
 class LoadSpec:
     """How ``load_encoder`` was asked to load a model, resolved (device and dtype are concrete)."""
@@ -114,6 +136,7 @@ class HFEncoder(VisionEncoder):
             preprocessing=processor_config(processor),
             num_parameters=sum(p.numel() for p in module.parameters()),
             meaningless=meaningless,
+            architecture=architecture(module),
         )
 
     def _process(self, image: Image.Image) -> dict[str, torch.Tensor]:

@@ -35,6 +35,7 @@ class LlavaVision(torch.nn.Module):
 
     def __init__(self, config: LlavaConfig, dtype: torch.dtype) -> None:
         super().__init__()
+        self.config = config  # fingerprinted (feature layer, strategy); the text model is never built
         self.vision_tower = AutoModel.from_config(config.vision_config, dtype=dtype)
         self.multi_modal_projector = LlavaMultiModalProjector(config)
         self.feature_layer: int | list[int] = config.vision_feature_layer

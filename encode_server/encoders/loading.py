@@ -65,6 +65,8 @@ class CheckpointFiles:
         local = Path(model).expanduser()
         if local.is_dir():
             return cls(local)
+        if model.startswith(("/", ".", "~")):
+            raise FileNotFoundError(f"no model directory at {model}")
         from huggingface_hub import snapshot_download
 
         snapshot = Path(snapshot_download(model, revision=revision, allow_patterns=_CONFIG_FILES))

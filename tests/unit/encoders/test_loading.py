@@ -147,6 +147,11 @@ def test_unknown_model_type_is_named_in_the_error(tmp_path: Path) -> None:
         load_encoder(str(tmp_path), device="cpu")
 
 
+def test_a_missing_local_directory_is_not_looked_up_on_the_hub(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="no model directory"):
+        load_encoder(str(tmp_path / "nowhere"), device="cpu")
+
+
 def test_unknown_dtype_and_builtin_are_refused() -> None:
     with pytest.raises(ValueError, match="dtype"):
         load_encoder("builtin:tiny", dtype="int8")

@@ -15,9 +15,9 @@ from .base import EncodedTensor, EncoderInfo, VisionEncoder
 
 __all__ = [
     "DTYPES",
-    "architecture",
     "HFEncoder",
     "LoadSpec",
+    "architecture",
     "dtype_name",
     "processor_config",
     "resolve_device",

@@ -28,7 +28,6 @@ serve: install
 	$(BIN)/encode-server --host 0.0.0.0 --port $(PORT)
 
 test: install
-	@command -v redis-server >/dev/null || { echo "redis-server is missing: run 'apt-get install -y redis-server'"; exit 1; }
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
 

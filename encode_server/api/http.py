@@ -293,7 +293,7 @@ async def _load(runtime: Runtime, load_encoder: Callable[[], VisionEncoder]) -> 
         runtime.service = service
         info = encoder.info
         log.info(
-            "model %s loaded and warm in %.1f s: kind=%s device=%s dtype=%s fingerprint=%s",
+            "model %s loaded and warm in %.2f s: kind=%s device=%s dtype=%s fingerprint=%s",
             info.model_id, time.perf_counter() - started, info.kind, info.device, info.dtype, service.fingerprint,
         )
         if info.meaningless:

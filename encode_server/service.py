@@ -322,7 +322,7 @@ class EncodeService:
             prepared = await loop.run_in_executor(self._preprocess_pool, self._prepare, ident.data, ident.index)
             tensor = await self.batcher.submit(prepared, prepared.cost_tokens)
             value = Embedding(tensor, prepared.meta)
-            self.local.lru.put(key, value, value.nbytes)
+            self.local.put(key, value)
             if self.shared is not None:
                 self.shared.put_behind(key, value)
             future.set_result(value)

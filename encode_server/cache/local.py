@@ -34,9 +34,13 @@ class LocalTier:
         (self._lookups_hit if value is not None else self._lookups_miss).inc()
         return value
 
+    def put(self, key: str, value: Embedding) -> bool:
+        """Cache ``value``; False when it can't fit (larger than the budget, or all pinned)."""
+        return self._lru.put(key, value, value.nbytes)
+
     def put_and_pin(self, key: str, value: Embedding) -> bool:
         """Cache ``value`` and pin it for the caller; False (nothing pinned) when it can't fit."""
-        if not self._lru.put(key, value, value.nbytes):
+        if not self.put(key, value):
             return False
         self._lru.pin(key)
         return True

@@ -311,8 +311,9 @@ class MetricsMiddleware:
             self.metrics.requests.labels(route=route, code=str(code)).inc()
             self.metrics.request_seconds.labels(route=route).observe(elapsed)
             self.metrics.response_bytes.inc(sent)
-            # Probes and scrapes that succeed go to debug: every few seconds, they would drown the rest.
-            quiet = route in ("/health", "/ready", "/metrics") and code < 400
+            # Probes and scrapes go to debug (every few seconds, they would drown the rest), but for
+            # a failing /health or /metrics; /ready's 503 while loading or draining is expected.
+            quiet = route == "/ready" or (route in ("/health", "/metrics") and code < 400)
             level = logging.DEBUG if quiet else logging.INFO
             self._log(level, scope["method"], route, code, state, elapsed, request_id)
 

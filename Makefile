@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 TORCH_PIN := torch==2.13.0
 PORT ?= 8000
 
-.PHONY: install serve test lint bench clean
+.PHONY: install tools serve test lint bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -27,7 +27,23 @@ install: $(STAMP)
 serve: install
 	$(BIN)/encode-server --host 0.0.0.0 --port $(PORT)
 
-test: install
+# The operations tests run Debian's promtool and prometheus and validate deploy/docker-compose.yml
+# with docker-compose: installed here when missing (root with apt), else stop with the command.
+OPS_TOOLS := promtool prometheus docker-compose
+OPS_PACKAGES := prometheus docker-compose
+
+tools:
+	@missing=$$(for t in $(OPS_TOOLS); do command -v $$t >/dev/null || echo $$t; done); \
+	if [ -n "$$missing" ]; then \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+			echo "installing $(OPS_PACKAGES) for: $$missing"; \
+			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(OPS_PACKAGES) >/dev/null; \
+		else \
+			echo "missing: $$missing. Install them, then re-run: sudo apt-get install -y $(OPS_PACKAGES)" >&2; exit 1; \
+		fi; \
+	fi
+
+test: install tools
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
 

@@ -19,8 +19,8 @@ __all__ = ["ENV_PREFIX", "Settings", "build_parser", "settings_from"]
 ENV_PREFIX = "ENCODE_SERVER_"
 
 
-def _opt(default: Any, help: str, **extra: Any) -> Any:
-    return field(default=default, metadata={"help": help, **extra})
+def _opt(default: Any, help: str, *, repr: bool = True, **extra: Any) -> Any:
+    return field(default=default, repr=repr, metadata={"help": help, **extra})
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,14 @@ class Settings:
     request_timeout: float = _opt(60.0, "per-request timeout in seconds (504 past it)")
     preprocess_workers: int = _opt(4, "threads that decode and preprocess images")
     log_level: str = _opt("info", "log level", choices=("debug", "info", "warning", "error"))
+    log_format: str = _opt("text", "log lines as text, or one JSON object per line", choices=("text", "json"))
+    drain_seconds: float = _opt(30.0, "on SIGTERM, how long in-flight requests may take to finish before exit")
+    # Secrets: kept out of repr() so that logging the settings can never print a key.
+    api_key: str | None = _opt(
+        None, "one API key, or tenant:key; /v1/* then needs Authorization: Bearer KEY", repr=False
+    )
+    api_keys: str | None = _opt(None, "comma-separated API keys, each key or tenant:key", repr=False)
+    tenant_isolation: bool = _opt(False, "make the tenant of the API key part of every cache key")
 
     @property
     def cache_bytes(self) -> int:
@@ -61,14 +69,24 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _kind(f: dataclasses.Field[Any]) -> str:
+    return f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+
+
 def _convert(f: dataclasses.Field[Any], raw: str) -> Any:
-    kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    kind = _kind(f)
     if kind.startswith("int"):
         return int(raw)
     if kind.startswith("float"):
         return float(raw)
     if kind.startswith("bool"):
-        return raw.strip().lower() in ("1", "true", "yes", "on")
+        word = raw.strip().lower()
+        if word not in _TRUE + _FALSE:
+            raise ValueError(f"expected one of {_TRUE + _FALSE}")
+        return word in _TRUE
     return raw
 
 
@@ -80,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
         f"{ENV_PREFIX}MAX_BATCH_SIZE=16.",
     )
     for f in fields(Settings):
+        # A bool is a switch (``--tenant-isolation``) that also takes a value (``--tenant-isolation false``).
+        switch: dict[str, Any] = {"nargs": "?", "const": True} if _kind(f) == "bool" else {}
         parser.add_argument(
             _flag(f.name),
             dest=f.name,
@@ -87,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
             type=partial(_convert, f),
             choices=f.metadata.get("choices"),
             help=f"{f.metadata['help']} (default: {f.default})",
+            **switch,
         )
     return parser
 
@@ -122,3 +143,5 @@ def _validate(s: Settings) -> None:
             raise SystemExit(f"{_flag(name)} must be positive, got {getattr(s, name)}")
     if s.cache_mb < 0 or s.max_wait_ms < 0 or s.request_timeout <= 0:
         raise SystemExit("--cache-mb and --max-wait-ms must be >= 0, --request-timeout > 0")
+    if s.drain_seconds < 0:
+        raise SystemExit(f"--drain-seconds must be >= 0, got {s.drain_seconds}")

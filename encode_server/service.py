@@ -127,23 +127,27 @@ class EncodeService:
         if self.shared is not None:
             await self.shared.close()
 
-    def key_for(self, h: str) -> str:
-        return cache_key(self.fingerprint, h, prefix=self.settings.cache_prefix)
+    def key_for(self, h: str, tenant: str | None = None) -> str:
+        """The cache key of ``h``; with a ``tenant`` (tenant isolation) a key no other tenant shares."""
+        return cache_key(self.fingerprint, h, prefix=self.settings.cache_prefix, tenant=tenant)
 
     # -- use cases -----------------------------------------------------------------------------
 
-    async def encode(self, items: Sequence[RequestItem], *, want_embeddings: bool = True) -> list[ItemResult]:
+    async def encode(
+        self, items: Sequence[RequestItem], *, want_embeddings: bool = True, tenant: str | None = None
+    ) -> list[ItemResult]:
         """Resolve every item: a tier hit, an encode of its bytes, or a miss (hash-only, unknown).
 
         With ``want_embeddings=False`` (the EPD hand-off) every resolved item is also made sure to
-        be in the shared tier before returning, so the caller can read it from there.
+        be in the shared tier before returning, so the caller can read it from there. ``tenant``
+        goes into every cache key, so tiers and single-flight never cross tenants.
         """
         if not want_embeddings and self.shared is None:
             raise Conflict(
                 '"return": "metadata" needs a shared tier (start the server with --redis-url)',
                 type="no_shared_tier",
             )
-        idents = await self._identify(items)
+        idents = await self._identify(items, tenant)
         pinned: list[str] = []
         try:
             found = self._lookup_local(idents, pinned)
@@ -157,7 +161,7 @@ class EncodeService:
             for key in pinned:
                 self.local.unpin(key)
 
-    async def lookup(self, hashes: Sequence[object]) -> list[LookupResult]:
+    async def lookup(self, hashes: Sequence[object], *, tenant: str | None = None) -> list[LookupResult]:
         """Which tier holds each hash, without moving bytes or changing recency."""
         parsed = []
         for index, raw in enumerate(hashes):
@@ -165,7 +169,7 @@ class EncodeService:
                 parsed.append(parse_mm_hash(raw))
             except EncodeServerError as exc:
                 raise exc.with_index(index) from None
-        keys = [self.key_for(h) for h in parsed]
+        keys = [self.key_for(h, tenant) for h in parsed]
         tiers: list[str | None] = ["local" if key in self.local else None for key in keys]
         rest = [i for i, tier in enumerate(tiers) if tier is None]
         if rest and self.shared is not None:
@@ -212,16 +216,16 @@ class EncodeService:
 
     # -- steps ---------------------------------------------------------------------------------
 
-    async def _identify(self, items: Sequence[RequestItem]) -> list[_Identified]:
+    async def _identify(self, items: Sequence[RequestItem], tenant: str | None) -> list[_Identified]:
         uploaded = sum(len(item.data) for item in items if item.data is not None)
         self.metrics.upload_bytes.inc(uploaded)
         if uploaded > _HASH_OFF_LOOP_BYTES:
             return await asyncio.get_running_loop().run_in_executor(
-                self._preprocess_pool, self._identify_all, items
+                self._preprocess_pool, self._identify_all, items, tenant
             )
-        return self._identify_all(items)
+        return self._identify_all(items, tenant)
 
-    def _identify_all(self, items: Sequence[RequestItem]) -> list[_Identified]:
+    def _identify_all(self, items: Sequence[RequestItem], tenant: str | None) -> list[_Identified]:
         out = []
         for item in items:
             try:
@@ -238,7 +242,7 @@ class EncodeService:
                     raise BadInput("an item needs 'data', 'hash' or both", type="invalid_hash")
             except EncodeServerError as exc:
                 raise exc.with_index(item.index) from None
-            out.append(_Identified(item.index, h, self.key_for(h), item.data))
+            out.append(_Identified(item.index, h, self.key_for(h, tenant), item.data))
         return out
 
     def _lookup_local(self, idents: list[_Identified], pinned: list[str]) -> dict[str, tuple[str, Embedding]]:

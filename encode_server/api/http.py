@@ -11,10 +11,12 @@ import base64
 import json
 import logging
 import os
+import re
 import signal
 import time
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +30,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from encode_server import __version__
 from encode_server.api.bodies import parse_encode_body, parse_lookup_body
 from encode_server.api.schemas import EncodeRequestIn, EncodeResponseOut, ErrorOut, LookupRequestIn, LookupResponseOut
+from encode_server.auth import ApiKeys
 from encode_server.config import Settings
 from encode_server.core.errors import (
     BadInput,
@@ -43,12 +46,14 @@ from encode_server.core.errors import (
 from encode_server.core.types import ItemResult
 from encode_server.core.wire import WireTensor, dump_safetensors
 from encode_server.encoders.base import VisionEncoder
+from encode_server.logs import ACCESS_LOGGER
 from encode_server.metrics import CONTENT_TYPE_LATEST, Metrics
 from encode_server.service import EncodeService
 
 __all__ = ["Runtime", "create_app", "status_for"]
 
 log = logging.getLogger(__name__)
+access_log = logging.getLogger(ACCESS_LOGGER)
 
 SAFETENSORS = "application/vnd.safetensors"
 
@@ -75,6 +80,8 @@ def error_response(exc: EncodeServerError) -> JSONResponse:
     headers = {}
     if isinstance(exc, Unavailable):
         headers["Retry-After"] = str(max(1, round(exc.retry_after)))
+    elif isinstance(exc, Unauthorized):
+        headers["WWW-Authenticate"] = "Bearer"
     body = {"error": {"type": exc.type, "message": exc.message, "index": exc.index}}
     return JSONResponse(body, status_code=status_for(exc), headers=headers)
 
@@ -87,6 +94,7 @@ _ENCODE_ERRORS: dict[int | str, dict[str, Any]] = {
     400: _error_doc(
         "invalid_json", "invalid_base64", "invalid_hash", "hash_mismatch", "invalid_image", "unsupported_image"
     ),
+    401: _error_doc("unauthorized"),
     409: _error_doc("no_shared_tier"),
     413: _error_doc("payload_too_large", "image_too_large", "too_many_items"),
     415: _error_doc("unsupported_media_type"),
@@ -98,14 +106,23 @@ _ENCODE_ERRORS: dict[int | str, dict[str, Any]] = {
 
 @dataclass
 class Runtime:
-    """What a running server holds. ``service`` is None until the model is loaded and warm."""
+    """What a running server holds. ``service`` is None until the model is loaded and warm.
+
+    ``draining`` is set once, on SIGTERM: from then on ``/ready`` is 503 and no new work is
+    admitted, while the requests already in flight (``inflight``) run to completion.
+    """
 
     settings: Settings
     metrics: Metrics
     service: EncodeService | None = None
     draining: bool = False
     load_error: BaseException | None = None
+    inflight: int = 0
+    _idle: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
     _loader: asyncio.Task[None] | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        self._idle.set()
 
     @property
     def ready(self) -> bool:
@@ -114,26 +131,64 @@ class Runtime:
     def require_service(self) -> EncodeService:
         if self.service is None or self.draining:
             reason = "server is draining" if self.draining else "model is loading"
+            self.metrics.rejected.labels(reason="not_ready").inc()
             raise Unavailable(reason, type="not_ready", retry_after=5.0)
         return self.service
+
+    @contextmanager
+    def serving(self) -> Iterator[None]:
+        """Count one request in flight for as long as the block runs."""
+        self.inflight += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self.inflight -= 1
+            if self.inflight == 0:
+                self._idle.set()
+
+    async def drain(self, timeout: float) -> bool:
+        """Stop admitting, then wait up to ``timeout`` s for in-flight requests; True if all finished."""
+        self.draining = True
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except asyncio.TimeoutError:
+            return False
+        return True
 
 
 class HttpApi:
     def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
+        self.keys = ApiKeys.from_settings(runtime.settings)
+
+    def _tenant(self, request: Request) -> str | None:
+        """Authenticate a /v1 request; the tenant that keys its cache entries (None: shared)."""
+        if self.keys is None:
+            return None
+        try:
+            tenant = self.keys.authenticate(request.headers.get("authorization"))
+        except Unauthorized:
+            self.runtime.metrics.rejected.labels(reason="unauthorized").inc()
+            raise
+        request.state.tenant = tenant
+        return tenant if self.runtime.settings.tenant_isolation else None
 
     async def encode(self, request: Request) -> Response:
         """Resolve images (uploads, hashes, or both) to embeddings: tiers first, encoder last."""
         s = self.runtime.settings
+        tenant = self._tenant(request)
         service = self.runtime.require_service()
         body = await parse_encode_body(request, max_items=s.max_items, max_bytes=s.max_request_bytes)
+        request.state.items = len(body.items)
         try:
             results = await asyncio.wait_for(
-                service.encode(body.items, want_embeddings=body.want_embeddings), s.request_timeout
+                service.encode(body.items, want_embeddings=body.want_embeddings, tenant=tenant), s.request_timeout
             )
         except asyncio.TimeoutError:
             self.runtime.metrics.rejected.labels(reason="timeout").inc()
             raise Timeout(f"request took longer than {s.request_timeout:g} s") from None
+        request.state.hits = sum(r.status == "hit" for r in results)
         accept = request.headers.get("accept", "")
         if SAFETENSORS in accept and body.want_embeddings:
             return self._safetensors(service, results)
@@ -157,13 +212,17 @@ class HttpApi:
     async def lookup(self, request: Request) -> Response:
         """Which tier holds each hash: no bytes move; cheap enough for a router on every request."""
         s = self.runtime.settings
+        tenant = self._tenant(request)
         service = self.runtime.require_service()
         hashes = await parse_lookup_body(request, max_hashes=max(1024, s.max_items), max_bytes=s.max_request_bytes)
-        found = await service.lookup(hashes)
+        found = await service.lookup(hashes, tenant=tenant)
+        request.state.items = len(found)
+        request.state.hits = sum(f.cached for f in found)
         return JSONResponse({"items": [{"hash": f.mm_hash, "cached": f.cached, "tier": f.tier} for f in found]})
 
-    async def model(self) -> Response:
+    async def model(self, request: Request) -> Response:
         """The loaded model, its fingerprint, preprocessing, batching and limits."""
+        self._tenant(request)
         return JSONResponse(self.runtime.require_service().describe())
 
     async def health(self) -> Response:
@@ -193,14 +252,32 @@ def _item_json(r: ItemResult, *, with_embedding: bool, with_key: bool) -> dict[s
     return out
 
 
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+def request_id_from(scope: Scope) -> str:
+    """The client's ``X-Request-ID`` when it is a plain token (safe in a log line), else a new one."""
+    for name, value in scope.get("headers", ()):
+        if name == b"x-request-id":
+            candidate = value.decode("latin-1")
+            if _REQUEST_ID.fullmatch(candidate):
+                return candidate
+            break
+    return uuid.uuid4().hex
+
+
 class MetricsMiddleware:
-    """requests_total, request_seconds, inflight_requests and response_bytes_total per route.
+    """Per request: requests_total, request_seconds, inflight_requests, response_bytes_total, the
+    in-flight count that draining waits on, the ``X-Request-ID`` echo and the one access-log line.
 
-    Pure ASGI (not BaseHTTPMiddleware) so large responses stream through untouched."""
+    Pure ASGI (not BaseHTTPMiddleware) so large responses stream through untouched. Routes report
+    ``items`` and ``hits`` through ``request.state`` (the ASGI scope's ``state``). The log line
+    holds no header but the request id: an API key can never reach it."""
 
-    def __init__(self, app: ASGIApp, metrics: Metrics, routes: frozenset[str]) -> None:
+    def __init__(self, app: ASGIApp, runtime: Runtime, routes: frozenset[str]) -> None:
         self.app = app
-        self.metrics = metrics
+        self.runtime = runtime
+        self.metrics = runtime.metrics
         self.routes = routes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -209,6 +286,8 @@ class MetricsMiddleware:
             return
         path = scope["path"]
         route = path if path in self.routes else "other"
+        request_id = request_id_from(scope)
+        state: dict[str, Any] = scope.setdefault("state", {})
         code = 500
         sent = 0
         started = time.perf_counter()
@@ -217,18 +296,40 @@ class MetricsMiddleware:
             nonlocal code, sent
             if message["type"] == "http.response.start":
                 code = message["status"]
+                message["headers"] = [*message.get("headers", ()), (b"x-request-id", request_id.encode())]
             elif message["type"] == "http.response.body":
                 sent += len(message.get("body", b""))
             await send(message)
 
         self.metrics.inflight_requests.inc()
         try:
-            await self.app(scope, receive, send_wrapper)
+            with self.runtime.serving():
+                await self.app(scope, receive, send_wrapper)
         finally:
+            elapsed = time.perf_counter() - started
             self.metrics.inflight_requests.dec()
             self.metrics.requests.labels(route=route, code=str(code)).inc()
-            self.metrics.request_seconds.labels(route=route).observe(time.perf_counter() - started)
+            self.metrics.request_seconds.labels(route=route).observe(elapsed)
             self.metrics.response_bytes.inc(sent)
+            # Probes and scrapes go to debug (every few seconds, they would drown the rest), but for
+            # a failing /health or /metrics; /ready's 503 while loading or draining is expected.
+            quiet = route == "/ready" or (route in ("/health", "/metrics") and code < 400)
+            level = logging.DEBUG if quiet else logging.INFO
+            self._log(level, scope["method"], route, code, state, elapsed, request_id)
+
+    @staticmethod
+    def _log(
+        level: int, method: str, route: str, code: int, state: dict[str, Any], elapsed: float, request_id: str
+    ) -> None:
+        items, hits = int(state.get("items", 0)), int(state.get("hits", 0))
+        fields = {
+            "request_id": request_id, "method": method, "route": route, "code": code, "items": items,
+            "hits": hits, "duration_ms": round(elapsed * 1000, 2), "tenant": state.get("tenant"),
+        }
+        access_log.log(
+            level, "%s %s %d items=%d hits=%d %.1fms id=%s",
+            method, route, code, items, hits, elapsed * 1000, request_id, extra={"fields": fields},
+        )
 
 
 def _request_body_doc(model: type[BaseModel], *extra_media: str) -> dict[str, Any]:
@@ -256,7 +357,7 @@ def create_app(runtime: Runtime, load_encoder: Callable[[], VisionEncoder]) -> F
 
     app = FastAPI(title="encode-server", version=__version__, lifespan=lifespan)
     routes = frozenset({"/v1/encode", "/v1/lookup", "/v1/model", "/health", "/ready", "/metrics"})
-    app.add_middleware(MetricsMiddleware, metrics=runtime.metrics, routes=routes)
+    app.add_middleware(MetricsMiddleware, runtime=runtime, routes=routes)
     common: dict[int | str, dict[str, Any]] = {503: _error_doc("not_ready")}
     app.add_api_route(
         "/v1/encode",
@@ -273,10 +374,10 @@ def create_app(runtime: Runtime, load_encoder: Callable[[], VisionEncoder]) -> F
         api.lookup,
         methods=["POST"],
         response_model=LookupResponseOut,
-        responses={k: v for k, v in _ENCODE_ERRORS.items() if k in (400, 413, 415, 422, 503)},
+        responses={k: v for k, v in _ENCODE_ERRORS.items() if k in (400, 401, 413, 415, 422, 503)},
         openapi_extra=_request_body_doc(LookupRequestIn),
     )
-    app.add_api_route("/v1/model", api.model, methods=["GET"], responses=common)
+    app.add_api_route("/v1/model", api.model, methods=["GET"], responses={**common, 401: _error_doc("unauthorized")})
     app.add_api_route("/health", api.health, methods=["GET"])
     app.add_api_route("/ready", api.ready, methods=["GET"], responses=common)
     app.add_api_route("/metrics", api.metrics, methods=["GET"], include_in_schema=False)

@@ -1,0 +1,110 @@
+"""/metrics after real traffic: every DESIGN section 6 metric, valid for promtool, and read back
+through a real Prometheus that scrapes the server."""
+
+from __future__ import annotations
+
+import base64
+import re
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from blake3 import blake3
+
+from tests.images import image_bytes
+from tests.server import ServerProcess, free_port, start_server
+from tests.tools import require_tool
+
+DESIGN_METRICS = {
+    "requests_total": "counter", "items_total": "counter", "cache_lookups_total": "counter",
+    "cache_bytes": "gauge", "cache_entries": "gauge", "cache_evictions_total": "counter",
+    "batch_size": "histogram", "batch_tokens": "histogram", "queue_wait_seconds": "histogram",
+    "preprocess_seconds": "histogram", "forward_seconds": "histogram", "request_seconds": "histogram",
+    "queue_depth": "gauge", "inflight_requests": "gauge", "redis_errors_total": "counter", "redis_up": "gauge",
+    "upload_bytes_total": "counter", "response_bytes_total": "counter", "rejected_total": "counter",
+    "model_info": "gauge",
+}
+# The traffic below: 3 uploads (encoded), 2 of them again by hash (hits), 1 unknown hash (miss).
+EXPECTED_ITEMS = {("encoded", "encoder"): 3.0, ("hit", "local"): 2.0, ("miss", "none"): 1.0}
+
+
+@pytest.fixture(scope="module")
+def served(server_logs: Path) -> Iterator[ServerProcess]:
+    server = start_server(log_dir=server_logs)
+    images = [image_bytes("PNG", 40 + 8 * i, 32, seed=500 + i) for i in range(3)]
+    for data in images:
+        r = httpx.post(server.url + "/v1/encode", json={"items": [{"data": base64.b64encode(data).decode()}]})
+        assert r.status_code == 200, r.text
+    hashes = [{"hash": blake3(d).hexdigest()} for d in images[:2]] + [{"hash": "ef" * 32}]
+    assert httpx.post(server.url + "/v1/encode", json={"items": hashes}).status_code == 200
+    yield server
+    assert server.stop() == 0, server.log()
+
+
+def scrape(server: ServerProcess) -> str:
+    return httpx.get(server.url + "/metrics").text
+
+
+def sample(text: str, name: str, labels: str = "") -> float:
+    pattern = re.compile(rf"^encode_server_{re.escape(name)}{re.escape(labels)}\s+(\S+)$", re.M)
+    return sum(float(m.group(1)) for m in pattern.finditer(text))
+
+
+def test_every_design_metric_is_exposed_with_its_type_and_updated(served: ServerProcess) -> None:
+    text = scrape(served)
+    for name, kind in DESIGN_METRICS.items():
+        assert re.search(rf"^# TYPE encode_server_{name} {kind}$", text, re.M), name
+    for name in ("preprocess_seconds_count", "forward_seconds_count", "queue_wait_seconds_count",
+                 "batch_size_count", "batch_tokens_sum", "upload_bytes_total", "response_bytes_total"):
+        assert sample(text, name) > 0, name
+    assert sample(text, "preprocess_seconds_count") == 3  # the three uploads; warm-up is not a request
+    assert sample(text, "cache_lookups_total", '{result="hit",tier="local"}') == 2
+    assert re.search(r'^encode_server_model_info\{.*model="builtin:tiny".*\} 1\.0$', text, re.M)
+    for (status, source), count in EXPECTED_ITEMS.items():
+        assert sample(text, "items_total", f'{{source="{source}",status="{status}"}}') == count
+
+
+def test_promtool_accepts_the_scrape(served: ServerProcess, tmp_path: Path) -> None:
+    promtool = require_tool("promtool")
+    done = subprocess.run([promtool, "check", "metrics"], input=scrape(served), capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_a_real_prometheus_scrapes_the_server(served: ServerProcess, tmp_path: Path) -> None:
+    prometheus = require_tool("prometheus")
+    port = free_port()
+    config = tmp_path / "prometheus.yml"
+    target = served.url.removeprefix("http://")
+    config.write_text(
+        "global: {scrape_interval: 200ms, evaluation_interval: 1s}\n"
+        f"scrape_configs: [{{job_name: encode-server, static_configs: [{{targets: ['{target}']}}]}}]\n"
+    )
+    log = (tmp_path / "prometheus.log").open("wb")
+    proc = subprocess.Popen(
+        [prometheus, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
+         f"--web.listen-address=127.0.0.1:{port}"],
+        stdout=log, stderr=subprocess.STDOUT,
+    )
+    try:
+        query = 'sum by (status, source) (encode_server_items_total{job="encode-server"})'
+        got: dict[tuple[str, str], float] = {}
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and got != EXPECTED_ITEMS:
+            assert proc.poll() is None, (tmp_path / "prometheus.log").read_text()
+            try:
+                r = httpx.get(f"http://127.0.0.1:{port}/api/v1/query", params={"query": query}, timeout=5)
+                result = r.json()["data"]["result"] if r.status_code == 200 else []
+                got = {(s["metric"]["status"], s["metric"]["source"]): float(s["value"][1]) for s in result}
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        assert got == EXPECTED_ITEMS, (tmp_path / "prometheus.log").read_text()[-3000:]
+        up = httpx.get(f"http://127.0.0.1:{port}/api/v1/query", params={"query": 'up{job="encode-server"}'})
+        assert up.json()["data"]["result"][0]["value"][1] == "1"
+    finally:
+        proc.terminate()
+        proc.wait(20)
+        log.close()

@@ -1,0 +1,54 @@
+"""SIGTERM drains: /ready turns 503 and new work is refused, in-flight requests finish, exit 0."""
+
+from __future__ import annotations
+
+import base64
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from tests.images import image_bytes
+from tests.integration.test_encode_api import metric
+from tests.server import start_server
+
+
+def test_sigterm_finishes_in_flight_requests_then_exits_0(server_logs: Path) -> None:
+    # Each batch waits 2 s to fill, so the requests below are surely in flight at SIGTERM.
+    server = start_server("--max-wait-ms", "2000", "--drain-seconds", "20", log_dir=server_logs)
+    try:
+        images = [image_bytes("PNG", 24, 24, seed=300 + i) for i in range(4)]
+        results: list[httpx.Response] = []
+
+        def send(data: bytes) -> None:
+            body = {"items": [{"data": base64.b64encode(data).decode()}]}
+            results.append(httpx.post(server.url + "/v1/encode", json=body, timeout=30))
+
+        threads = [threading.Thread(target=send, args=(d,)) for d in images]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 10
+        while metric(server, "encode_server_queue_depth") < len(images):
+            assert time.monotonic() < deadline, "requests never reached the queue"
+            time.sleep(0.02)
+        server.proc.send_signal(signal.SIGTERM)
+
+        deadline = time.monotonic() + 1.5
+        while httpx.get(server.url + "/ready").status_code != 503:
+            assert time.monotonic() < deadline, "/ready did not turn 503"
+            time.sleep(0.02)
+        refused = httpx.post(server.url + "/v1/encode", json={"items": [{"hash": "ab" * 32}]})
+        assert refused.status_code == 503 and refused.json()["error"]["type"] == "not_ready"
+        assert int(refused.headers["Retry-After"]) >= 1
+        assert not results, "the in-flight requests finished before the drain was seen"
+
+        for t in threads:
+            t.join(30)
+        assert [r.status_code for r in results] == [200] * len(images)
+        assert all(r.json()["items"][0]["status"] == "encoded" for r in results)
+        assert server.proc.wait(20) == 0, server.log()
+        assert "drained; shutting down" in server.log()
+    finally:
+        server.stop()

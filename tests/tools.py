@@ -1,0 +1,23 @@
+"""External tools the operations tests need: found on PATH, or a loud failure naming the install."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+__all__ = ["INSTALL_HINT", "require_tool"]
+
+INSTALL_HINT = {
+    "promtool": "apt-get install -y prometheus",
+    "prometheus": "apt-get install -y prometheus",
+    "docker-compose": "apt-get install -y docker-compose",
+}
+
+
+def require_tool(name: str) -> str:
+    """The tool's path. Missing is a failure, never a skip: `make test` installs these."""
+    path = shutil.which(name)
+    if path is None:
+        pytest.fail(f"{name} is not installed; run `make test` (it installs it) or: {INSTALL_HINT[name]}")
+    return path

@@ -1,0 +1,44 @@
+"""A requester that gives up (the HTTP timeout cancels it) leaks no pin, queue slot or in-flight entry."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from encode_server.config import Settings
+from encode_server.core.hashing import mm_hash
+from encode_server.core.types import RequestItem
+from encode_server.encoders import load_encoder
+from encode_server.metrics import Metrics
+from encode_server.service import EncodeService
+from tests.images import image_bytes
+
+
+def test_cancelled_requests_leave_no_pins_slots_or_inflight_entries() -> None:
+    async def scenario() -> None:
+        # Batches wait 200 ms to fill, so every request below is cancelled while its item is queued.
+        settings = Settings(max_wait_ms=200, cache_mb=16)
+        service = EncodeService(load_encoder("builtin:tiny", device="cpu"), settings, Metrics())
+        await service.start()
+        try:
+            known = image_bytes("PNG", 24, 24, seed=1)
+            await service.encode([RequestItem(0, data=known)])  # cached: the next request pins it
+            fresh = [image_bytes("PNG", 24, 24, seed=10 + i) for i in range(3)]
+            for tenant in (None, "acme"):
+                items = [RequestItem(0, data=known), *(RequestItem(i + 1, data=d) for i, d in enumerate(fresh))]
+                with pytest.raises(asyncio.TimeoutError):
+                    await asyncio.wait_for(service.encode(items, tenant=tenant), 0.05)
+            assert service.local.lru.pinned_bytes == 0  # the hit's pin was released on cancel
+            await asyncio.sleep(0.6)  # the abandoned encodes finish behind the requesters
+            assert service.batcher.pending == 0 and not service._inflight
+            assert service.local.lru.pinned_bytes == 0
+            # The abandoned encodes went on and were cached, each under its tenant's key.
+            for tenant in (None, "acme"):
+                found = await service.lookup([mm_hash(d) for d in fresh], tenant=tenant)
+                assert [f.cached for f in found] == [True] * len(fresh)
+            service.local.lru.check_invariants()
+        finally:
+            await service.close()
+
+    asyncio.run(scenario())

@@ -27,6 +27,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from encode_server import __version__
 from encode_server.api.bodies import parse_encode_body, parse_lookup_body, parse_tokens_body
+from encode_server.api.grpc import start_grpc_server
 from encode_server.api.schemas import (
     EncodeRequestIn,
     EncodeResponseOut,
@@ -268,11 +269,15 @@ def create_app(runtime: Runtime, load_encoder: Callable[[], VisionEncoder]) -> F
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # gRPC shares this event loop; its health says NOT_SERVING until the model is ready.
+        grpc_server = await start_grpc_server(runtime) if runtime.settings.grpc_port else None
         runtime._loader = asyncio.create_task(_load(runtime, load_encoder))
         try:
             yield
         finally:
             runtime.draining = True
+            if grpc_server is not None:
+                await grpc_server.stop(grace=10)
             runtime._loader.cancel()
             if runtime.service is not None:
                 await runtime.service.close()

@@ -33,7 +33,7 @@ test: install
 
 lint: install
 	$(BIN)/ruff check .
-	$(BIN)/mypy encode_server
+	$(BIN)/mypy encode_server clients/python/encode_client
 
 # The gRPC code for the server and the client, from encode_server/api/proto (checked in; a test
 # regenerates it and compares).

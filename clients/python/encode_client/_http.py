@@ -39,17 +39,14 @@ def build(base_url: str, op: str, payload: Any, *, response: str, api_key: str |
     base = base_url.rstrip("/")
     if op == "encode":
         headers["Accept"] = SAFETENSORS if response == "safetensors" else "application/json"
-        body = {"items": [_item(h, d) for h, d in payload]}
-        return HttpRequest("POST", base + "/v1/encode", body, headers)
+        return HttpRequest("POST", base + "/v1/encode", {"items": [_item(h, d) for h, d in payload]}, headers)
     if op == "lookup":
         return HttpRequest("POST", base + "/v1/lookup", {"hashes": list(payload)}, headers)
     if op == "tokens":
         kind, entries = payload
-        body: dict[str, Any]
-        if kind == "sizes":
-            body = {"sizes": [list(s) for s in entries]}
-        else:
-            body = {"items": [_item(None, d) for d in entries]}
+        body: dict[str, Any] = (
+            {"sizes": [list(s) for s in entries]} if kind == "sizes" else {"items": [_item(None, d) for d in entries]}
+        )
         return HttpRequest("POST", base + "/v1/tokens", body, headers)
     if op == "model":
         return HttpRequest("GET", base + "/v1/model", None, headers)

@@ -85,7 +85,8 @@ GRPC_TWINS = [
      "INVALID_ARGUMENT", "invalid_image", 2),
     ("bad hash among good ones", _twin([pb.Item(data=GOOD_BYTES), pb.Item(hash="nope")]),
      "INVALID_ARGUMENT", "invalid_hash", 1),
-    ("metadata without a shared tier", pb.EncodeRequest(items=[pb.Item(data=GOOD_BYTES)], return_kind=pb.RETURN_METADATA),
+    ("metadata without a shared tier",
+     pb.EncodeRequest(items=[pb.Item(data=GOOD_BYTES)], return_kind=pb.RETURN_METADATA),
      "FAILED_PRECONDITION", "no_shared_tier", None),
 ]
 
@@ -127,8 +128,8 @@ def test_tokens_equal_what_encode_returns(builtin_server: ServerProcess, stub: p
     images = [image_bytes("PNG", w, h, seed=w + h) for w, h in SIZES]
     images += [_exif_jpeg(300, 120, 6), _exif_jpeg(57, 200, 8), _exif_jpeg(90, 40, 3)]
     for data in images:
-        encoded = httpx.post(builtin_server.url + "/v1/encode", json={"items": [{"data": base64.b64encode(data).decode()}]},
-                             timeout=60).json()["items"][0]
+        body = {"items": [{"data": base64.b64encode(data).decode()}]}
+        encoded = httpx.post(builtin_server.url + "/v1/encode", json=body, timeout=60).json()["items"][0]
         by_upload = httpx.post(builtin_server.url + "/v1/tokens", content=data,
                                headers={"Content-Type": "image/png"}).json()["items"][0]
         assert (by_upload["num_tokens"], by_upload["meta"]) == (encoded["num_tokens"], encoded["meta"])

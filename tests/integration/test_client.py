@@ -149,6 +149,31 @@ def test_cli_warm_encode_lookup_and_exit_codes(replicas: list[ServerProcess], tm
     assert down.returncode == 3 and "no replica answered" in down.stderr
 
 
+def test_pip_install_without_torch_encodes(replicas: list[ServerProcess], tmp_path: Path) -> None:
+    """``pip install ./clients/python`` into a fresh venv (no torch, no server) and encode."""
+    source = tmp_path / "src"
+    shutil.copytree(Path(__file__).resolve().parents[2] / "clients" / "python", source,
+                    ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=60)
+    pip = subprocess.run([str(venv / "bin" / "pip"), "install", "-q", str(source)], capture_output=True, text=True,
+                         timeout=120)
+    if pip.returncode != 0:
+        pytest.skip(f"no package index reachable for the client's dependencies: {pip.stderr[-300:]}")
+    image = tmp_path / "x.png"
+    image.write_bytes(image_bytes("PNG", 45, 45, seed=700))
+    code = (
+        "import importlib.util, sys; from encode_client import Client;"
+        "assert importlib.util.find_spec('torch') is None and 'encode_server' not in sys.modules;"
+        f"r = Client({replicas[0].url!r}).encode([{str(image)!r}])[0];"
+        "print(r.status, r.dtype, r.numpy().shape)"
+    )
+    out = subprocess.run([str(venv / "bin" / "python"), "-c", code], capture_output=True, text=True, timeout=60,
+                         cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[:2] == ["encoded", "bfloat16"]
+
+
 def test_with_one_replica_stopped_requests_fail_over(replicas: list[ServerProcess]) -> None:
     """Last in the module: it stops replica 1."""
     urls = [s.url for s in replicas]

@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 TORCH_PIN := torch==2.13.0
 PORT ?= 8000
 
-.PHONY: install tools serve test lint bench clean
+.PHONY: install tools serve test lint bench clean proto
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -49,7 +49,12 @@ test: install tools
 
 lint: install
 	$(BIN)/ruff check .
-	$(BIN)/mypy encode_server
+	$(BIN)/mypy encode_server clients/python/encode_client
+
+# The gRPC code for the server and the client, from encode_server/api/proto (checked in; a test
+# regenerates it and compares).
+proto: install
+	$(BIN)/python scripts/gen_proto.py
 
 bench: install
 	$(BIN)/python -m bench.batching

@@ -36,6 +36,7 @@ class Settings:
     )
     host: str = _opt("127.0.0.1", "HTTP bind address")
     port: int = _opt(8000, "HTTP port")
+    grpc_port: int = _opt(50051, "gRPC port on --host (0 turns gRPC off)")
     cache_mb: float = _opt(1024.0, "local embedding cache budget in MiB (0 turns it off)")
     cache_prefix: str = _opt("encode", "cache key prefix")
     max_batch_size: int = _opt(32, "most images in one forward pass")
@@ -141,6 +142,8 @@ def _validate(s: Settings) -> None:
     for name in positive:
         if getattr(s, name) <= 0:
             raise SystemExit(f"{_flag(name)} must be positive, got {getattr(s, name)}")
+    if not 0 <= s.grpc_port <= 65535:
+        raise SystemExit(f"--grpc-port must be 0 (off) or a port number, got {s.grpc_port}")
     if s.cache_mb < 0 or s.max_wait_ms < 0 or s.request_timeout <= 0:
         raise SystemExit("--cache-mb and --max-wait-ms must be >= 0, --request-timeout > 0")
     if s.drain_seconds < 0:

@@ -13,7 +13,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 from encode_server.core.errors import BadInput, TooLarge
 
-__all__ = ["ACCEPTED_FORMATS", "decode_image", "probe_size"]
+__all__ = ["ACCEPTED_FORMATS", "decode_image", "oriented_size", "probe_size"]
 
 # Our own --max-image-pixels check does the work; Pillow's warning is silenced and its hard
 # error (above twice its default limit, ~179 MP) is mapped to ``image_too_large``.
@@ -57,6 +57,32 @@ def _open(data: bytes, index: int | None, max_pixels: int) -> Image.Image:
 def probe_size(data: bytes, *, max_pixels: int, index: int | None = None) -> tuple[int, int]:
     """(width, height) from the header alone; the same checks as ``decode_image``."""
     return _open(data, index, max_pixels).size
+
+
+# EXIF orientations 5-8 rotate by 90 or 270 degrees: exif_transpose swaps width and height.
+_EXIF_ORIENTATION = 0x0112
+_SWAPS_AXES = frozenset({5, 6, 7, 8})
+
+
+def oriented_size(data: bytes, *, max_pixels: int, index: int | None = None) -> tuple[int, int]:
+    """(width, height) of the image the encoder will see, from the header alone.
+
+    ``decode_image`` applies the EXIF orientation before the processor resizes, so a token count
+    must use the oriented size: width and height swapped for orientations 5-8.
+    """
+    image = _open(data, index, max_pixels)
+    width, height = image.size
+    # Pillow's PNG getexif() decodes every pixel to look for an eXIf chunk after the image data;
+    # a PNG whose bytes never spell the chunk type has none, so skip that cost exactly.
+    if image.format == "PNG" and "exif" not in image.info and b"eXIf" not in data:
+        return width, height
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            orientation = image.getexif().get(_EXIF_ORIENTATION)
+    except Exception:  # malformed EXIF or pixels: the encode fails or ignores it the same way
+        orientation = None
+    return (height, width) if orientation in _SWAPS_AXES else (width, height)
 
 
 def decode_image(data: bytes, *, max_pixels: int, index: int | None = None) -> Image.Image:

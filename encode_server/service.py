@@ -13,7 +13,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from PIL import Image
 
@@ -21,14 +21,14 @@ from encode_server.cache.base import SharedTier
 from encode_server.cache.local import LocalTier
 from encode_server.config import Settings
 from encode_server.core.batcher import Batcher
-from encode_server.core.errors import BadInput, Conflict, EncodeServerError, Unavailable
+from encode_server.core.errors import BadInput, Conflict, EncodeServerError, InvalidRequest, TooLarge, Unavailable
 from encode_server.core.hashing import cache_key, fingerprint, mm_hash, parse_mm_hash
 from encode_server.core.types import Embedding, EncodedTensor, ItemResult, RequestItem
 from encode_server.encoders.base import EncoderInfo, PreparedImage, VisionEncoder
-from encode_server.imaging import decode_image
+from encode_server.imaging import decode_image, oriented_size
 from encode_server.metrics import Metrics
 
-__all__ = ["EncodeService", "LookupResult", "model_fingerprint"]
+__all__ = ["EncodeService", "LookupResult", "TokenCount", "model_fingerprint"]
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +60,17 @@ class LookupResult:
     mm_hash: str
     cached: bool
     tier: str | None
+
+
+@dataclass(frozen=True)
+class TokenCount:
+    """What one image will cost: ``num_tokens`` rows, for the (EXIF-oriented) ``width`` x ``height``."""
+
+    index: int
+    width: int
+    height: int
+    num_tokens: int
+    meta: dict[str, Any]
 
 
 @dataclass
@@ -178,6 +189,52 @@ class EncodeService:
                 if hit:
                     tiers[i] = self.shared.name
         return [LookupResult(h, tier is not None, tier) for h, tier in zip(parsed, tiers, strict=True)]
+
+    async def tokens(
+        self, *, items: Sequence[RequestItem] = (), sizes: Sequence[Sequence[object]] = ()
+    ) -> list[TokenCount]:
+        """Token count and grid per image without running the encoder (routers, KV budgeting).
+
+        From uploads (size read from the header, EXIF orientation applied as the encode path
+        does) or from ``sizes`` of ``(width, height)``; exactly one of the two. Hash-only items
+        have no size to read and are refused. The same limits as an encode apply.
+        """
+        if bool(items) == bool(sizes):
+            raise InvalidRequest("give either image uploads or sizes, not both and not neither")
+        if sizes:
+            return [self._count(i, *self._size(i, raw)) for i, raw in enumerate(sizes)]
+        for item in items:
+            if item.data is None:
+                raise InvalidRequest("a token count needs the image bytes (or use sizes)", index=item.index)
+        uploaded = sum(len(item.data or b"") for item in items)
+        if uploaded > _HASH_OFF_LOOP_BYTES:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._preprocess_pool, self._count_uploads, items)
+        return self._count_uploads(items)
+
+    def _count_uploads(self, items: Sequence[RequestItem]) -> list[TokenCount]:
+        limit = self.settings.max_image_pixels
+        return [self._count(item.index, *oriented_size(item.data or b"", max_pixels=limit, index=item.index))
+                for item in items]
+
+    def _size(self, index: int, raw: Sequence[object]) -> tuple[int, int]:
+        if not (len(raw) == 2 and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in raw)):
+            raise InvalidRequest(f"a size is [width, height] of two positive integers, got {list(raw)!r}", index=index)
+        width, height = (cast(int, v) for v in raw)
+        if width * height > self.settings.max_image_pixels:
+            raise TooLarge(
+                f"{width}x{height} = {width * height} pixels is above the limit of {self.settings.max_image_pixels}",
+                type="image_too_large",
+                index=index,
+            )
+        return width, height
+
+    def _count(self, index: int, width: int, height: int) -> TokenCount:
+        try:
+            num_tokens, meta = self.encoder.count_tokens(width, height)
+        except ValueError as exc:  # e.g. an aspect ratio the processor refuses, as in _prepare
+            raise BadInput(f"image cannot be preprocessed: {exc}", type="unsupported_image", index=index) from exc
+        return TokenCount(index, width, height, num_tokens, meta)
 
     def describe(self) -> dict[str, Any]:
         info = self.encoder.info

@@ -27,6 +27,11 @@ class ServerProcess:
     url: str
     proc: subprocess.Popen[bytes]
     log_path: Path
+    grpc_port: int = 0
+
+    @property
+    def grpc_target(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -45,11 +50,17 @@ class ServerProcess:
 def start_server(*args: str, log_dir: Path, env: dict[str, str] | None = None, timeout: float = 120.0) -> ServerProcess:
     port = free_port()
     log_path = log_dir / f"server-{port}.log"
+    # A free gRPC port too (unless the test picks one): never the shared default 50051.
+    grpc_port = 0 if "--grpc-port" in args else free_port()
     cmd = [sys.executable, "-m", "encode_server", "--host", "127.0.0.1", "--port", str(port), *args]
+    if grpc_port:
+        cmd += ["--grpc-port", str(grpc_port)]
+    elif "--grpc-port" in args:
+        grpc_port = int(args[args.index("--grpc-port") + 1])
     full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **(env or {})}
     with log_path.open("wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env)
-    server = ServerProcess(f"http://127.0.0.1:{port}", proc, log_path)
+    server = ServerProcess(f"http://127.0.0.1:{port}", proc, log_path, grpc_port)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:

@@ -17,15 +17,17 @@ from starlette.formparsers import MultiPartException
 from starlette.requests import Request
 from starlette.types import Message
 
-from encode_server.api.schemas import EncodeRequestIn, LookupRequestIn
+from encode_server.api.schemas import EncodeItemIn, EncodeRequestIn, LookupRequestIn, TokensRequestIn
 from encode_server.core.errors import BadInput, InvalidRequest, TooLarge, UnsupportedMediaType
 from encode_server.core.types import RequestItem
 
 __all__ = [
     "EncodeBody",
+    "TokensBody",
     "media_type",
     "parse_encode_body",
     "parse_lookup_body",
+    "parse_tokens_body",
     "read_body",
 ]
 
@@ -37,6 +39,14 @@ _WHITESPACE = re.compile(rb"\s+")
 class EncodeBody:
     items: list[RequestItem]
     want_embeddings: bool
+
+
+@dataclass(frozen=True)
+class TokensBody:
+    """Uploads or sizes (exactly one is non-empty once the service has checked it)."""
+
+    items: list[RequestItem]
+    sizes: list[list[int]]
 
 
 def media_type(request: Request) -> str:
@@ -71,7 +81,7 @@ def _load_json(body: bytes) -> Any:
 def _validation_error(exc: ValidationError) -> InvalidRequest:
     first = exc.errors()[0]
     loc = [str(part) for part in first["loc"]]
-    index = int(loc[1]) if len(loc) > 1 and loc[0] in ("items", "hashes") and loc[1].isdigit() else None
+    index = int(loc[1]) if len(loc) > 1 and loc[0] in ("items", "hashes", "sizes") and loc[1].isdigit() else None
     where = ".".join(loc) or "body"
     return InvalidRequest(f"{where}: {first['msg']}", index=index)
 
@@ -102,13 +112,17 @@ def _json_items(body: bytes, max_items: int) -> EncodeBody:
         parsed = EncodeRequestIn.model_validate(obj)
     except ValidationError as exc:
         raise _validation_error(exc) from None
+    return EncodeBody(_decode_items(parsed.items), want_embeddings=parsed.return_ == "embeddings")
+
+
+def _decode_items(parsed: list[EncodeItemIn]) -> list[RequestItem]:
     items = []
-    for index, item in enumerate(parsed.items):
+    for index, item in enumerate(parsed):
         if item.data is None and item.hash is None:
             raise InvalidRequest("an item needs 'data', 'hash' or both", index=index)
         data = decode_base64(item.data, index) if item.data is not None else None
         items.append(RequestItem(index=index, mm_hash=item.hash, data=data))
-    return EncodeBody(items, want_embeddings=parsed.return_ == "embeddings")
+    return items
 
 
 async def _multipart_items(request: Request, max_items: int, max_bytes: int) -> EncodeBody:
@@ -171,3 +185,17 @@ async def parse_lookup_body(request: Request, *, max_hashes: int, max_bytes: int
         return LookupRequestIn.model_validate(obj).hashes
     except ValidationError as exc:
         raise _validation_error(exc) from None
+
+
+async def parse_tokens_body(request: Request, *, max_items: int, max_sizes: int, max_bytes: int) -> TokensBody:
+    """``{"sizes": [[w, h], ...]}``, ``{"items": [...]}``, or any upload body /v1/encode takes."""
+    if media_type(request) != "application/json":
+        return TokensBody((await parse_encode_body(request, max_items=max_items, max_bytes=max_bytes)).items, [])
+    obj = _load_json(await read_body(request, max_bytes))
+    _check_count(obj, "items", max_items)
+    _check_count(obj, "sizes", max_sizes)
+    try:
+        parsed = TokensRequestIn.model_validate(obj)
+    except ValidationError as exc:
+        raise _validation_error(exc) from None
+    return TokensBody(_decode_items(parsed.items or []), parsed.sizes or [])

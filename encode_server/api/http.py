@@ -28,8 +28,17 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from encode_server import __version__
-from encode_server.api.bodies import parse_encode_body, parse_lookup_body
-from encode_server.api.schemas import EncodeRequestIn, EncodeResponseOut, ErrorOut, LookupRequestIn, LookupResponseOut
+from encode_server.api.bodies import parse_encode_body, parse_lookup_body, parse_tokens_body
+from encode_server.api.grpc import start_grpc_server
+from encode_server.api.schemas import (
+    EncodeRequestIn,
+    EncodeResponseOut,
+    ErrorOut,
+    LookupRequestIn,
+    LookupResponseOut,
+    TokensRequestIn,
+    TokensResponseOut,
+)
 from encode_server.auth import ApiKeys
 from encode_server.config import Settings
 from encode_server.core.errors import (
@@ -220,6 +229,22 @@ class HttpApi:
         request.state.hits = sum(f.cached for f in found)
         return JSONResponse({"items": [{"hash": f.mm_hash, "cached": f.cached, "tier": f.tier} for f in found]})
 
+    async def tokens(self, request: Request) -> Response:
+        """Token count and grid per image without running the encoder: uploads or sizes."""
+        s = self.runtime.settings
+        self._tenant(request)  # authenticates; token counts are not tenant data
+        service = self.runtime.require_service()
+        body = await parse_tokens_body(
+            request, max_items=s.max_items, max_sizes=max(1024, s.max_items), max_bytes=s.max_request_bytes
+        )
+        counts = await service.tokens(items=body.items, sizes=body.sizes)
+        items = [
+            {"index": c.index, "num_tokens": c.num_tokens, "width": c.width, "height": c.height, "meta": c.meta}
+            for c in counts
+        ]
+        info = service.encoder.info
+        return JSONResponse({"model": info.model_id, "fingerprint": service.fingerprint, "items": items})
+
     async def model(self, request: Request) -> Response:
         """The loaded model, its fingerprint, preprocessing, batching and limits."""
         self._tenant(request)
@@ -346,17 +371,26 @@ def create_app(runtime: Runtime, load_encoder: Callable[[], VisionEncoder]) -> F
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # gRPC shares this event loop; its health says NOT_SERVING until the model is ready.
+        keys = api.keys
+        grpc_server = (
+            await start_grpc_server(runtime, authenticate=keys.authenticate if keys is not None else None)
+            if runtime.settings.grpc_port
+            else None
+        )
         runtime._loader = asyncio.create_task(_load(runtime, load_encoder))
         try:
             yield
         finally:
             runtime.draining = True
+            if grpc_server is not None:
+                await grpc_server.stop(grace=10)
             runtime._loader.cancel()
             if runtime.service is not None:
                 await runtime.service.close()
 
     app = FastAPI(title="encode-server", version=__version__, lifespan=lifespan)
-    routes = frozenset({"/v1/encode", "/v1/lookup", "/v1/model", "/health", "/ready", "/metrics"})
+    routes = frozenset({"/v1/encode", "/v1/lookup", "/v1/tokens", "/v1/model", "/health", "/ready", "/metrics"})
     app.add_middleware(MetricsMiddleware, runtime=runtime, routes=routes)
     common: dict[int | str, dict[str, Any]] = {503: _error_doc("not_ready")}
     app.add_api_route(
@@ -376,6 +410,16 @@ def create_app(runtime: Runtime, load_encoder: Callable[[], VisionEncoder]) -> F
         response_model=LookupResponseOut,
         responses={k: v for k, v in _ENCODE_ERRORS.items() if k in (400, 401, 413, 415, 422, 503)},
         openapi_extra=_request_body_doc(LookupRequestIn),
+    )
+    app.add_api_route(
+        "/v1/tokens",
+        api.tokens,
+        methods=["POST"],
+        response_model=TokensResponseOut,
+        responses={k: v for k, v in _ENCODE_ERRORS.items() if k != 409},
+        openapi_extra=_request_body_doc(
+            TokensRequestIn, "multipart/form-data", "image/*", "application/octet-stream"
+        ),
     )
     app.add_api_route("/v1/model", api.model, methods=["GET"], responses={**common, 401: _error_doc("unauthorized")})
     app.add_api_route("/health", api.health, methods=["GET"])

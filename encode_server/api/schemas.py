@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 __all__ = [
     "EncodeItemIn",
@@ -16,6 +16,9 @@ __all__ = [
     "LookupItemOut",
     "LookupRequestIn",
     "LookupResponseOut",
+    "TokenCountOut",
+    "TokensRequestIn",
+    "TokensResponseOut",
 ]
 
 
@@ -66,6 +69,32 @@ class LookupItemOut(BaseModel):
 
 class LookupResponseOut(BaseModel):
     items: list[LookupItemOut]
+
+
+Size = Annotated[list[StrictInt], Field(min_length=2, max_length=2, description="[width, height] in pixels")]
+
+
+class TokensRequestIn(BaseModel):
+    """Exactly one of ``items`` (uploads, as for /v1/encode) and ``sizes``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    items: list[EncodeItemIn] | None = Field(None, min_length=1)
+    sizes: list[Size] | None = Field(None, min_length=1)
+
+
+class TokenCountOut(BaseModel):
+    index: int
+    num_tokens: int
+    width: int = Field(..., description="width after EXIF orientation, as the encoder sees it")
+    height: int
+    meta: dict[str, Any] = Field(default_factory=dict, description='e.g. "image_grid_thw"')
+
+
+class TokensResponseOut(BaseModel):
+    model: str
+    fingerprint: str
+    items: list[TokenCountOut]
 
 
 class ErrorBody(BaseModel):

@@ -100,3 +100,29 @@ def test_one_json_access_line_per_request_with_its_id_and_no_key(keyed_server: S
     assert any(line["route"] == "/v1/encode" and line["hits"] == 1 for line in access)
     assert any(line["request_id"] == generated.headers["X-Request-ID"] for line in access)
     assert all(line["logger"] != "uvicorn.access" for line in lines)
+
+
+def test_grpc_calls_need_a_key_and_see_only_their_tenant(keyed_server: ServerProcess) -> None:
+    import grpc
+
+    from encode_server.api.proto.encode_server.v1 import encoder_pb2 as pb
+    from encode_server.api.proto.encode_server.v1 import encoder_pb2_grpc as pb_grpc
+
+    data = image_bytes("PNG", 26, 26, seed=43)
+    digest = blake3(data).hexdigest()
+    with grpc.insecure_channel(keyed_server.grpc_target) as channel:
+        stub = pb_grpc.EncoderStub(channel)
+        for metadata in ((), (("authorization", "Bearer wrong-key"),)):
+            with pytest.raises(grpc.RpcError) as info:
+                stub.Lookup(pb.LookupRequest(hashes=[digest]), metadata=metadata)
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert dict(info.value.trailing_metadata())["error-type"] == "unauthorized"
+            assert not any(k in (info.value.details() or "") for k in ALL_KEYS)
+        acme = (("authorization", f"Bearer {ACME_KEY}"),)
+        sent = stub.Encode(pb.EncodeRequest(items=[pb.Item(data=data)]), metadata=acme)
+        assert sent.items[0].status == "encoded"
+        assert stub.Lookup(pb.LookupRequest(hashes=[digest]), metadata=acme).items[0].cached
+        globex = (("authorization", f"Bearer {GLOBEX_KEY}"),)
+        assert not stub.Lookup(pb.LookupRequest(hashes=[digest]), metadata=globex).items[0].cached
+        miss = stub.Encode(pb.EncodeRequest(items=[pb.Item(hash=digest)]), metadata=globex)
+        assert miss.items[0].status == "miss"

@@ -130,3 +130,15 @@ def test_token_counts_follow_the_processor(family: tuple[str, Path, ServerProces
         assert len(counts) > 3, "sizes should give different token counts"
     else:
         assert len(counts) == 1, f"{name} is fixed-resolution, got N in {counts}"
+
+
+def test_tokens_preflight_equals_encode(family: tuple[str, Path, ServerProcess]) -> None:
+    """/v1/tokens (uploads and sizes) gives the num_tokens and meta that /v1/encode returns."""
+    _, _, server = family
+    sizes = ((56, 56), (100, 60), (300, 120), (57, 333), (640, 480))
+    images = [image_bytes("PNG", w, h, seed=w * h) for w, h in sizes]
+    encoded = _encode(server, [{"data": base64.b64encode(d).decode()} for d in images]).json()["items"]
+    by_upload = httpx.post(server.url + "/v1/tokens", files=[("f", (f"{i}.png", d)) for i, d in enumerate(images)])
+    by_size = httpx.post(server.url + "/v1/tokens", json={"sizes": [list(s) for s in sizes]})
+    for counted in (by_upload.json()["items"], by_size.json()["items"]):
+        assert [(c["num_tokens"], c["meta"]) for c in counted] == [(e["num_tokens"], e["meta"]) for e in encoded]

@@ -1,0 +1,253 @@
+"""Everything the sync and async clients share, with no I/O (httpx's habit): replica choice,
+request planning, hash-first-then-upload, retries and failover, written once as generators.
+
+A flow yields either a list of ``Call``s (the client sends them, concurrently where it can, and
+sends back one outcome per call: a parsed answer or the exception it raised) or a ``Sleep``.
+``Client`` and ``AsyncClient`` only drive flows; they hold no logic of their own.
+
+Replicas: each item goes to the replica with the highest rendezvous score for its ``mm_hash``
+(highest-random-weight hashing), so the same image always lands on the same replica and its local
+cache, and adding or removing a replica moves only the items that scored highest there. A replica
+that does not answer is marked down for ``RetryPolicy.down_for`` s; its items go to their next
+replica at once.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from blake3 import blake3
+
+from encode_client._errors import ReplicaUnavailable
+from encode_client._images import ImageInput, image_bytes, mm_hash
+from encode_client._retry import Limits, RetryPolicy
+from encode_client._types import LookupItem, Result, TokenCount, WarmItem
+
+__all__ = ["BaseClient", "Call", "Flow", "Sleep", "rank_replicas"]
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Call:
+    replica: str
+    op: str  # "encode" | "lookup" | "tokens" | "model"
+    payload: Any
+    indices: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Sleep:
+    seconds: float
+
+
+Flow = Generator[list[Call] | Sleep, list[Any], T]
+
+
+def rank_replicas(key: str, replicas: Sequence[str]) -> list[str]:
+    """Replicas from most to least preferred for ``key`` (rendezvous hashing)."""
+
+    def score(replica: str) -> bytes:
+        return blake3(replica.encode() + b"\x00" + key.encode()).digest(length=8)
+
+    return sorted(replicas, key=score, reverse=True)
+
+
+def _normalize(url: str) -> str:
+    url = url.strip().rstrip("/")
+    if not url.startswith(("http://", "https://", "grpc://")):
+        raise ValueError(f"replica URL must start with http://, https:// or grpc://, got {url!r}")
+    return url
+
+
+class BaseClient:
+    """Configuration and the flows. ``urls``: one or more replicas, ``http(s)://host:port`` or
+    ``grpc://host:port``. ``response``: "safetensors" (default, compact) or "json" for HTTP."""
+
+    def __init__(
+        self,
+        urls: str | Sequence[str] = "http://127.0.0.1:8000",
+        *,
+        api_key: str | None = None,
+        response: str = "safetensors",
+        retry: RetryPolicy | None = None,
+        limits: Limits | None = None,
+        timeout: float = 60.0,
+        seed: int | None = None,
+    ) -> None:
+        replicas = [urls] if isinstance(urls, str) else list(urls)
+        if not replicas:
+            raise ValueError("at least one replica URL is required")
+        if response not in ("safetensors", "json"):
+            raise ValueError('response must be "safetensors" or "json"')
+        self.replicas = [_normalize(u) for u in replicas]
+        self.api_key = api_key
+        self.response = response
+        self.retry = retry or RetryPolicy()
+        self.limits = limits or Limits()
+        self.timeout = timeout
+        self._rng = random.Random(seed)
+        self._down: dict[str, float] = {}
+
+    # -- replica choice --------------------------------------------------------------------------
+
+    def replica_for(self, key: str) -> str:
+        """The live replica ``key`` goes to now (every replica down: the first choice anyway)."""
+        ranked = rank_replicas(key, self.replicas)
+        now = time.monotonic()
+        return next((r for r in ranked if self._down.get(r, 0.0) <= now), ranked[0])
+
+    def _mark_down(self, replica: str) -> None:
+        self._down[replica] = time.monotonic() + self.retry.down_for
+
+    def _all_down(self, keys: Sequence[str]) -> bool:
+        now = time.monotonic()
+        return all(self._down.get(self.replica_for(k), 0.0) > now for k in keys)
+
+    # -- the generic round loop ------------------------------------------------------------------
+
+    def _rounds(
+        self,
+        op: str,
+        keys: Sequence[str],
+        payload: Callable[[Sequence[int]], Any],
+        chunks: Callable[[list[int]], list[list[int]]],
+    ) -> Flow[dict[int, Any]]:
+        """Send every index to its replica, in chunks; retry and fail over until each has an
+        answer item (the answer is a list aligned with the chunk). Raises what is not retryable,
+        or the last error once ``max_retries`` rounds have failed."""
+        out: dict[int, Any] = {}
+        pending = list(range(len(keys)))
+        attempt = 0
+        while pending:
+            groups: dict[str, list[int]] = {}
+            for i in pending:
+                groups.setdefault(self.replica_for(keys[i]), []).append(i)
+            calls = [
+                Call(replica, op, payload(chunk), tuple(chunk))
+                for replica, indices in groups.items()
+                for chunk in chunks(indices)
+            ]
+            outcomes = yield calls
+            pending, last, retry_after, only_down = [], None, None, True
+            for call, outcome in zip(calls, outcomes, strict=True):
+                if isinstance(outcome, BaseException):
+                    if not self.retry.retryable(outcome):
+                        raise outcome
+                    last = outcome
+                    pending.extend(call.indices)
+                    if isinstance(outcome, ReplicaUnavailable):
+                        self._mark_down(call.replica)
+                    else:
+                        only_down = False
+                        ra = getattr(outcome, "retry_after", None)
+                        retry_after = max(retry_after or 0.0, ra) if ra is not None else retry_after
+                else:
+                    for i, item in zip(call.indices, outcome, strict=True):
+                        out[i] = item
+            if not pending:
+                break
+            attempt += 1
+            if attempt > self.retry.max_retries:
+                assert last is not None
+                raise last
+            if not (only_down and not self._all_down([keys[i] for i in pending])):
+                yield Sleep(self.retry.delay(attempt, retry_after, self._rng))
+        return out
+
+    def _by_count(self, indices: list[int]) -> list[list[int]]:
+        n = self.limits.max_items
+        return [indices[i : i + n] for i in range(0, len(indices), n)]
+
+    def _by_bytes(self, blobs: Sequence[bytes]) -> Callable[[list[int]], list[list[int]]]:
+        def split(indices: list[int]) -> list[list[int]]:
+            chunks: list[list[int]] = [[]]
+            size = 0
+            for i in indices:
+                if chunks[-1] and (
+                    len(chunks[-1]) >= self.limits.max_items or size + len(blobs[i]) > self.limits.max_upload_bytes
+                ):
+                    chunks.append([])
+                    size = 0
+                chunks[-1].append(i)
+                size += len(blobs[i])
+            return chunks
+
+        return split
+
+    # -- flows -----------------------------------------------------------------------------------
+
+    def _encode_flow(self, images: Sequence[ImageInput]) -> Flow[list[Result]]:
+        """Hash locally; ask for every distinct hash without bytes; upload only the misses, once,
+        to the replica that missed (its local tier then holds them)."""
+        blobs = [image_bytes(i) for i in images]
+        hashes = [mm_hash(b) for b in blobs]
+        unique = list(dict.fromkeys(hashes))
+        data = {h: b for h, b in zip(hashes, blobs, strict=True)}
+        found = yield from self._rounds("encode", unique, lambda ix: [(unique[i], None) for i in ix], self._by_count)
+        missed = [h for i, h in enumerate(unique) if found[i].status == "miss"]
+        if missed:
+            missed_blobs = [data[h] for h in missed]
+            uploaded = yield from self._rounds(
+                "encode", missed, lambda ix: [(missed[i], missed_blobs[i]) for i in ix], self._by_bytes(missed_blobs)
+            )
+            position = {h: i for i, h in enumerate(unique)}
+            for j, h in enumerate(missed):
+                found[position[h]] = uploaded[j]
+        by_hash = {h: found[i] for i, h in enumerate(unique)}
+        return [_reindex(by_hash[h], index) for index, h in enumerate(hashes)]
+
+    def _lookup_flow(self, hashes: Sequence[str]) -> Flow[list[LookupItem]]:
+        keys = [h.lower() for h in hashes]
+        found = yield from self._rounds("lookup", keys, lambda ix: [keys[i] for i in ix], self._by_count)
+        return [found[i] for i in range(len(keys))]
+
+    def _warm_flow(self, images: Sequence[ImageInput]) -> Flow[list[WarmItem]]:
+        """Make sure each image is cached on its replica: lookup (no bytes), upload the rest.
+        Unlike ``encode`` no embedding comes back for an image that is already cached."""
+        blobs = [image_bytes(i) for i in images]
+        hashes = [mm_hash(b) for b in blobs]
+        cached = yield from self._lookup_flow(hashes)
+        todo = [i for i, c in enumerate(cached) if not c.cached]
+        todo_blobs = [blobs[i] for i in todo]
+        encoded = yield from self._rounds(
+            "encode", [hashes[i] for i in todo], lambda ix: [(hashes[todo[i]], todo_blobs[i]) for i in ix],
+            self._by_bytes(todo_blobs),
+        )
+        status = {todo[j]: r for j, r in encoded.items()}
+        return [
+            WarmItem(i, h, "hit" if i not in status else status[i].status, status[i].replica if i in status else None)
+            for i, h in enumerate(hashes)
+        ]
+
+    def _tokens_flow(self, images: Sequence[ImageInput], sizes: Sequence[tuple[int, int]]) -> Flow[list[TokenCount]]:
+        if bool(images) == bool(sizes):
+            raise ValueError("give either images or sizes")
+        if sizes:
+            keys = [f"{w}x{h}" for w, h in sizes]
+            found = yield from self._rounds(
+                "tokens", keys, lambda ix: ("sizes", [sizes[i] for i in ix]), self._by_count
+            )
+        else:
+            blobs = [image_bytes(i) for i in images]
+            keys = [mm_hash(b) for b in blobs]
+            found = yield from self._rounds(
+                "tokens", keys, lambda ix: ("items", [blobs[i] for i in ix]), self._by_bytes(blobs)
+            )
+        return [
+            TokenCount(i, found[i].num_tokens, found[i].width, found[i].height, found[i].meta) for i in range(len(keys))
+        ]
+
+    def _model_flow(self) -> Flow[dict[str, Any]]:
+        found = yield from self._rounds("model", ["model"], lambda ix: None, lambda ix: [ix])
+        return dict(found[0])
+
+
+def _reindex(result: Result, index: int) -> Result:
+    from dataclasses import replace
+
+    return replace(result, index=index)

@@ -1,0 +1,200 @@
+"""``Client`` and ``AsyncClient``: the I/O only. Each drives the shared flows of ``BaseClient``
+by sending ``Call``s over HTTP (httpx) or gRPC and sleeping when told; neither holds logic of
+its own, so the two cannot drift apart."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+import httpx
+
+from encode_client import _http
+from encode_client._base import BaseClient, Call, Flow, Sleep
+from encode_client._errors import ReplicaUnavailable
+from encode_client._images import ImageInput
+from encode_client._types import LookupItem, Result, TokenCount, WarmItem
+
+__all__ = ["AsyncClient", "Client"]
+
+T = TypeVar("T")
+
+# gRPC answers carry whole embeddings; the server's own --max-request-bytes bounds requests.
+_GRPC_OPTIONS = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
+
+
+def _grpc_target(replica: str) -> str:
+    return replica.removeprefix("grpc://")
+
+
+class Client(BaseClient):
+    """Synchronous client. ``with Client(["http://a:8000", "http://b:8000"]) as c: c.encode(paths)``."""
+
+    def __init__(self, urls: str | Sequence[str] = "http://127.0.0.1:8000", **options: Any) -> None:
+        super().__init__(urls, **options)
+        self._http = httpx.Client(timeout=self.timeout)
+        self._stubs: dict[str, Any] = {}
+        self._channels: list[Any] = []
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._http.close()
+        for channel in self._channels:
+            channel.close()
+
+    def encode(self, images: Sequence[ImageInput]) -> list[Result]:
+        """Embeddings for ``images`` (paths, bytes or PIL images), in order. Bytes travel only for
+        images that no replica tier holds, once per distinct image."""
+        return self._run(self._encode_flow(images))
+
+    def lookup(self, hashes: Sequence[str]) -> list[LookupItem]:
+        return self._run(self._lookup_flow(hashes))
+
+    def warm(self, images: Sequence[ImageInput]) -> list[WarmItem]:
+        return self._run(self._warm_flow(images))
+
+    def tokens(
+        self, images: Sequence[ImageInput] = (), *, sizes: Sequence[tuple[int, int]] = ()
+    ) -> list[TokenCount]:
+        return self._run(self._tokens_flow(images, sizes))
+
+    def model(self) -> dict[str, Any]:
+        return self._run(self._model_flow())
+
+    # -- I/O ------------------------------------------------------------------------------------
+
+    def _run(self, flow: Flow[T]) -> T:
+        try:
+            step = next(flow)
+            while True:
+                if isinstance(step, Sleep):
+                    time.sleep(step.seconds)
+                    step = flow.send([])
+                else:
+                    step = flow.send([self._send(call) for call in step])
+        except StopIteration as stop:
+            return stop.value  # type: ignore[no-any-return]
+
+    def _send(self, call: Call) -> Any:
+        try:
+            if call.replica.startswith("grpc://"):
+                return self._send_grpc(call)
+            req = _http.build(call.replica, call.op, call.payload, response=self.response, api_key=self.api_key)
+            try:
+                r = self._http.request(req.method, req.url, json=req.json, headers=req.headers)
+            except httpx.TransportError as exc:
+                raise ReplicaUnavailable(call.replica, repr(exc)) from exc
+            return _http.parse(call.op, r.status_code, r.headers, r.content, call.replica)
+        except Exception as exc:
+            return exc
+
+    def _send_grpc(self, call: Call) -> Any:
+        import grpc
+
+        from encode_client import _grpc
+        from encode_client._proto import encoder_pb2_grpc
+
+        stub = self._stubs.get(call.replica)
+        if stub is None:
+            channel = grpc.insecure_channel(_grpc_target(call.replica), options=_GRPC_OPTIONS)
+            self._channels.append(channel)
+            stub = self._stubs[call.replica] = encoder_pb2_grpc.EncoderStub(channel)
+        metadata = (("authorization", f"Bearer {self.api_key}"),) if self.api_key else None
+        method = getattr(stub, _grpc.METHODS[call.op])
+        try:
+            response = method(_grpc.build(call.op, call.payload), metadata=metadata, timeout=self.timeout)
+        except grpc.RpcError as exc:
+            raise _grpc.error(exc, call.replica) from exc
+        return _grpc.parse(call.op, response, call.replica)
+
+
+class AsyncClient(BaseClient):
+    """asyncio client; the calls of one round (one per replica and chunk) go out concurrently."""
+
+    def __init__(self, urls: str | Sequence[str] = "http://127.0.0.1:8000", **options: Any) -> None:
+        super().__init__(urls, **options)
+        self._http = httpx.AsyncClient(timeout=self.timeout)
+        self._stubs: dict[str, Any] = {}
+        self._channels: list[Any] = []
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+        for channel in self._channels:
+            await channel.close()
+
+    async def encode(self, images: Sequence[ImageInput]) -> list[Result]:
+        """See ``Client.encode``."""
+        return await self._run(self._encode_flow(images))
+
+    async def lookup(self, hashes: Sequence[str]) -> list[LookupItem]:
+        return await self._run(self._lookup_flow(hashes))
+
+    async def warm(self, images: Sequence[ImageInput]) -> list[WarmItem]:
+        return await self._run(self._warm_flow(images))
+
+    async def tokens(
+        self, images: Sequence[ImageInput] = (), *, sizes: Sequence[tuple[int, int]] = ()
+    ) -> list[TokenCount]:
+        return await self._run(self._tokens_flow(images, sizes))
+
+    async def model(self) -> dict[str, Any]:
+        return await self._run(self._model_flow())
+
+    # -- I/O ------------------------------------------------------------------------------------
+
+    async def _run(self, flow: Flow[T]) -> T:
+        try:
+            step = next(flow)
+            while True:
+                if isinstance(step, Sleep):
+                    await asyncio.sleep(step.seconds)
+                    step = flow.send([])
+                else:
+                    step = flow.send(list(await asyncio.gather(*(self._send(call) for call in step))))
+        except StopIteration as stop:
+            return stop.value  # type: ignore[no-any-return]
+
+    async def _send(self, call: Call) -> Any:
+        try:
+            if call.replica.startswith("grpc://"):
+                return await self._send_grpc(call)
+            req = _http.build(call.replica, call.op, call.payload, response=self.response, api_key=self.api_key)
+            try:
+                r = await self._http.request(req.method, req.url, json=req.json, headers=req.headers)
+            except httpx.TransportError as exc:
+                raise ReplicaUnavailable(call.replica, repr(exc)) from exc
+            return _http.parse(call.op, r.status_code, r.headers, r.content, call.replica)
+        except Exception as exc:
+            return exc
+
+    async def _send_grpc(self, call: Call) -> Any:
+        import grpc
+
+        from encode_client import _grpc
+        from encode_client._proto import encoder_pb2_grpc
+
+        stub = self._stubs.get(call.replica)
+        if stub is None:
+            channel = grpc.aio.insecure_channel(_grpc_target(call.replica), options=_GRPC_OPTIONS)
+            self._channels.append(channel)
+            stub = self._stubs[call.replica] = encoder_pb2_grpc.EncoderStub(channel)
+        metadata = (("authorization", f"Bearer {self.api_key}"),) if self.api_key else None
+        method = getattr(stub, _grpc.METHODS[call.op])
+        try:
+            response = await method(_grpc.build(call.op, call.payload), metadata=metadata, timeout=self.timeout)
+        except grpc.RpcError as exc:
+            raise _grpc.error(exc, call.replica) from exc
+        return _grpc.parse(call.op, response, call.replica)

@@ -1,0 +1,131 @@
+"""The HTTP wire: requests to build and answers to parse for each operation. No I/O here; the
+sync and async clients send what ``build`` returns with httpx and hand the answer to ``parse``."""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from encode_client._errors import ServerError
+from encode_client._types import LookupItem, Result, TokenCount
+
+__all__ = ["SAFETENSORS", "HttpRequest", "build", "parse", "read_safetensors"]
+
+SAFETENSORS = "application/vnd.safetensors"
+
+
+@dataclass(frozen=True)
+class HttpRequest:
+    method: str
+    url: str
+    json: Any = None
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+def _item(hash_: str | None, data: bytes | None) -> dict[str, str]:
+    out = {}
+    if hash_ is not None:
+        out["hash"] = hash_
+    if data is not None:
+        out["data"] = base64.b64encode(data).decode("ascii")
+    return out
+
+
+def build(base_url: str, op: str, payload: Any, *, response: str, api_key: str | None) -> HttpRequest:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    base = base_url.rstrip("/")
+    if op == "encode":
+        headers["Accept"] = SAFETENSORS if response == "safetensors" else "application/json"
+        return HttpRequest("POST", base + "/v1/encode", {"items": [_item(h, d) for h, d in payload]}, headers)
+    if op == "lookup":
+        return HttpRequest("POST", base + "/v1/lookup", {"hashes": list(payload)}, headers)
+    if op == "tokens":
+        kind, entries = payload
+        body: dict[str, Any] = (
+            {"sizes": [list(s) for s in entries]} if kind == "sizes" else {"items": [_item(None, d) for d in entries]}
+        )
+        return HttpRequest("POST", base + "/v1/tokens", body, headers)
+    if op == "model":
+        return HttpRequest("GET", base + "/v1/model", None, headers)
+    raise ValueError(f"unknown operation {op!r}")
+
+
+def _error(status: int, headers: Mapping[str, str], content: bytes, replica: str) -> ServerError:
+    try:
+        err = json.loads(content)["error"]
+        kind, message, index = str(err["type"]), str(err["message"]), err.get("index")
+    except (ValueError, KeyError, TypeError):
+        kind, message, index = "http_error", content[:200].decode("utf-8", "replace"), None
+    retry_after = None
+    raw = headers.get("retry-after")
+    if raw is not None:
+        try:
+            retry_after = float(raw)
+        except ValueError:
+            retry_after = None
+    return ServerError(status, kind, message, index, retry_after=retry_after, replica=replica)
+
+
+def parse(op: str, status: int, headers: Mapping[str, str], content: bytes, replica: str) -> list[Any]:
+    """The answer as a list aligned with the request's items (``model``: a one-item list)."""
+    if status != 200:
+        raise _error(status, headers, content, replica)
+    if op == "encode":
+        if headers.get("content-type", "").startswith(SAFETENSORS):
+            return _encode_safetensors(content, replica)
+        items = json.loads(content)["items"]
+        return [_result(item, base64.b64decode(item.get("embedding", "")), replica) for item in items]
+    body = json.loads(content)
+    if op == "lookup":
+        return [LookupItem(i["hash"], i["cached"], i["tier"]) for i in body["items"]]
+    if op == "tokens":
+        return [
+            TokenCount(i["index"], i["num_tokens"], i["width"], i["height"], i.get("meta", {})) for i in body["items"]
+        ]
+    return [body]
+
+
+def _result(item: Mapping[str, Any], data: bytes, replica: str) -> Result:
+    shape = item.get("shape")
+    return Result(
+        index=item["index"],
+        hash=item["hash"],
+        status=item["status"],
+        source=item.get("source"),
+        num_tokens=item.get("num_tokens"),
+        shape=tuple(shape) if shape is not None else (),
+        dtype=item.get("dtype"),
+        meta=item.get("meta") or {},
+        data=data,
+        replica=replica,
+        key=item.get("key"),
+    )
+
+
+def read_safetensors(blob: bytes) -> tuple[dict[str, tuple[str, tuple[int, ...], bytes]], dict[str, str]]:
+    """A safetensors file to ``{name: (dtype code, shape, bytes)}`` and its metadata."""
+    if len(blob) < 8:
+        raise ValueError("not a safetensors file: shorter than 8 bytes")
+    n = int.from_bytes(blob[:8], "little")
+    if n > len(blob) - 8:
+        raise ValueError("not a safetensors file: header runs past the end")
+    header = json.loads(blob[8 : 8 + n])
+    metadata = header.pop("__metadata__", None) or {}
+    data = memoryview(blob)[8 + n :]
+    tensors = {}
+    for name, info in header.items():
+        begin, end = info["data_offsets"]
+        tensors[name] = (info["dtype"], tuple(info["shape"]), bytes(data[begin:end]))
+    return tensors, metadata
+
+
+def _encode_safetensors(blob: bytes, replica: str) -> list[Result]:
+    tensors, metadata = read_safetensors(blob)
+    out = []
+    for item in json.loads(metadata["items"]):
+        tensor = tensors.get(str(item["index"]))
+        out.append(_result(item, tensor[2] if tensor else b"", replica))
+    return out

@@ -1,0 +1,94 @@
+"""Typed results. Tensors arrive as raw little-endian bytes plus dtype and shape; numpy has no
+bfloat16, so ``.numpy()`` widens bf16 to float32 exactly, while ``.torch()`` keeps it bf16."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["LookupItem", "Result", "TokenCount", "WarmItem", "to_numpy", "to_torch"]
+
+_NUMPY = {"float32": "<f4", "float16": "<f2", "float64": "<f8", "int32": "<i4", "int64": "<i8", "uint8": "|u1"}
+
+
+def to_numpy(raw: bytes, dtype: str, shape: Sequence[int]) -> np.ndarray:
+    """Raw little-endian tensor bytes to numpy; bfloat16 widens exactly to float32."""
+    if dtype == "bfloat16":
+        bits = np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16
+        return bits.view(np.float32).reshape(tuple(shape))
+    if dtype not in _NUMPY:
+        raise ValueError(f"unknown dtype {dtype!r}")
+    return np.frombuffer(raw, dtype=_NUMPY[dtype]).reshape(tuple(shape))
+
+
+def to_torch(raw: bytes, dtype: str, shape: Sequence[int]) -> torch.Tensor:
+    """Raw bytes to a torch tensor of the same dtype (bf16 stays bf16). Needs torch installed."""
+    try:
+        import torch
+    except ImportError as exc:  # torch is optional: pip install 'encode-client[torch]'
+        raise ImportError("Result.torch() needs torch: pip install 'encode-client[torch]'") from exc
+    if not raw:
+        return torch.empty(tuple(shape), dtype=getattr(torch, dtype))
+    return torch.frombuffer(bytearray(raw), dtype=getattr(torch, dtype)).reshape(tuple(shape))
+
+
+@dataclass(frozen=True)
+class Result:
+    """One image's embedding (``status`` "hit" or "encoded"; "miss" carries no tensor)."""
+
+    index: int
+    hash: str
+    status: str
+    source: str | None
+    num_tokens: int | None
+    shape: tuple[int, ...]
+    dtype: str | None
+    meta: dict[str, Any] = field(default_factory=dict)
+    data: bytes = field(default=b"", repr=False)
+    replica: str | None = None
+    key: str | None = None
+
+    def _check(self) -> str:
+        if self.dtype is None or self.status == "miss":
+            raise ValueError(f"item {self.index} ({self.hash}) is a miss: no embedding")
+        return self.dtype
+
+    def numpy(self) -> np.ndarray:
+        return to_numpy(self.data, self._check(), self.shape)
+
+    def torch(self) -> torch.Tensor:
+        return to_torch(self.data, self._check(), self.shape)
+
+
+@dataclass(frozen=True)
+class LookupItem:
+    hash: str
+    cached: bool
+    tier: str | None
+
+
+@dataclass(frozen=True)
+class TokenCount:
+    """Tokens an image will produce (its EXIF-oriented size as the server sees it)."""
+
+    index: int
+    num_tokens: int
+    width: int
+    height: int
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class WarmItem:
+    """``status`` "hit" (was cached) or "encoded" (uploaded and encoded now)."""
+
+    index: int
+    hash: str
+    status: str
+    replica: str | None = None

@@ -1,0 +1,304 @@
+"""The gRPC front door (DESIGN section 7): parse, call the same ``EncodeService``, map errors.
+
+Same items, statuses, limits and error ``type``s as HTTP. An error is a gRPC status code
+(``CODES`` below) with the HTTP error's ``type`` in the trailing metadata key ``error-type``, the
+failing item in ``error-index`` and, for UNAVAILABLE, ``retry-after`` seconds. 413 maps to
+RESOURCE_EXHAUSTED, which is also what gRPC itself answers for a message above the receive limit
+(that one carries no ``error-type``; clients read it as ``payload_too_large``).
+
+Auth is one call site: ``GrpcApi._authorize`` hands the ``authorization`` metadata to an optional
+``authenticate`` callable (``None``: open), the same contract as the HTTP side's API keys.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from encode_server.api.proto.encode_server.v1 import encoder_pb2 as pb
+from encode_server.api.proto.encode_server.v1 import encoder_pb2_grpc as pb_grpc
+from encode_server.core.errors import (
+    BadInput,
+    Conflict,
+    EncodeServerError,
+    InvalidRequest,
+    Timeout,
+    TooLarge,
+    Unauthorized,
+    Unavailable,
+    UnsupportedMediaType,
+)
+from encode_server.core.types import ItemResult, RequestItem
+from encode_server.service import EncodeService
+
+__all__ = ["CODES", "SERVICE_NAME", "GrpcApi", "HealthApi", "code_for", "start_grpc_server"]
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "encode_server.v1.Encoder"
+
+CODES: tuple[tuple[type[EncodeServerError], grpc.StatusCode], ...] = (
+    (BadInput, grpc.StatusCode.INVALID_ARGUMENT),  # 400
+    (Unauthorized, grpc.StatusCode.UNAUTHENTICATED),  # 401
+    (Conflict, grpc.StatusCode.FAILED_PRECONDITION),  # 409
+    (TooLarge, grpc.StatusCode.RESOURCE_EXHAUSTED),  # 413
+    (UnsupportedMediaType, grpc.StatusCode.INVALID_ARGUMENT),  # 415
+    (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),  # 422
+    (Unavailable, grpc.StatusCode.UNAVAILABLE),  # 503
+    (Timeout, grpc.StatusCode.DEADLINE_EXCEEDED),  # 504
+)
+
+# Protobuf framing around the request's bytes; the body itself is held to --max-request-bytes.
+_FRAMING_SLACK = 64 * 1024
+
+Authenticate = Callable[[str | None], str | None]
+"""``authorization`` metadata -> tenant (or None); raises ``Unauthorized``."""
+
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+
+
+def code_for(exc: EncodeServerError) -> grpc.StatusCode:
+    for cls, code in CODES:
+        if isinstance(exc, cls):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+def error_metadata(exc: EncodeServerError) -> tuple[tuple[str, str], ...]:
+    md = [("error-type", exc.type)]
+    if exc.index is not None:
+        md.append(("error-index", str(exc.index)))
+    if isinstance(exc, Unavailable):
+        md.append(("retry-after", str(max(1, round(exc.retry_after)))))
+    return tuple(md)
+
+
+def _items(raw: Sequence[pb.Item], *, max_items: int) -> list[RequestItem]:
+    """The JSON body's item rules: at least one, at most ``max_items``, each with data or hash."""
+    if len(raw) > max_items:
+        raise TooLarge(f"{len(raw)} items in one request, above the limit of {max_items}", type="too_many_items")
+    if not raw:
+        raise InvalidRequest("items: at least one item is required")
+    items = []
+    for index, item in enumerate(raw):
+        has_hash, has_data = item.HasField("hash"), item.HasField("data")
+        if not (has_hash or has_data):
+            raise InvalidRequest("an item needs 'data', 'hash' or both", index=index)
+        items.append(
+            RequestItem(index=index, mm_hash=item.hash if has_hash else None, data=item.data if has_data else None)
+        )
+    return items
+
+
+def _encode_item(r: ItemResult, *, with_embedding: bool, with_key: bool) -> pb.EncodeItem:
+    out = pb.EncodeItem(index=r.index, hash=r.mm_hash, status=r.status)
+    if r.source is not None:
+        out.source = r.source
+    if r.embedding is not None:
+        t = r.embedding.tensor
+        out.num_tokens = r.embedding.num_tokens
+        out.embedding.CopyFrom(pb.Tensor(dtype=t.dtype, shape=t.shape, data=t.data if with_embedding else b""))
+        out.meta_json = json.dumps(r.embedding.meta, separators=(",", ":"))
+    if with_key and r.key is not None:
+        out.key = r.key
+    return out
+
+
+class GrpcApi(pb_grpc.EncoderServicer):
+    """``encode_server.v1.Encoder``; every RPC goes through ``_call`` (auth, readiness, errors)."""
+
+    def __init__(self, runtime: Any, *, authenticate: Authenticate | None = None) -> None:
+        self.runtime = runtime  # api.http.Runtime (not imported: http imports this module)
+        self.authenticate = authenticate
+
+    async def Encode(self, request: pb.EncodeRequest, context: grpc.aio.ServicerContext) -> pb.EncodeResponse:
+        return await self._call("Encode", self._encode, request, context)
+
+    async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
+        return await self._call("Lookup", self._lookup, request, context)
+
+    async def Tokens(self, request: pb.TokensRequest, context: grpc.aio.ServicerContext) -> pb.TokensResponse:
+        return await self._call("Tokens", self._tokens, request, context)
+
+    async def Model(self, request: pb.ModelRequest, context: grpc.aio.ServicerContext) -> pb.ModelResponse:
+        return await self._call("Model", self._model, request, context)
+
+    # -- the one call site -----------------------------------------------------------------------
+
+    def _authorize(self, context: grpc.aio.ServicerContext) -> str | None:
+        """The tenant that keys this call's cache entries (None: shared), as on HTTP."""
+        if self.authenticate is None:
+            return None
+        header = dict(context.invocation_metadata() or ()).get("authorization")
+        try:
+            tenant = self.authenticate(header if isinstance(header, str) else None)
+        except Unauthorized:
+            self.runtime.metrics.rejected.labels(reason="unauthorized").inc()
+            raise
+        return tenant if self.runtime.settings.tenant_isolation else None
+
+    async def _call(
+        self,
+        name: str,
+        handler: Callable[[EncodeService, Req, str | None], Awaitable[Resp]],
+        request: Req,
+        context: grpc.aio.ServicerContext,
+    ) -> Resp:
+        metrics = self.runtime.metrics
+        route = f"grpc:{name}"
+        started = time.perf_counter()
+        code = grpc.StatusCode.OK
+        metrics.inflight_requests.inc()
+        try:
+            tenant = self._authorize(context)
+            with self.runtime.serving():  # a drain waits for gRPC calls too
+                return await handler(self.runtime.require_service(), request, tenant)
+        except EncodeServerError as exc:
+            code = code_for(exc)
+            await context.abort(code, exc.message, trailing_metadata=error_metadata(exc))
+            raise  # unreachable: abort raises
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            code = grpc.StatusCode.CANCELLED
+            raise
+        except Exception:
+            log.exception("unexpected error in gRPC %s", name)
+            code = grpc.StatusCode.INTERNAL
+            await context.abort(code, "internal server error", trailing_metadata=(("error-type", "internal"),))
+            raise
+        finally:
+            metrics.inflight_requests.dec()
+            metrics.requests.labels(route=route, code=code.name).inc()
+            metrics.request_seconds.labels(route=route).observe(time.perf_counter() - started)
+
+    # -- handlers --------------------------------------------------------------------------------
+
+    def _check_size(self, request: Any) -> None:
+        limit = self.runtime.settings.max_request_bytes
+        size = request.ByteSize()
+        if size > limit:
+            raise TooLarge(f"request is {size} bytes, above the limit of {limit}")
+
+    async def _encode(
+        self, service: EncodeService, request: pb.EncodeRequest, tenant: str | None
+    ) -> pb.EncodeResponse:
+        s = self.runtime.settings
+        self._check_size(request)
+        items = _items(request.items, max_items=s.max_items)
+        want = request.return_kind == pb.RETURN_EMBEDDINGS
+        try:
+            results = await asyncio.wait_for(
+                service.encode(items, want_embeddings=want, tenant=tenant), s.request_timeout
+            )
+        except asyncio.TimeoutError:
+            self.runtime.metrics.rejected.labels(reason="timeout").inc()
+            raise Timeout(f"request took longer than {s.request_timeout:g} s") from None
+        return pb.EncodeResponse(
+            model=service.encoder.info.model_id,
+            fingerprint=service.fingerprint,
+            items=[_encode_item(r, with_embedding=want, with_key=not want) for r in results],
+        )
+
+    async def _lookup(
+        self, service: EncodeService, request: pb.LookupRequest, tenant: str | None
+    ) -> pb.LookupResponse:
+        limit = max(1024, self.runtime.settings.max_items)
+        if len(request.hashes) > limit:
+            raise TooLarge(f"{len(request.hashes)} hashes in one request, above the limit of {limit}",
+                           type="too_many_items")
+        if not request.hashes:
+            raise InvalidRequest("hashes: at least one hash is required")
+        found = await service.lookup(list(request.hashes), tenant=tenant)
+        return pb.LookupResponse(
+            items=[pb.LookupItem(hash=f.mm_hash, cached=f.cached, tier=f.tier) for f in found]
+        )
+
+    async def _tokens(
+        self, service: EncodeService, request: pb.TokensRequest, tenant: str | None
+    ) -> pb.TokensResponse:
+        s = self.runtime.settings
+        self._check_size(request)
+        items = _items(request.items, max_items=s.max_items) if request.items else []
+        if len(request.sizes) > max(1024, s.max_items):
+            raise TooLarge(f"{len(request.sizes)} sizes in one request", type="too_many_items")
+        sizes = [(int(size.width), int(size.height)) for size in request.sizes]
+        counts = await service.tokens(items=items, sizes=sizes)
+        return pb.TokensResponse(
+            model=service.encoder.info.model_id,
+            fingerprint=service.fingerprint,
+            items=[
+                pb.TokenCount(index=c.index, num_tokens=c.num_tokens, width=c.width, height=c.height,
+                              meta_json=json.dumps(c.meta, separators=(",", ":")))
+                for c in counts
+            ],
+        )
+
+    async def _model(self, service: EncodeService, request: pb.ModelRequest, tenant: str | None) -> pb.ModelResponse:
+        info = service.encoder.info
+        return pb.ModelResponse(
+            id=info.model_id, fingerprint=service.fingerprint, kind=info.kind, dtype=info.dtype,
+            hidden_size=info.hidden_size, json=json.dumps(service.describe()),
+        )
+
+
+class HealthApi(health_pb2_grpc.HealthServicer):
+    """``grpc.health.v1.Health``: SERVING exactly when ``/ready`` is 200 (loaded, warm, not draining).
+
+    The status is read from the runtime on every call rather than pushed, so it can never go stale;
+    ``Watch`` polls it at ``poll_s``. Open, like ``/ready``."""
+
+    SERVICES = frozenset({"", SERVICE_NAME})
+
+    def __init__(self, runtime: Any, *, poll_s: float = 0.5) -> None:
+        self.runtime = runtime
+        self.poll_s = poll_s
+
+    def _status(self) -> int:
+        ready = self.runtime.ready
+        return health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
+
+    async def Check(
+        self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
+    ) -> health_pb2.HealthCheckResponse:
+        if request.service not in self.SERVICES:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
+        return health_pb2.HealthCheckResponse(status=self._status())
+
+    async def Watch(self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext) -> Any:
+        last = None
+        while True:
+            status = (
+                self._status() if request.service in self.SERVICES
+                else health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+            )
+            if status != last:
+                yield health_pb2.HealthCheckResponse(status=status)
+                last = status
+            await asyncio.sleep(self.poll_s)
+
+
+async def start_grpc_server(runtime: Any, *, authenticate: Authenticate | None = None) -> grpc.aio.Server:
+    """Bind ``--host``:``--grpc-port`` in the running event loop (the HTTP server's) and start.
+
+    Health says NOT_SERVING until the model is ready. Messages up to ``--max-request-bytes``."""
+    s = runtime.settings
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", s.max_request_bytes + _FRAMING_SLACK),
+            ("grpc.max_send_message_length", -1),
+        ]
+    )
+    pb_grpc.add_EncoderServicer_to_server(GrpcApi(runtime, authenticate=authenticate), server)
+    health_pb2_grpc.add_HealthServicer_to_server(HealthApi(runtime), server)
+    host = f"[{s.host}]" if ":" in s.host else s.host
+    server.add_insecure_port(f"{host}:{s.grpc_port}")
+    await server.start()
+    log.info("gRPC listening on %s:%d", host, s.grpc_port)
+    return server

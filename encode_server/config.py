@@ -38,6 +38,14 @@ class Settings:
     port: int = _opt(8000, "HTTP port")
     cache_mb: float = _opt(1024.0, "local embedding cache budget in MiB (0 turns it off)")
     cache_prefix: str = _opt("encode", "cache key prefix")
+    redis_url: str | None = _opt(
+        None, "shared tier: redis://, rediss:// (TLS) or redis+cluster:// URL; unset: local tier only"
+    )
+    redis_cluster: bool = _opt(False, "treat --redis-url as a Redis Cluster seed node")
+    redis_ttl: int = _opt(86400, "seconds a shared-tier entry lives (SET EX); 0: no expiry")
+    redis_timeout_ms: float = _opt(150.0, "Redis connect and socket timeout in milliseconds")
+    redis_max_value_mb: float = _opt(64.0, "largest value written to Redis in MiB; larger ones are skipped")
+    redis_write_queue: int = _opt(512, "writes waiting to go to Redis; beyond it new writes are dropped")
     max_batch_size: int = _opt(32, "most images in one forward pass")
     max_batch_tokens: int = _opt(65536, "most patch tokens in one forward pass")
     max_wait_ms: float = _opt(5.0, "longest a batch waits to fill, in milliseconds")
@@ -48,6 +56,10 @@ class Settings:
     request_timeout: float = _opt(60.0, "per-request timeout in seconds (504 past it)")
     preprocess_workers: int = _opt(4, "threads that decode and preprocess images")
     log_level: str = _opt("info", "log level", choices=("debug", "info", "warning", "error"))
+
+    @property
+    def redis_max_value_bytes(self) -> int:
+        return int(self.redis_max_value_mb * 1024 * 1024)
 
     @property
     def cache_bytes(self) -> int:
@@ -61,8 +73,12 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def _kind(f: dataclasses.Field[Any]) -> str:
+    return f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+
+
 def _convert(f: dataclasses.Field[Any], raw: str) -> Any:
-    kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    kind = _kind(f)
     if kind.startswith("int"):
         return int(raw)
     if kind.startswith("float"):
@@ -80,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
         f"{ENV_PREFIX}MAX_BATCH_SIZE=16.",
     )
     for f in fields(Settings):
+        # A bool flag alone means true (``--redis-cluster``); ``--redis-cluster false`` also works.
+        extra: dict[str, Any] = {"nargs": "?", "const": "true"} if _kind(f) == "bool" else {}
         parser.add_argument(
             _flag(f.name),
             dest=f.name,
@@ -87,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
             type=partial(_convert, f),
             choices=f.metadata.get("choices"),
             help=f"{f.metadata['help']} (default: {f.default})",
+            **extra,
         )
     return parser
 
@@ -120,5 +139,7 @@ def _validate(s: Settings) -> None:
     for name in positive:
         if getattr(s, name) <= 0:
             raise SystemExit(f"{_flag(name)} must be positive, got {getattr(s, name)}")
+    if s.redis_ttl < 0 or s.redis_timeout_ms <= 0 or s.redis_max_value_mb <= 0 or s.redis_write_queue <= 0:
+        raise SystemExit("--redis-ttl must be >= 0; --redis-timeout-ms, --redis-max-value-mb, --redis-write-queue > 0")
     if s.cache_mb < 0 or s.max_wait_ms < 0 or s.request_timeout <= 0:
         raise SystemExit("--cache-mb and --max-wait-ms must be >= 0, --request-timeout > 0")

@@ -44,7 +44,9 @@ def encode(server: ServerProcess, items: list[dict], **extra: object) -> httpx.R
 
 def metric(server: ServerProcess, name: str, labels: str = "") -> float:
     text = httpx.get(server.url + "/metrics").text
-    pattern = re.compile(rf"^{re.escape(name)}{re.escape(labels)}\s+(\S+)$", re.M)
+    # Without ``labels``, the sum over every label set.
+    selector = re.escape(labels) if labels else r"(?:\{[^}]*\})?"
+    pattern = re.compile(rf"^{re.escape(name)}{selector}\s+(\S+)$", re.M)
     return sum(float(m.group(1)) for m in pattern.finditer(text))
 
 

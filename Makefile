@@ -19,7 +19,7 @@ $(STAMP): $(BIN)/python pyproject.toml clients/python/pyproject.toml
 		echo "no GPU found: installing the CPU build $(TORCH_PIN) first"; \
 		$(BIN)/python -m pip install --quiet "$(TORCH_PIN)"; \
 	fi
-	$(BIN)/python -m pip install --quiet -e '.[dev]' -e ./clients/python
+	$(BIN)/python -m pip install --quiet -e '.[dev]' -e './clients/python[store]'
 	@touch $(STAMP)
 
 install: $(STAMP)
@@ -27,10 +27,12 @@ install: $(STAMP)
 serve: install
 	$(BIN)/encode-server --host 0.0.0.0 --port $(PORT)
 
-# The operations tests run Debian's promtool and prometheus and validate deploy/docker-compose.yml
-# with docker-compose: installed here when missing (root with apt), else stop with the command.
-OPS_TOOLS := promtool prometheus docker-compose
-OPS_PACKAGES := prometheus docker-compose
+# Binaries the tests run (never skipped silently): redis-server/redis-cli (fault and cluster tests
+# start their own), Debian's promtool and prometheus, docker-compose (validates deploy/), b3sum
+# (the client's `hash` must print what it prints). Installed here when missing (root with apt),
+# else make stops with the command to run.
+OPS_TOOLS := redis-server redis-cli promtool prometheus docker-compose b3sum
+OPS_PACKAGES := redis-server prometheus docker-compose b3sum
 
 tools:
 	@missing=$$(for t in $(OPS_TOOLS); do command -v $$t >/dev/null || echo $$t; done); \
@@ -56,8 +58,9 @@ lint: install
 proto: install
 	$(BIN)/python scripts/gen_proto.py
 
-bench: install
+bench: install tools
 	$(BIN)/python -m bench.batching
+	$(BIN)/python -m bench.tiers
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -39,6 +39,14 @@ class Settings:
     grpc_port: int = _opt(50051, "gRPC port on --host (0 turns gRPC off)")
     cache_mb: float = _opt(1024.0, "local embedding cache budget in MiB (0 turns it off)")
     cache_prefix: str = _opt("encode", "cache key prefix")
+    redis_url: str | None = _opt(
+        None, "shared tier: redis://, rediss:// (TLS) or redis+cluster:// URL; unset: local tier only"
+    )
+    redis_cluster: bool = _opt(False, "treat --redis-url as a Redis Cluster seed node")
+    redis_ttl: int = _opt(86400, "seconds a shared-tier entry lives (SET EX); 0: no expiry")
+    redis_timeout_ms: float = _opt(150.0, "Redis connect and socket timeout in milliseconds")
+    redis_max_value_mb: float = _opt(64.0, "largest value written to Redis in MiB; larger ones are skipped")
+    redis_write_queue: int = _opt(512, "writes waiting to go to Redis; beyond it new writes are dropped")
     max_batch_size: int = _opt(32, "most images in one forward pass")
     max_batch_tokens: int = _opt(65536, "most patch tokens in one forward pass")
     max_wait_ms: float = _opt(5.0, "longest a batch waits to fill, in milliseconds")
@@ -57,6 +65,10 @@ class Settings:
     )
     api_keys: str | None = _opt(None, "comma-separated API keys, each key or tenant:key", repr=False)
     tenant_isolation: bool = _opt(False, "make the tenant of the API key part of every cache key")
+
+    @property
+    def redis_max_value_bytes(self) -> int:
+        return int(self.redis_max_value_mb * 1024 * 1024)
 
     @property
     def cache_bytes(self) -> int:
@@ -144,6 +156,8 @@ def _validate(s: Settings) -> None:
             raise SystemExit(f"{_flag(name)} must be positive, got {getattr(s, name)}")
     if not 0 <= s.grpc_port <= 65535:
         raise SystemExit(f"--grpc-port must be 0 (off) or a port number, got {s.grpc_port}")
+    if s.redis_ttl < 0 or s.redis_timeout_ms <= 0 or s.redis_max_value_mb <= 0 or s.redis_write_queue <= 0:
+        raise SystemExit("--redis-ttl must be >= 0; --redis-timeout-ms, --redis-max-value-mb, --redis-write-queue > 0")
     if s.cache_mb < 0 or s.max_wait_ms < 0 or s.request_timeout <= 0:
         raise SystemExit("--cache-mb and --max-wait-ms must be >= 0, --request-timeout > 0")
     if s.drain_seconds < 0:

@@ -40,7 +40,9 @@ class Metrics:
         self.requests = counter("requests", "HTTP/gRPC requests by route and status code.", ("route", "code"))
         self.items = counter("items", "Items resolved, by status and source.", ("status", "source"))
         self.cache_lookups = counter(
-            "cache_lookups", "Cache lookups by tier and result (hit or miss).", ("tier", "result")
+            "cache_lookups",
+            "Cache lookups by tier and result: hit, miss; redis also corrupt and unavailable.",
+            ("tier", "result"),
         )
         self.cache_bytes = gauge("cache_bytes", "Bytes held by a cache tier.", ("tier",))
         self.cache_entries = gauge("cache_entries", "Entries held by a cache tier.", ("tier",))
@@ -60,6 +62,11 @@ class Metrics:
         self.queue_depth = gauge("queue_depth", "Items waiting for a batch.")
         self.inflight_requests = gauge("inflight_requests", "Requests being served now.")
         self.redis_errors = counter("redis_errors", "Redis errors by operation.", ("op",))
+        self.redis_writes = counter(
+            "redis_writes",
+            "Shared-tier writes by result: written, queue_full, too_large, breaker_open, error.",
+            ("result",),
+        )
         self.redis_up = gauge("redis_up", "1 when the shared Redis tier is reachable, else 0.")
         self.upload_bytes = counter("upload_bytes", "Image bytes received.")
         self.response_bytes = counter("response_bytes", "Response body bytes sent.")

@@ -122,6 +122,8 @@ class EncodeService:
     async def start(self) -> None:
         """Start the batcher and run one warm-up forward pass (readiness waits for it)."""
         self.batcher.start()
+        if self.shared is not None:
+            await self.shared.start()
         warmup = Image.new("RGB", (64, 64), (127, 127, 127))
         loop = asyncio.get_running_loop()
         prepared = await loop.run_in_executor(self._preprocess_pool, self.encoder.preprocess, warmup)
@@ -415,7 +417,17 @@ class EncodeService:
         return ItemResult(ident.index, ident.mm_hash, status, source, value, key=ident.key)
 
     async def _hand_off(self, results: list[ItemResult]) -> None:
+        """Write every resolved item to the shared tier now, in one round trip; a Redis hit is
+        already there. Duplicates in a request are written once."""
         assert self.shared is not None
+        entries: dict[str, tuple[int, Embedding]] = {}
         for result in results:
             if result.embedding is not None and result.source != self.shared.name:
-                await self.shared.put_now(result.key or self.key_for(result.mm_hash), result.embedding)
+                entries.setdefault(result.key or self.key_for(result.mm_hash), (result.index, result.embedding))
+        if not entries:
+            return
+        try:
+            await self.shared.put_now([(key, value) for key, (_, value) in entries.items()])
+        except EncodeServerError as exc:
+            indexes = [index for index, _ in entries.values()]
+            raise exc.with_index(indexes[exc.index]) if exc.index is not None else exc from None

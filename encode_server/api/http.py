@@ -40,6 +40,8 @@ from encode_server.api.schemas import (
     TokensResponseOut,
 )
 from encode_server.auth import ApiKeys
+from encode_server.cache.base import SharedTier
+from encode_server.cache.redis import create_redis_tier, redact_url
 from encode_server.config import Settings
 from encode_server.core.errors import (
     BadInput,
@@ -52,12 +54,13 @@ from encode_server.core.errors import (
     Unavailable,
     UnsupportedMediaType,
 )
+from encode_server.core.stored import ValueSpec
 from encode_server.core.types import ItemResult
 from encode_server.core.wire import WireTensor, dump_safetensors
 from encode_server.encoders.base import VisionEncoder
 from encode_server.logs import ACCESS_LOGGER
 from encode_server.metrics import CONTENT_TYPE_LATEST, Metrics
-from encode_server.service import EncodeService
+from encode_server.service import EncodeService, model_fingerprint
 
 __all__ = ["Runtime", "create_app", "status_for"]
 
@@ -105,10 +108,10 @@ _ENCODE_ERRORS: dict[int | str, dict[str, Any]] = {
     ),
     401: _error_doc("unauthorized"),
     409: _error_doc("no_shared_tier"),
-    413: _error_doc("payload_too_large", "image_too_large", "too_many_items"),
+    413: _error_doc("payload_too_large", "image_too_large", "too_many_items", "value_too_large"),
     415: _error_doc("unsupported_media_type"),
     422: _error_doc("invalid_request"),
-    503: _error_doc("overloaded", "not_ready"),
+    503: _error_doc("overloaded", "not_ready", "shared_tier_unavailable"),
     504: _error_doc("timeout"),
 }
 
@@ -433,7 +436,7 @@ async def _load(runtime: Runtime, load_encoder: Callable[[], VisionEncoder]) -> 
     try:
         started = time.perf_counter()
         encoder = await asyncio.to_thread(load_encoder)
-        service = EncodeService(encoder, runtime.settings, runtime.metrics)
+        service = EncodeService(encoder, runtime.settings, runtime.metrics, shared=_shared_tier(runtime, encoder))
         await service.start()
         runtime.service = service
         info = encoder.info
@@ -452,6 +455,19 @@ async def _load(runtime: Runtime, load_encoder: Callable[[], VisionEncoder]) -> 
         runtime.load_error = exc
         log.exception("model failed to load; shutting down")
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _shared_tier(runtime: Runtime, encoder: VisionEncoder) -> SharedTier | None:
+    """The Redis tier when ``--redis-url`` is set. It checks every value it reads against this
+    model's fingerprint, dtype and hidden size."""
+    s = runtime.settings
+    if not s.redis_url:
+        return None
+    info = encoder.info
+    spec = ValueSpec(model_fingerprint(info), info.dtype, info.hidden_size)
+    tier = create_redis_tier(s, runtime.metrics, spec)
+    log.info("shared tier: %s (%s), ttl %d s", tier.name, redact_url(s.redis_url), s.redis_ttl)
+    return tier
 
 
 def _install_error_handlers(app: FastAPI) -> None:

@@ -23,14 +23,23 @@ class SharedTier(Protocol):
         a tier fault: a fault is a miss (the tier is an accelerator, not a dependency)."""
         ...
 
-    async def contains_many(self, keys: Sequence[str]) -> list[bool]: ...
-
-    def put_behind(self, key: str, value: Embedding) -> None:
-        """Write after the response; never blocks the caller."""
+    async def contains_many(self, keys: Sequence[str]) -> list[bool]:
+        """Presence of each key, in order; False for a fault, like ``get_many``."""
         ...
 
-    async def put_now(self, key: str, value: Embedding) -> None:
-        """Write before returning (the metadata hand-off needs the value in the store)."""
+    def put_behind(self, key: str, value: Embedding) -> None:
+        """Write after the response; never blocks the caller and never raises for a fault (a
+        write that cannot happen is dropped and counted)."""
+        ...
+
+    async def put_now(self, entries: Sequence[tuple[str, Embedding]]) -> None:
+        """Write all ``entries`` (one round trip) before returning: the metadata hand-off needs
+        the values in the store. Raises a domain error (``Unavailable``, ``TooLarge``, with
+        ``index`` = position in ``entries``) when they cannot be stored."""
+        ...
+
+    async def start(self) -> None:
+        """Start background work (the write-behind queue); called once on the event loop."""
         ...
 
     async def close(self) -> None: ...

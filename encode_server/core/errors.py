@@ -8,11 +8,13 @@ HTTP.
     ├── BadInput                 400  invalid_json, invalid_base64, invalid_hash, hash_mismatch,
     │                                 invalid_image, unsupported_image
     ├── InvalidRequest           422  invalid_request (body does not match the schema)
-    ├── TooLarge                 413  payload_too_large, image_too_large, too_many_items
+    ├── TooLarge                 413  payload_too_large, image_too_large, too_many_items,
+    │                                 value_too_large (metadata hand-off: above --redis-max-value-mb)
     ├── UnsupportedMediaType     415  unsupported_media_type
     ├── Unauthorized             401  unauthorized
     ├── Conflict                 409  no_shared_tier
-    ├── Unavailable              503  overloaded, not_ready (carry ``retry_after`` seconds)
+    ├── Unavailable              503  overloaded, not_ready, shared_tier_unavailable (metadata
+    │                                 hand-off with Redis down); all carry ``retry_after`` seconds
     └── Timeout                  504  timeout
 """
 

@@ -9,7 +9,13 @@ import sys
 
 import pytest
 
-MODULES = ["encode_server.core.hashing", "encode_server.core.wire", "encode_server.core.lru"]
+MODULES = [
+    "encode_server.core.hashing",
+    "encode_server.core.wire",
+    "encode_server.core.lru",
+    "encode_server.core.breaker",
+    "encode_server.core.stored",
+]
 FORBIDDEN = ["torch", "transformers", "fastapi", "starlette", "redis", "PIL", "safetensors", "grpc"]
 
 

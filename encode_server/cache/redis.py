@@ -1,0 +1,322 @@
+"""The shared tier on Redis or Redis Cluster; the only module that imports ``redis``.
+
+Redis is an accelerator, never a dependency (DESIGN section 4):
+- every call has a short connect/socket timeout and an overall deadline, and goes through one
+  :class:`CircuitBreaker`; while it is open, reads answer "miss" at once and writes are skipped;
+- redis-py's own retries are off: a retry would only multiply the time a request waits on a dead
+  Redis, and the breaker plus a background probe (PING, at the breaker's backoff) already bring
+  the tier back by itself when Redis answers again;
+- reads are one pipelined multi-key read per request (MGET; ``mget_nonatomic`` on a cluster, which
+  groups keys by slot and pipelines one round trip per node);
+- writes go behind the response through a bounded queue drained by one task that pipelines them;
+  a full queue drops the write and counts it, it never blocks a response.
+
+A stored value that fails :func:`decode_value` is a miss counted as
+``cache_lookups_total{tier="redis",result="corrupt"}``, never served; the re-encode overwrites it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisClusterException, RedisError, ResponseError
+
+from encode_server.config import Settings
+from encode_server.core.breaker import BreakerState, CircuitBreaker
+from encode_server.core.errors import TooLarge, Unavailable
+from encode_server.core.stored import CorruptValue, ValueSpec, decode_value, encode_value
+from encode_server.core.types import Embedding
+from encode_server.metrics import Metrics
+
+__all__ = ["RedisTier", "TierUnavailable", "create_redis_tier", "is_cluster_url", "redact_url"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_CLUSTER_SCHEMES = {"redis+cluster://": "redis://", "rediss+cluster://": "rediss://"}
+# One pipelined write carries at most this many values / bytes, so that it fits in its deadline.
+_WRITE_BATCH_ITEMS = 32
+_WRITE_BATCH_BYTES = 8 << 20
+# Faults that mean "Redis is not answering": they count against the breaker. A ResponseError means
+# Redis answered (OOM under noeviction, a wrong type): counted as an error, not as an outage.
+_OUTAGES: tuple[type[BaseException], ...] = (RedisError, RedisClusterException, OSError, asyncio.TimeoutError)
+
+
+class TierUnavailable(Exception):
+    """The call did not happen or did not complete: breaker open, timeout, connection error."""
+
+
+def is_cluster_url(url: str) -> bool:
+    return url.startswith(tuple(_CLUSTER_SCHEMES))
+
+
+def redact_url(url: str) -> str:
+    """The URL without its password, for logs."""
+    scheme, sep, rest = url.partition("://")
+    _creds, at, host = rest.rpartition("@")
+    return f"{scheme}{sep}{'***@' if at else ''}{host}" if sep else url
+
+
+def create_redis_tier(settings: Settings, metrics: Metrics, spec: ValueSpec) -> RedisTier:
+    """The tier for ``--redis-url`` (callers check it is set). The client connects lazily, so a
+    server starts, and is ready, whether or not Redis is up."""
+    assert settings.redis_url is not None
+    url = settings.redis_url
+    timeout = settings.redis_timeout_ms / 1000.0
+    options: dict[str, Any] = {
+        "socket_timeout": timeout,
+        "socket_connect_timeout": timeout,
+        "retry": Retry(NoBackoff(), 0),
+    }
+    client: Redis | RedisCluster
+    if settings.redis_cluster or is_cluster_url(url):
+        for scheme, plain in _CLUSTER_SCHEMES.items():
+            if url.startswith(scheme):
+                url = plain + url[len(scheme) :]
+        client = RedisCluster.from_url(url, **options)
+    else:
+        client = Redis.from_url(url, **options)
+    return RedisTier(
+        client,
+        spec,
+        metrics,
+        ttl=settings.redis_ttl,
+        timeout=timeout,
+        max_value_bytes=settings.redis_max_value_bytes,
+        write_queue=settings.redis_write_queue,
+    )
+
+
+class RedisTier:
+    """``SharedTier`` on a redis-py asyncio client (single node or cluster). Event-loop only."""
+
+    name = "redis"
+
+    def __init__(
+        self,
+        client: Redis | RedisCluster,
+        spec: ValueSpec,
+        metrics: Metrics,
+        *,
+        ttl: int,
+        timeout: float,
+        max_value_bytes: int,
+        write_queue: int,
+        breaker: CircuitBreaker | None = None,
+        probe_interval: float = 2.0,
+    ) -> None:
+        self._client = client
+        self._spec = spec
+        self._ttl = ttl or None
+        # A call may need a connect and a read (on a cluster, also a topology refresh): the
+        # socket timeouts bound each step, this deadline bounds the whole call.
+        self._deadline = 3 * timeout
+        self._max_value_bytes = max_value_bytes
+        self._breaker = breaker or CircuitBreaker(failure_threshold=3, probe_timeout=max(1.0, 2 * self._deadline))
+        self._probe_interval = probe_interval
+        self._queue: asyncio.Queue[tuple[str, Embedding]] = asyncio.Queue(maxsize=write_queue)
+        self._tasks: list[asyncio.Task[None]] = []
+        self._up = metrics.redis_up
+        self._errors = metrics.redis_errors
+        self._lookups = {
+            result: metrics.cache_lookups.labels(tier=self.name, result=result)
+            for result in ("hit", "miss", "corrupt", "unavailable")
+        }
+        self._writes = {
+            result: metrics.redis_writes.labels(result=result)
+            for result in ("written", "queue_full", "too_large", "breaker_open", "error")
+        }
+        self._up.set(0)
+
+    @property
+    def breaker(self) -> CircuitBreaker:
+        return self._breaker
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._drain_writes()), asyncio.create_task(self._probe())]
+
+    async def close(self) -> None:
+        """Stop the writer and the probe; writes still queued are dropped (Redis is a cache)."""
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._client.aclose()
+
+    # -- reads ---------------------------------------------------------------------------------
+
+    async def get_many(self, keys: Sequence[str]) -> list[Embedding | None]:
+        if not keys:
+            return []
+        try:
+            blobs = await self._call("get", lambda: self._mget(keys))
+        except TierUnavailable:
+            self._lookups["unavailable"].inc(len(keys))
+            return [None] * len(keys)
+        out: list[Embedding | None] = []
+        for key, blob in zip(keys, blobs, strict=True):
+            value = None
+            if blob is None:
+                self._lookups["miss"].inc()
+            else:
+                try:
+                    value = decode_value(blob, self._spec, _mm_hash_of(key))
+                    self._lookups["hit"].inc()
+                except CorruptValue as exc:
+                    self._lookups["corrupt"].inc()
+                    log.warning("corrupt value under %s is a miss (it will be overwritten): %s", key, exc)
+            out.append(value)
+        return out
+
+    async def contains_many(self, keys: Sequence[str]) -> list[bool]:
+        """Presence only (EXISTS, pipelined): a value is not read nor validated here."""
+        if not keys:
+            return []
+
+        async def exists() -> list[Any]:
+            pipe = self._pipeline()
+            for key in keys:
+                pipe.exists(key)
+            return list(await pipe.execute())
+
+        try:
+            found = await self._call("exists", exists)
+        except TierUnavailable:
+            return [False] * len(keys)
+        return [bool(n) for n in found]
+
+    def _pipeline(self) -> Any:
+        """A non-transactional pipeline: one round trip (per node, on a cluster), no MULTI."""
+        if isinstance(self._client, RedisCluster):
+            return self._client.pipeline()
+        return self._client.pipeline(transaction=False)
+
+    async def _mget(self, keys: Sequence[str]) -> list[bytes | None]:
+        # decode_responses is off, so values are bytes (the stubs also allow str).
+        if isinstance(self._client, RedisCluster):
+            found = await self._client.mget_nonatomic(list(keys))
+        else:
+            found = await self._client.mget(list(keys))
+        return [v.encode() if isinstance(v, str) else v for v in found]
+
+    # -- writes --------------------------------------------------------------------------------
+
+    def put_behind(self, key: str, value: Embedding) -> None:
+        if value.nbytes > self._max_value_bytes:
+            self._writes["too_large"].inc()
+        elif self._breaker.state is BreakerState.OPEN:
+            self._writes["breaker_open"].inc()
+        else:
+            try:
+                self._queue.put_nowait((key, value))
+            except asyncio.QueueFull:
+                self._writes["queue_full"].inc()
+
+    async def put_now(self, entries: Sequence[tuple[str, Embedding]]) -> None:
+        """Write every entry before returning (the metadata hand-off). Always SET, even when the
+        key exists: the stored value might be corrupt, and the prefill worker reads it next.
+
+        Raises ``TooLarge`` (413 ``value_too_large``, ``index`` = position in ``entries``) and
+        ``Unavailable`` (503 ``shared_tier_unavailable``) when the values cannot be stored.
+        """
+        for position, (key, value) in enumerate(entries):
+            if value.nbytes > self._max_value_bytes:
+                self._writes["too_large"].inc()
+                raise TooLarge(
+                    f"embedding of {value.nbytes} bytes exceeds --redis-max-value-mb; it cannot be handed "
+                    f"off through the store (key {key})",
+                    type="value_too_large",
+                    index=position,
+                )
+        try:
+            await self._set_many(entries)
+        except TierUnavailable as exc:
+            raise Unavailable(
+                f"the shared tier (Redis) is unavailable, so the embeddings cannot be handed off: {exc}",
+                type="shared_tier_unavailable",
+                retry_after=max(1.0, self._breaker.retry_in()),
+            ) from None
+
+    async def _set_many(self, entries: Sequence[tuple[str, Embedding]]) -> None:
+        blobs = [(key, encode_value(self._spec.fingerprint, _mm_hash_of(key), value)) for key, value in entries]
+
+        async def write() -> None:
+            pipe = self._pipeline()
+            for key, blob in blobs:
+                pipe.set(key, blob, ex=self._ttl)
+            await pipe.execute()
+
+        try:
+            await self._call("set", write)
+        except TierUnavailable:
+            self._writes["error"].inc(len(entries))
+            raise
+        self._writes["written"].inc(len(entries))
+
+    async def _drain_writes(self) -> None:
+        """The write-behind loop: take what is queued (bounded per batch), pipeline it, repeat."""
+        while True:
+            batch = [await self._queue.get()]
+            size = batch[0][1].nbytes
+            while len(batch) < _WRITE_BATCH_ITEMS and size < _WRITE_BATCH_BYTES and not self._queue.empty():
+                batch.append(self._queue.get_nowait())
+                size += batch[-1][1].nbytes
+            if self._breaker.state is BreakerState.OPEN:
+                self._writes["breaker_open"].inc(len(batch))
+                continue
+            with contextlib.suppress(TierUnavailable):
+                await self._set_many(batch)
+
+    # -- faults --------------------------------------------------------------------------------
+
+    async def _probe(self) -> None:
+        """PING now, then every ``probe_interval`` while healthy, and at the breaker's backoff while
+        open: ``redis_up`` stays true with no traffic, and the tier comes back with no request."""
+        while True:
+            with contextlib.suppress(TierUnavailable):
+                await self._call("ping", self._client.ping)
+            if self._breaker.state is BreakerState.CLOSED:
+                await asyncio.sleep(self._probe_interval)
+            else:
+                await asyncio.sleep(max(0.05, self._breaker.retry_in()))
+
+    async def _call(self, op: str, fn: Callable[[], Awaitable[T]]) -> T:
+        """Run one Redis call through the breaker, under the deadline; faults become
+        ``TierUnavailable`` after being counted in ``redis_errors_total{op}``."""
+        if not self._breaker.allow():
+            raise TierUnavailable("circuit breaker is open")
+        was = self._breaker.state
+        try:
+            result = await asyncio.wait_for(fn(), self._deadline)
+        except ResponseError as exc:
+            self._errors.labels(op=op).inc()
+            self._breaker.record_success()  # Redis answered; it is up, only this command failed
+            raise TierUnavailable(f"Redis refused {op}: {exc}") from exc
+        except _OUTAGES as exc:
+            self._errors.labels(op=op).inc()
+            self._breaker.record_failure()
+            if self._breaker.state is BreakerState.OPEN:
+                self._up.set(0)
+                if was is BreakerState.CLOSED:
+                    log.warning("Redis unreachable (%s: %s): shared tier off until it answers", op, exc or type(exc))
+            raise TierUnavailable(f"{type(exc).__name__} on {op}: {exc}") from exc
+        if was is not BreakerState.CLOSED:
+            log.info("Redis answers again: shared tier back on")
+        self._breaker.record_success()
+        self._up.set(1)
+        return result
+
+
+def _mm_hash_of(key: str) -> str:
+    """The last segment of a cache key is always its mm_hash (see ``core.hashing``)."""
+    return key.rsplit(":", 1)[-1]

@@ -25,7 +25,7 @@ from encode_server.core.types import Embedding, EncodedTensor
 from tests.images import image_bytes
 from tests.integration.conftest import start_servers
 from tests.redis_procs import delete_prefix
-from tests.server import ServerProcess
+from tests.server import ServerProcess, start_server
 
 pytestmark = pytest.mark.integration
 
@@ -162,3 +162,33 @@ def test_corrupted_values_are_never_served_then_re_encoded_overwritten_and_count
         assert (item["status"], item["source"], item["embedding"]) == ("hit", "redis", again["embedding"]), case
     corrupt_after = metric(pair.b, "encode_server_cache_lookups_total", '{result="corrupt",tier="redis"}')
     assert corrupt_after - corrupt_before == 2 * len(cases)  # the hash-only miss and the upload's lookup
+
+
+def test_tenant_isolation_holds_in_the_shared_tier(shared_redis_url: str, server_logs: Path) -> None:
+    """Replica B answers acme's hash from Redis, and never tells globex that acme sent it."""
+    prefix = f"test-{uuid.uuid4().hex[:12]}"
+    keys = {"ENCODE_SERVER_API_KEYS": "acme:acme-key-1, globex:globex-key-2"}
+    common = ["--redis-url", shared_redis_url, "--cache-prefix", prefix, "--tenant-isolation"]
+    a, b = (start_server(*common, log_dir=server_logs, env=keys) for _ in range(2))
+    acme, globex = {"Authorization": "Bearer acme-key-1"}, {"Authorization": "Bearer globex-key-2"}
+    try:
+        data = image_bytes("PNG", 44, 44, seed=77)
+        sent = httpx.post(a.url + "/v1/encode", json={"items": [{"data": b64(data)}]}, headers=acme, timeout=60)
+        assert sent.json()["items"][0]["status"] == "encoded"
+        deadline = time.monotonic() + 10
+        while True:
+            item = httpx.post(b.url + "/v1/encode", json={"items": [{"hash": h(data)}]}, headers=acme).json()
+            if item["items"][0]["status"] == "hit" or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert (item["items"][0]["status"], item["items"][0]["source"]) == ("hit", "redis")
+        assert item["items"][0]["embedding"] == sent.json()["items"][0]["embedding"]
+        for server in (a, b):
+            miss = httpx.post(server.url + "/v1/encode", json={"items": [{"hash": h(data)}]}, headers=globex)
+            assert miss.json()["items"][0]["status"] == "miss"
+            look = httpx.post(server.url + "/v1/lookup", json={"hashes": [h(data)]}, headers=globex)
+            assert look.json()["items"][0]["cached"] is False
+    finally:
+        for server in (a, b):
+            assert server.stop() == 0, server.log()
+        delete_prefix(redis.Redis.from_url(shared_redis_url), prefix)

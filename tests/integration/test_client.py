@@ -16,8 +16,9 @@ import torch
 from blake3 import blake3
 from encode_client import AsyncClient, Client, rank_replicas
 
+from tests.calls import metric
 from tests.images import image_bytes
-from tests.integration.test_encode_api import forwarded_images, metric
+from tests.integration.test_encode_api import forwarded_images
 from tests.server import ServerProcess, start_server
 
 

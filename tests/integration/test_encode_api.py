@@ -9,30 +9,11 @@ import re
 
 import httpx
 import pytest
-from blake3 import blake3
 
 from encode_server.core.wire import load_safetensors
+from tests.calls import b64, encode, h, metric
 from tests.images import bomb_png_header, image_bytes, truncated_jpeg
 from tests.server import ServerProcess
-
-
-def b64(data: bytes) -> str:
-    return base64.b64encode(data).decode()
-
-
-def h(data: bytes) -> str:
-    return blake3(data).hexdigest()
-
-
-def encode(server: ServerProcess, items: list[dict], **extra: object) -> httpx.Response:
-    return httpx.post(server.url + "/v1/encode", json={"items": items, **extra}, timeout=60)
-
-
-def metric(server: ServerProcess, name: str, labels: str = "") -> float:
-    text = httpx.get(server.url + "/metrics").text
-    pattern = re.compile(rf"^{re.escape(name)}{re.escape(labels)}\s+(\S+)$", re.M)
-    values = [float(m.group(1)) for m in pattern.finditer(text)]
-    return sum(values)
 
 
 def forwarded_images(server: ServerProcess) -> float:

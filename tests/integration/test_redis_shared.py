@@ -7,7 +7,6 @@ Runs on the shared Redis under a per-run key prefix, and deletes exactly those k
 from __future__ import annotations
 
 import base64
-import re
 import time
 import uuid
 from collections.abc import Iterator
@@ -17,37 +16,17 @@ import httpx
 import numpy as np
 import pytest
 import redis
-from blake3 import blake3
 from encode_client.store import CorruptValue, StoreReader, parse_value
 
 from encode_server.core.stored import encode_value
 from encode_server.core.types import Embedding, EncodedTensor
+from tests.calls import b64, encode, h, metric
 from tests.images import image_bytes
 from tests.integration.conftest import start_servers
 from tests.redis_procs import delete_prefix
 from tests.server import ServerProcess, start_server
 
 pytestmark = pytest.mark.integration
-
-
-def b64(data: bytes) -> str:
-    return base64.b64encode(data).decode()
-
-
-def h(data: bytes) -> str:
-    return blake3(data).hexdigest()
-
-
-def encode(server: ServerProcess, items: list[dict], **extra: object) -> httpx.Response:
-    return httpx.post(server.url + "/v1/encode", json={"items": items, **extra}, timeout=60)
-
-
-def metric(server: ServerProcess, name: str, labels: str = "") -> float:
-    text = httpx.get(server.url + "/metrics").text
-    # Without ``labels``, the sum over every label set.
-    selector = re.escape(labels) if labels else r"(?:\{[^}]*\})?"
-    pattern = re.compile(rf"^{re.escape(name)}{selector}\s+(\S+)$", re.M)
-    return sum(float(m.group(1)) for m in pattern.finditer(text))
 
 
 def wait_for_redis_hit(server: ServerProcess, mm_hash: str, timeout: float = 10.0) -> dict:

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import httpx
 
+from tests.calls import metric
 from tests.images import image_bytes
-from tests.integration.test_encode_api import metric
 from tests.server import start_server
 
 

@@ -14,7 +14,8 @@ from types import FrameType
 
 import uvicorn
 
-from encode_server.api.http import Runtime, create_app
+from encode_server.api.http import create_app
+from encode_server.api.runtime import Runtime
 from encode_server.auth import ApiKeys
 from encode_server.config import Settings, settings_from
 from encode_server.encoders import load_encoder

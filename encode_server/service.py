@@ -21,7 +21,15 @@ from encode_server.cache.base import SharedTier
 from encode_server.cache.local import LocalTier
 from encode_server.config import Settings
 from encode_server.core.batcher import Batcher
-from encode_server.core.errors import BadInput, Conflict, EncodeServerError, InvalidRequest, TooLarge, Unavailable
+from encode_server.core.errors import (
+    BadInput,
+    Conflict,
+    EncodeServerError,
+    InvalidRequest,
+    Timeout,
+    TooLarge,
+    Unavailable,
+)
 from encode_server.core.hashing import cache_key, fingerprint, mm_hash, parse_mm_hash
 from encode_server.core.types import Embedding, EncodedTensor, ItemResult, RequestItem
 from encode_server.encoders.base import EncoderInfo, PreparedImage, VisionEncoder
@@ -109,7 +117,9 @@ class EncodeService:
             executor=self._forward_pool,
             observer=metrics.observe_batch,
         )
-        metrics.queue_depth.set_function(lambda: self.batcher.pending)
+        # Pending = admitted and not yet encoded (decoding, queued or in a forward pass): what
+        # --max-queue bounds, so that memory stays bounded however fast requests arrive.
+        metrics.queue_depth.set_function(lambda: len(self._inflight))
         info = encoder.info
         metrics.model_info.labels(
             model=info.model_id, fingerprint=self.fingerprint, dtype=info.dtype, device=info.device
@@ -153,8 +163,19 @@ class EncodeService:
 
         With ``want_embeddings=False`` (the EPD hand-off) every resolved item is also made sure to
         be in the shared tier before returning, so the caller can read it from there. ``tenant``
-        goes into every cache key, so tiers and single-flight never cross tenants.
+        goes into every cache key, so tiers and single-flight never cross tenants. Past
+        ``--request-timeout``: ``Timeout`` (the encodes go on and are cached; pins are released).
         """
+        timeout = self.settings.request_timeout
+        try:
+            return await asyncio.wait_for(self._resolve(items, want_embeddings, tenant), timeout)
+        except asyncio.TimeoutError:
+            self.metrics.rejected.labels(reason="timeout").inc()
+            raise Timeout(f"request took longer than {timeout:g} s") from None
+
+    async def _resolve(
+        self, items: Sequence[RequestItem], want_embeddings: bool, tenant: str | None
+    ) -> list[ItemResult]:
         if not want_embeddings and self.shared is None:
             raise Conflict(
                 '"return": "metadata" needs a shared tier (start the server with --redis-url)',
@@ -208,13 +229,12 @@ class EncodeService:
         for item in items:
             if item.data is None:
                 raise InvalidRequest("a token count needs the image bytes (or use sizes)", index=item.index)
-        uploaded = sum(len(item.data or b"") for item in items)
-        if uploaded > _HASH_OFF_LOOP_BYTES:
-            loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self._preprocess_pool, self._count_uploads, items)
-        return self._count_uploads(items)
+        # Off the event loop whatever the size: reading EXIF can decode a whole small-but-huge PNG.
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._preprocess_pool, self._count_uploads, items)
 
     def _count_uploads(self, items: Sequence[RequestItem]) -> list[TokenCount]:
+        self._identify_all(items, None)  # the same hash checks as an encode (hash_mismatch...)
         limit = self.settings.max_image_pixels
         return [self._count(item.index, *oriented_size(item.data or b"", max_pixels=limit, index=item.index))
                 for item in items]
@@ -328,6 +348,10 @@ class EncodeService:
                 found[key] = (self.shared.name, value)
                 if self.local.put_and_pin(key, value):
                     pinned.append(key)
+            elif (local := self.local.peek(key)) is not None and self.local.pin_if_present(key):
+                # An encode finished while we awaited Redis: it is local now, not a miss.
+                pinned.append(key)
+                found[key] = ("local", local)
 
     async def _encode_missing(
         self, idents: list[_Identified], found: dict[str, tuple[str, Embedding]], pinned: list[str]
@@ -341,10 +365,11 @@ class EncodeService:
             if ident.data is not None or ident.key in self._inflight:
                 wanted[ident.key] = ident
         new = [key for key in wanted if key not in self._inflight]
-        if new and not self.batcher.has_room(len(new)):
+        if new and len(self._inflight) + len(new) > self.settings.max_queue:
             self.metrics.rejected.labels(reason="overloaded").inc()
             raise Unavailable(
-                f"encode queue is full ({self.batcher.pending} of {self.batcher.max_queue} pending)",
+                f"encode queue is full ({len(self._inflight)} of {self.settings.max_queue} pending, "
+                f"{len(new)} more asked)",
                 type="overloaded",
                 retry_after=1.0,
             )
@@ -423,7 +448,8 @@ class EncodeService:
         entries: dict[str, tuple[int, Embedding]] = {}
         for result in results:
             if result.embedding is not None and result.source != self.shared.name:
-                entries.setdefault(result.key or self.key_for(result.mm_hash), (result.index, result.embedding))
+                assert result.key is not None  # always set, with the tenant: never rebuild it here
+                entries.setdefault(result.key, (result.index, result.embedding))
         if not entries:
             return
         try:

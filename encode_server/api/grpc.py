@@ -6,8 +6,8 @@ failing item in ``error-index`` and, for UNAVAILABLE, ``retry-after`` seconds. 4
 RESOURCE_EXHAUSTED, which is also what gRPC itself answers for a message above the receive limit
 (that one carries no ``error-type``; clients read it as ``payload_too_large``).
 
-Auth is one call site: ``GrpcApi._authorize`` hands the ``authorization`` metadata to an optional
-``authenticate`` callable (``None``: open), the same contract as the HTTP side's API keys.
+Auth is one call site: ``GrpcApi._authorize`` hands the ``authorization`` metadata to
+``Runtime.authenticate``, the same keys and tenant rule as HTTP.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from encode_server.api.proto.encode_server.v1 import encoder_pb2 as pb
 from encode_server.api.proto.encode_server.v1 import encoder_pb2_grpc as pb_grpc
+from encode_server.api.runtime import Runtime
+from encode_server.api.status import status_for
 from encode_server.core.errors import (
     BadInput,
     Conflict,
@@ -57,9 +59,6 @@ CODES: tuple[tuple[type[EncodeServerError], grpc.StatusCode], ...] = (
 
 # Protobuf framing around the request's bytes; the body itself is held to --max-request-bytes.
 _FRAMING_SLACK = 64 * 1024
-
-Authenticate = Callable[[str | None], str | None]
-"""``authorization`` metadata -> tenant (or None); raises ``Unauthorized``."""
 
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
@@ -115,9 +114,8 @@ def _encode_item(r: ItemResult, *, with_embedding: bool, with_key: bool) -> pb.E
 class GrpcApi(pb_grpc.EncoderServicer):
     """``encode_server.v1.Encoder``; every RPC goes through ``_call`` (auth, readiness, errors)."""
 
-    def __init__(self, runtime: Any, *, authenticate: Authenticate | None = None) -> None:
-        self.runtime = runtime  # api.http.Runtime (not imported: http imports this module)
-        self.authenticate = authenticate
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
 
     async def Encode(self, request: pb.EncodeRequest, context: grpc.aio.ServicerContext) -> pb.EncodeResponse:
         return await self._call("Encode", self._encode, request, context)
@@ -135,15 +133,9 @@ class GrpcApi(pb_grpc.EncoderServicer):
 
     def _authorize(self, context: grpc.aio.ServicerContext) -> str | None:
         """The tenant that keys this call's cache entries (None: shared), as on HTTP."""
-        if self.authenticate is None:
-            return None
         header = dict(context.invocation_metadata() or ()).get("authorization")
-        try:
-            tenant = self.authenticate(header if isinstance(header, str) else None)
-        except Unauthorized:
-            self.runtime.metrics.rejected.labels(reason="unauthorized").inc()
-            raise
-        return tenant if self.runtime.settings.tenant_isolation else None
+        tenant = self.runtime.authenticate(header if isinstance(header, str) else None)
+        return self.runtime.cache_tenant(tenant)
 
     async def _call(
         self,
@@ -156,26 +148,27 @@ class GrpcApi(pb_grpc.EncoderServicer):
         route = f"grpc:{name}"
         started = time.perf_counter()
         code = grpc.StatusCode.OK
+        status = 200  # the HTTP twin of ``code``: requests_total{code} means the same on both doors
         metrics.inflight_requests.inc()
         try:
             tenant = self._authorize(context)
             with self.runtime.serving():  # a drain waits for gRPC calls too
                 return await handler(self.runtime.require_service(), request, tenant)
         except EncodeServerError as exc:
-            code = code_for(exc)
+            code, status = code_for(exc), status_for(exc)
             await context.abort(code, exc.message, trailing_metadata=error_metadata(exc))
             raise  # unreachable: abort raises
         except (asyncio.CancelledError, grpc.aio.AbortError):
-            code = grpc.StatusCode.CANCELLED
+            code, status = grpc.StatusCode.CANCELLED, 499
             raise
         except Exception:
             log.exception("unexpected error in gRPC %s", name)
-            code = grpc.StatusCode.INTERNAL
+            code, status = grpc.StatusCode.INTERNAL, 500
             await context.abort(code, "internal server error", trailing_metadata=(("error-type", "internal"),))
             raise
         finally:
             metrics.inflight_requests.dec()
-            metrics.requests.labels(route=route, code=code.name).inc()
+            metrics.requests.labels(route=route, code=str(status)).inc()
             metrics.request_seconds.labels(route=route).observe(time.perf_counter() - started)
 
     # -- handlers --------------------------------------------------------------------------------
@@ -193,13 +186,7 @@ class GrpcApi(pb_grpc.EncoderServicer):
         self._check_size(request)
         items = _items(request.items, max_items=s.max_items)
         want = request.return_kind == pb.RETURN_EMBEDDINGS
-        try:
-            results = await asyncio.wait_for(
-                service.encode(items, want_embeddings=want, tenant=tenant), s.request_timeout
-            )
-        except asyncio.TimeoutError:
-            self.runtime.metrics.rejected.labels(reason="timeout").inc()
-            raise Timeout(f"request took longer than {s.request_timeout:g} s") from None
+        results = await service.encode(items, want_embeddings=want, tenant=tenant)
         return pb.EncodeResponse(
             model=service.encoder.info.model_id,
             fingerprint=service.fingerprint,
@@ -256,7 +243,7 @@ class HealthApi(health_pb2_grpc.HealthServicer):
 
     SERVICES = frozenset({"", SERVICE_NAME})
 
-    def __init__(self, runtime: Any, *, poll_s: float = 0.5) -> None:
+    def __init__(self, runtime: Runtime, *, poll_s: float = 0.5) -> None:
         self.runtime = runtime
         self.poll_s = poll_s
 
@@ -281,10 +268,12 @@ class HealthApi(health_pb2_grpc.HealthServicer):
             if status != last:
                 yield health_pb2.HealthCheckResponse(status=status)
                 last = status
+            if self.runtime.draining:
+                return  # NOT_SERVING was sent; an open stream must not hold the shutdown up
             await asyncio.sleep(self.poll_s)
 
 
-async def start_grpc_server(runtime: Any, *, authenticate: Authenticate | None = None) -> grpc.aio.Server:
+async def start_grpc_server(runtime: Runtime) -> grpc.aio.Server:
     """Bind ``--host``:``--grpc-port`` in the running event loop (the HTTP server's) and start.
 
     Health says NOT_SERVING until the model is ready. Messages up to ``--max-request-bytes``."""
@@ -295,7 +284,7 @@ async def start_grpc_server(runtime: Any, *, authenticate: Authenticate | None =
             ("grpc.max_send_message_length", -1),
         ]
     )
-    pb_grpc.add_EncoderServicer_to_server(GrpcApi(runtime, authenticate=authenticate), server)
+    pb_grpc.add_EncoderServicer_to_server(GrpcApi(runtime), server)
     health_pb2_grpc.add_HealthServicer_to_server(HealthApi(runtime), server)
     host = f"[{s.host}]" if ":" in s.host else s.host
     server.add_insecure_port(f"{host}:{s.grpc_port}")

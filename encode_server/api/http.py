@@ -15,9 +15,8 @@ import re
 import signal
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import asynccontextmanager, contextmanager
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -30,6 +29,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from encode_server import __version__
 from encode_server.api.bodies import parse_encode_body, parse_lookup_body, parse_tokens_body
 from encode_server.api.grpc import start_grpc_server
+from encode_server.api.runtime import Runtime
 from encode_server.api.schemas import (
     EncodeRequestIn,
     EncodeResponseOut,
@@ -39,53 +39,30 @@ from encode_server.api.schemas import (
     TokensRequestIn,
     TokensResponseOut,
 )
-from encode_server.auth import ApiKeys
+from encode_server.api.status import status_for
 from encode_server.cache.base import SharedTier
 from encode_server.cache.redis import create_redis_tier, redact_url
-from encode_server.config import Settings
 from encode_server.core.errors import (
-    BadInput,
-    Conflict,
     EncodeServerError,
     InvalidRequest,
-    Timeout,
-    TooLarge,
     Unauthorized,
     Unavailable,
-    UnsupportedMediaType,
 )
 from encode_server.core.stored import ValueSpec
 from encode_server.core.types import ItemResult
 from encode_server.core.wire import WireTensor, dump_safetensors
 from encode_server.encoders.base import VisionEncoder
 from encode_server.logs import ACCESS_LOGGER
-from encode_server.metrics import CONTENT_TYPE_LATEST, Metrics
+from encode_server.metrics import CONTENT_TYPE_LATEST
 from encode_server.service import EncodeService, model_fingerprint
 
-__all__ = ["Runtime", "create_app", "status_for"]
+__all__ = ["HttpApi", "create_app"]
 
 log = logging.getLogger(__name__)
 access_log = logging.getLogger(ACCESS_LOGGER)
 
 SAFETENSORS = "application/vnd.safetensors"
 
-_STATUS: tuple[tuple[type[EncodeServerError], int], ...] = (
-    (BadInput, 400),
-    (Unauthorized, 401),
-    (Conflict, 409),
-    (TooLarge, 413),
-    (UnsupportedMediaType, 415),
-    (InvalidRequest, 422),
-    (Unavailable, 503),
-    (Timeout, 504),
-)
-
-
-def status_for(exc: EncodeServerError) -> int:
-    for cls, status in _STATUS:
-        if isinstance(exc, cls):
-            return status
-    return 500
 
 
 def error_response(exc: EncodeServerError) -> JSONResponse:
@@ -116,75 +93,15 @@ _ENCODE_ERRORS: dict[int | str, dict[str, Any]] = {
 }
 
 
-@dataclass
-class Runtime:
-    """What a running server holds. ``service`` is None until the model is loaded and warm.
-
-    ``draining`` is set once, on SIGTERM: from then on ``/ready`` is 503 and no new work is
-    admitted, while the requests already in flight (``inflight``) run to completion.
-    """
-
-    settings: Settings
-    metrics: Metrics
-    service: EncodeService | None = None
-    draining: bool = False
-    load_error: BaseException | None = None
-    inflight: int = 0
-    _idle: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
-    _loader: asyncio.Task[None] | None = field(default=None, repr=False)
-
-    def __post_init__(self) -> None:
-        self._idle.set()
-
-    @property
-    def ready(self) -> bool:
-        return self.service is not None and not self.draining
-
-    def require_service(self) -> EncodeService:
-        if self.service is None or self.draining:
-            reason = "server is draining" if self.draining else "model is loading"
-            self.metrics.rejected.labels(reason="not_ready").inc()
-            raise Unavailable(reason, type="not_ready", retry_after=5.0)
-        return self.service
-
-    @contextmanager
-    def serving(self) -> Iterator[None]:
-        """Count one request in flight for as long as the block runs."""
-        self.inflight += 1
-        self._idle.clear()
-        try:
-            yield
-        finally:
-            self.inflight -= 1
-            if self.inflight == 0:
-                self._idle.set()
-
-    async def drain(self, timeout: float) -> bool:
-        """Stop admitting, then wait up to ``timeout`` s for in-flight requests; True if all finished."""
-        self.draining = True
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout)
-        except asyncio.TimeoutError:
-            return False
-        return True
-
-
 class HttpApi:
     def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
-        self.keys = ApiKeys.from_settings(runtime.settings)
 
     def _tenant(self, request: Request) -> str | None:
         """Authenticate a /v1 request; the tenant that keys its cache entries (None: shared)."""
-        if self.keys is None:
-            return None
-        try:
-            tenant = self.keys.authenticate(request.headers.get("authorization"))
-        except Unauthorized:
-            self.runtime.metrics.rejected.labels(reason="unauthorized").inc()
-            raise
+        tenant = self.runtime.authenticate(request.headers.get("authorization"))
         request.state.tenant = tenant
-        return tenant if self.runtime.settings.tenant_isolation else None
+        return self.runtime.cache_tenant(tenant)
 
     async def encode(self, request: Request) -> Response:
         """Resolve images (uploads, hashes, or both) to embeddings: tiers first, encoder last."""
@@ -193,13 +110,7 @@ class HttpApi:
         service = self.runtime.require_service()
         body = await parse_encode_body(request, max_items=s.max_items, max_bytes=s.max_request_bytes)
         request.state.items = len(body.items)
-        try:
-            results = await asyncio.wait_for(
-                service.encode(body.items, want_embeddings=body.want_embeddings, tenant=tenant), s.request_timeout
-            )
-        except asyncio.TimeoutError:
-            self.runtime.metrics.rejected.labels(reason="timeout").inc()
-            raise Timeout(f"request took longer than {s.request_timeout:g} s") from None
+        results = await service.encode(body.items, want_embeddings=body.want_embeddings, tenant=tenant)
         request.state.hits = sum(r.status == "hit" for r in results)
         accept = request.headers.get("accept", "")
         if SAFETENSORS in accept and body.want_embeddings:
@@ -375,19 +286,14 @@ def create_app(runtime: Runtime, load_encoder: Callable[[], VisionEncoder]) -> F
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         # gRPC shares this event loop; its health says NOT_SERVING until the model is ready.
-        keys = api.keys
-        grpc_server = (
-            await start_grpc_server(runtime, authenticate=keys.authenticate if keys is not None else None)
-            if runtime.settings.grpc_port
-            else None
-        )
+        grpc_server = await start_grpc_server(runtime) if runtime.settings.grpc_port else None
         runtime._loader = asyncio.create_task(_load(runtime, load_encoder))
         try:
             yield
         finally:
             runtime.draining = True
             if grpc_server is not None:
-                await grpc_server.stop(grace=10)
+                await grpc_server.stop(grace=3)  # HTTP and gRPC calls were drained already
             runtime._loader.cancel()
             if runtime.service is not None:
                 await runtime.service.close()

@@ -34,6 +34,10 @@ class LocalTier:
         (self._lookups_hit if value is not None else self._lookups_miss).inc()
         return value
 
+    def peek(self, key: str) -> Embedding | None:
+        """The value without touching recency or the lookup counters."""
+        return self._lru.peek(key)
+
     def put(self, key: str, value: Embedding) -> bool:
         """Cache ``value``; False when it can't fit (larger than the budget, or all pinned)."""
         return self._lru.put(key, value, value.nbytes)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -46,6 +47,9 @@ _CLUSTER_SCHEMES = {"redis+cluster://": "redis://", "rediss+cluster://": "rediss
 # One pipelined write carries at most this many values / bytes, so that it fits in its deadline.
 _WRITE_BATCH_ITEMS = 32
 _WRITE_BATCH_BYTES = 8 << 20
+# A call that moves many bytes gets this much extra time per byte (a slow 100 MB/s link), so a
+# large hand-off is not mistaken for an outage and does not open the breaker for everyone.
+_SECONDS_PER_BYTE = 1 / (100 << 20)
 # Faults that mean "Redis is not answering": they count against the breaker. A ResponseError means
 # Redis answered (OOM under noeviction, a wrong type): counted as an error, not as an outage.
 _OUTAGES: tuple[type[BaseException], ...] = (RedisError, RedisClusterException, OSError, asyncio.TimeoutError)
@@ -60,10 +64,13 @@ def is_cluster_url(url: str) -> bool:
 
 
 def redact_url(url: str) -> str:
-    """The URL without its password, for logs."""
+    """The URL without its credentials (``user:pass@`` or ``?password=``), for logs."""
     scheme, sep, rest = url.partition("://")
     _creds, at, host = rest.rpartition("@")
-    return f"{scheme}{sep}{'***@' if at else ''}{host}" if sep else url
+    host, q, query = host.partition("?")
+    if q:
+        query = re.sub(r"(?i)(^|&)(password|username)=[^&]*", r"\1\2=***", query)
+    return f"{scheme}{sep}{'***@' if at else ''}{host}{q}{query}" if sep else url
 
 
 def create_redis_tier(settings: Settings, metrics: Metrics, spec: ValueSpec) -> RedisTier:
@@ -241,13 +248,27 @@ class RedisTier:
         try:
             await self._set_many(entries)
         except TierUnavailable as exc:
+            log.warning("metadata hand-off failed: %s", exc)
             raise Unavailable(
-                f"the shared tier (Redis) is unavailable, so the embeddings cannot be handed off: {exc}",
+                "the shared tier (Redis) is unavailable, so the embeddings cannot be handed off",
                 type="shared_tier_unavailable",
                 retry_after=max(1.0, self._breaker.retry_in()),
             ) from None
 
     async def _set_many(self, entries: Sequence[tuple[str, Embedding]]) -> None:
+        """SET every entry, one pipeline per bounded chunk (items and bytes)."""
+        for start in range(0, len(entries), _WRITE_BATCH_ITEMS):
+            chunk: list[tuple[str, Embedding]] = []
+            size = 0
+            for key, value in entries[start : start + _WRITE_BATCH_ITEMS]:
+                if chunk and size + value.nbytes > _WRITE_BATCH_BYTES:
+                    await self._set_chunk(chunk, size)
+                    chunk, size = [], 0
+                chunk.append((key, value))
+                size += value.nbytes
+            await self._set_chunk(chunk, size)
+
+    async def _set_chunk(self, entries: Sequence[tuple[str, Embedding]], nbytes: int) -> None:
         blobs = [(key, encode_value(self._spec.fingerprint, _mm_hash_of(key), value)) for key, value in entries]
 
         async def write() -> None:
@@ -257,7 +278,7 @@ class RedisTier:
             await pipe.execute()
 
         try:
-            await self._call("set", write)
+            await self._call("set", write, nbytes=nbytes)
         except TierUnavailable:
             self._writes["error"].inc(len(entries))
             raise
@@ -274,8 +295,13 @@ class RedisTier:
             if self._breaker.state is BreakerState.OPEN:
                 self._writes["breaker_open"].inc(len(batch))
                 continue
-            with contextlib.suppress(TierUnavailable):
+            try:
                 await self._set_many(batch)
+            except TierUnavailable:
+                pass  # counted; the breaker decides when to try again
+            except Exception:  # this task must outlive any one bad batch, or every later write is lost
+                log.exception("write-behind batch of %d failed", len(batch))
+                self._writes["error"].inc(len(batch))
 
     # -- faults --------------------------------------------------------------------------------
 
@@ -290,14 +316,15 @@ class RedisTier:
             else:
                 await asyncio.sleep(max(0.05, self._breaker.retry_in()))
 
-    async def _call(self, op: str, fn: Callable[[], Awaitable[T]]) -> T:
-        """Run one Redis call through the breaker, under the deadline; faults become
-        ``TierUnavailable`` after being counted in ``redis_errors_total{op}``."""
+    async def _call(self, op: str, fn: Callable[[], Awaitable[T]], *, nbytes: int = 0) -> T:
+        """Run one Redis call through the breaker, under the deadline (longer for calls that move
+        ``nbytes``); faults become ``TierUnavailable`` after being counted in
+        ``redis_errors_total{op}``."""
         if not self._breaker.allow():
             raise TierUnavailable("circuit breaker is open")
         was = self._breaker.state
         try:
-            result = await asyncio.wait_for(fn(), self._deadline)
+            result = await asyncio.wait_for(fn(), self._deadline + nbytes * _SECONDS_PER_BYTE)
         except ResponseError as exc:
             self._errors.labels(op=op).inc()
             self._breaker.record_success()  # Redis answered; it is up, only this command failed

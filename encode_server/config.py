@@ -39,8 +39,8 @@ class Settings:
     grpc_port: int = _opt(50051, "gRPC port on --host (0 turns gRPC off)")
     cache_mb: float = _opt(1024.0, "local embedding cache budget in MiB (0 turns it off)")
     cache_prefix: str = _opt("encode", "cache key prefix")
-    redis_url: str | None = _opt(
-        None, "shared tier: redis://, rediss:// (TLS) or redis+cluster:// URL; unset: local tier only"
+    redis_url: str | None = _opt(  # may hold a password: kept out of repr() like the API keys
+        None, "shared tier: redis://, rediss:// (TLS) or redis+cluster:// URL; unset: local tier only", repr=False
     )
     redis_cluster: bool = _opt(False, "treat --redis-url as a Redis Cluster seed node")
     redis_ttl: int = _opt(86400, "seconds a shared-tier entry lives (SET EX); 0: no expiry")

@@ -3,6 +3,7 @@ beyond reading the body under its size limit."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import json
@@ -33,6 +34,7 @@ __all__ = [
 
 _DATA_URL = re.compile(r"^data:image/[\w.+-]+(;[\w.+-]+=[\w.+-]+)*;base64,", re.IGNORECASE)
 _WHITESPACE = re.compile(rb"\s+")
+_DECODE_OFF_LOOP_BYTES = 256 << 10
 
 
 @dataclass(frozen=True)
@@ -170,6 +172,8 @@ async def parse_encode_body(request: Request, *, max_items: int, max_bytes: int)
         )
     body = await read_body(request, max_bytes)
     if kind == "application/json":
+        if len(body) > _DECODE_OFF_LOOP_BYTES:  # base64 of many MiB would stall the event loop
+            return await asyncio.to_thread(_json_items, body, max_items)
         return _json_items(body, max_items)
     if not body:
         raise BadInput("empty body: expected the bytes of one image", type="invalid_image", index=0)

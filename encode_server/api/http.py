@@ -17,6 +17,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -62,6 +63,7 @@ log = logging.getLogger(__name__)
 access_log = logging.getLogger(ACCESS_LOGGER)
 
 SAFETENSORS = "application/vnd.safetensors"
+_RENDER_OFF_LOOP_BYTES = 256 << 10
 
 
 
@@ -112,10 +114,19 @@ class HttpApi:
         request.state.items = len(body.items)
         results = await service.encode(body.items, want_embeddings=body.want_embeddings, tenant=tenant)
         request.state.hits = sum(r.status == "hit" for r in results)
-        accept = request.headers.get("accept", "")
-        if SAFETENSORS in accept and body.want_embeddings:
-            return self._safetensors(service, results)
-        items = [_item_json(r, with_embedding=body.want_embeddings, with_key=not body.want_embeddings) for r in results]
+        safetensors = SAFETENSORS in request.headers.get("accept", "") and body.want_embeddings
+        render = (
+            partial(self._safetensors, service, results)
+            if safetensors
+            else partial(self._json, service, results, body.want_embeddings)
+        )
+        # Base64 and copies of many MiB would stall every other request: leave the loop for them.
+        if sum(r.embedding.nbytes for r in results if r.embedding is not None) > _RENDER_OFF_LOOP_BYTES:
+            return await asyncio.to_thread(render)
+        return render()
+
+    def _json(self, service: EncodeService, results: list[ItemResult], want_embeddings: bool) -> Response:
+        items = [_item_json(r, with_embedding=want_embeddings, with_key=not want_embeddings) for r in results]
         content = {"model": service.encoder.info.model_id, "fingerprint": service.fingerprint, "items": items}
         return Response(json.dumps(content, separators=(",", ":")).encode(), media_type="application/json")
 

@@ -256,3 +256,19 @@ def test_metrics_expose_the_basics(builtin_server: ServerProcess) -> None:
         "encode_server_model_info{",
     ):
         assert name in text, name
+
+
+def test_large_requests_and_responses_are_rendered_the_same(builtin_server: ServerProcess) -> None:
+    """Above 256 KiB, base64 decoding and response rendering leave the event loop: same bytes."""
+    images = [image_bytes("JPEG", 448, 448, seed=500 + i) for i in range(3)]
+    singles = [encode(builtin_server, [{"data": b64(d)}]).json()["items"][0] for d in images]
+    assert all(len(base64.b64decode(s["embedding"])) == 256 * 128 * 4 for s in singles)
+    together = encode(builtin_server, [{"data": b64(d)} for d in images]).json()["items"]
+    assert [t["embedding"] for t in together] == [s["embedding"] for s in singles]
+    r = httpx.post(
+        builtin_server.url + "/v1/encode",
+        json={"items": [{"hash": h(d)} for d in images]},
+        headers={"Accept": "application/vnd.safetensors"},
+    )
+    tensors, _ = load_safetensors(r.content)
+    assert [tensors[str(i)].data for i in range(3)] == [base64.b64decode(s["embedding"]) for s in singles]

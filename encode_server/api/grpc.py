@@ -1,7 +1,8 @@
 """The gRPC front door (DESIGN section 7): parse, call the same ``EncodeService``, map errors.
 
 Same items, statuses, limits and error ``type``s as HTTP. An error is a gRPC status code
-(``CODES`` below) with the HTTP error's ``type`` in the trailing metadata key ``error-type``, the
+(``CODES`` below) whose details start with ``"{type}: "``, with the HTTP error's ``type`` also in
+the trailing metadata key ``error-type``, the
 failing item in ``error-index`` and, for UNAVAILABLE, ``retry-after`` seconds. 413 maps to
 RESOURCE_EXHAUSTED, which is also what gRPC itself answers for a message above the receive limit
 (that one carries no ``error-type``; clients read it as ``payload_too_large``).
@@ -156,7 +157,8 @@ class GrpcApi(pb_grpc.EncoderServicer):
                 return await handler(self.runtime.require_service(), request, tenant)
         except EncodeServerError as exc:
             code, status = code_for(exc), status_for(exc)
-            await context.abort(code, exc.message, trailing_metadata=error_metadata(exc))
+            # The type leads the status details too, for clients that read no trailing metadata.
+            await context.abort(code, f"{exc.type}: {exc.message}", trailing_metadata=error_metadata(exc))
             raise  # unreachable: abort raises
         except (asyncio.CancelledError, grpc.aio.AbortError):
             code, status = grpc.StatusCode.CANCELLED, 499

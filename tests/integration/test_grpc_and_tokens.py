@@ -99,7 +99,7 @@ def test_bad_input_gets_the_same_error_type_over_grpc(
     md = dict(err.trailing_metadata() or ())
     assert (err.code().name, md.get("error-type")) == (code, type_), (name, err.details())
     assert md.get("error-index") == (None if index is None else str(index)), name
-    assert err.details()
+    assert err.details().startswith(f"{type_}: ")
     assert stub.Encode(_twin([pb.Item(data=GOOD_BYTES)]), timeout=30).items[0].status in ("hit", "encoded")
 
 

@@ -95,4 +95,5 @@ def error(exc: grpc.RpcError, replica: str) -> Exception:
     status = _BY_TYPE.get(kind) or _HTTP_STATUS.get(code, 500)
     index = int(md["error-index"]) if md.get("error-index", "").isdigit() else None
     retry_after = float(md["retry-after"]) if "retry-after" in md else None
-    return ServerError(status, kind, exc.details() or "", index, retry_after=retry_after, replica=replica)
+    message = (exc.details() or "").removeprefix(f"{kind}: ")  # the server leads details with the type
+    return ServerError(status, kind, message, index, retry_after=retry_after, replica=replica)

@@ -10,7 +10,7 @@ from blake3 import blake3
 
 from tests.server import ServerProcess
 
-__all__ = ["b64", "encode", "h", "metric"]
+__all__ = ["b64", "encode", "h", "metric", "server_errors"]
 
 
 def b64(data: bytes) -> str:
@@ -30,4 +30,11 @@ def metric(server: ServerProcess, name: str, labels: str = "") -> float:
     text = httpx.get(server.url + "/metrics").text
     selector = re.escape(labels) if labels else r"(?:\{[^}]*\})?"
     pattern = re.compile(rf"^{re.escape(name)}{selector}\s+(\S+)$", re.M)
+    return sum(float(m.group(1)) for m in pattern.finditer(text))
+
+
+def server_errors(server: ServerProcess) -> float:
+    """5xx answers so far on every /v1 route and gRPC method (gRPC is labelled with HTTP codes)."""
+    text = httpx.get(server.url + "/metrics").text
+    pattern = re.compile(r'^encode_server_requests_total\{code="5\d\d",route="(?:/v1/|grpc:)[^"]*"\}\s+(\S+)$', re.M)
     return sum(float(m.group(1)) for m in pattern.finditer(text))

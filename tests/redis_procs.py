@@ -134,8 +134,8 @@ def redis_cluster(masters: int = 3, timeout: float = 30.0) -> Iterator[list[Redi
             workdir = root / str(port)
             workdir.mkdir()
             node = RedisProcess(port, ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"), workdir)
+            nodes.append(node)  # before start(): a node that never comes up is still killed below
             node.start()
-            nodes.append(node)
         subprocess.run(
             ["redis-cli", "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in nodes), "--cluster-yes"],
             check=True, capture_output=True, timeout=timeout,

@@ -12,6 +12,7 @@ INSTALL_HINT = {
     "promtool": "apt-get install -y prometheus",
     "prometheus": "apt-get install -y prometheus",
     "docker-compose": "apt-get install -y docker-compose",
+    "b3sum": "apt-get install -y b3sum",
 }
 
 

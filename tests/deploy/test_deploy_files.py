@@ -63,7 +63,7 @@ def test_alerts_and_dashboard_query_only_metrics_the_server_exports() -> None:
 def test_compose_file_validates_and_wires_redis_and_the_drain() -> None:
     # Compose v2 (`docker compose`) where the plugin exists, else Debian's docker-compose 1.29.
     has_v2 = shutil.which("docker") and subprocess.run(
-        ["docker", "compose", "version"], capture_output=True
+        ["docker", "compose", "version"], capture_output=True, timeout=60
     ).returncode == 0
     cmd = ["docker", "compose"] if has_v2 else [require_tool("docker-compose")]
     rendered = yaml.safe_load(run(*cmd, "-f", str(DEPLOY / "docker-compose.yml"), "config"))
@@ -116,11 +116,3 @@ def test_schema_validation_rejects_a_misspelt_field() -> None:
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(deployment, K8S_VERSION, strict=True)
 
-
-def test_kubectl_kustomize_renders_the_same_objects() -> None:
-    kubectl = shutil.which("kubectl")
-    if kubectl is None:
-        pytest.skip("kubectl is not installed: the schema test above rendered the kustomization itself")
-    rendered = [o for o in yaml.safe_load_all(run(kubectl, "kustomize", str(DEPLOY / "k8s"))) if o]
-    key = lambda o: (o["kind"], o["metadata"]["name"])  # noqa: E731
-    assert sorted(rendered, key=key) == sorted(render_kustomization(DEPLOY / "k8s"), key=key)

@@ -46,6 +46,7 @@ def test_v1_routes_need_a_valid_key_and_probes_stay_open(keyed_server: ServerPro
         for r in (
             httpx.post(url + "/v1/encode", json={"items": [{"hash": "ab" * 32}]}, headers=headers),
             httpx.post(url + "/v1/lookup", json={"hashes": ["ab" * 32]}, headers=headers),
+            httpx.post(url + "/v1/tokens", json={"sizes": [[64, 64]]}, headers=headers),
             httpx.get(url + "/v1/model", headers=headers),
         ):
             assert r.status_code == 401, r.text
@@ -57,7 +58,7 @@ def test_v1_routes_need_a_valid_key_and_probes_stay_open(keyed_server: ServerPro
         assert encode(keyed_server, [{"hash": "ab" * 32}], key).status_code == 200
     for path in ("/health", "/ready", "/metrics"):
         assert httpx.get(url + path).status_code == 200
-    assert 'encode_server_rejected_total{reason="unauthorized"} 12.0' in httpx.get(url + "/metrics").text
+    assert 'encode_server_rejected_total{reason="unauthorized"} 16.0' in httpx.get(url + "/metrics").text
 
 
 def test_a_tenant_cannot_see_another_tenants_images(keyed_server: ServerProcess) -> None:
@@ -126,3 +127,5 @@ def test_grpc_calls_need_a_key_and_see_only_their_tenant(keyed_server: ServerPro
         assert not stub.Lookup(pb.LookupRequest(hashes=[digest]), metadata=globex).items[0].cached
         miss = stub.Encode(pb.EncodeRequest(items=[pb.Item(hash=digest)]), metadata=globex)
         assert miss.items[0].status == "miss"
+    log = keyed_server.log()
+    assert not any(k in log for k in (*ALL_KEYS, "wrong-key")), "a key reached the log"

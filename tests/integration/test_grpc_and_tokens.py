@@ -155,5 +155,20 @@ def test_tokens_errors_and_openapi(builtin_server: ServerProcess) -> None:
     for body, status, type_, index in cases:
         r = httpx.post(builtin_server.url + "/v1/tokens", json=body)
         assert (r.status_code, r.json()["error"]["type"], r.json()["error"]["index"]) == (status, type_, index), body
+    # The same cases over gRPC (a size with a third member has no protobuf twin).
+    twins = [
+        (pb.TokensRequest(sizes=[pb.Size(width=1, height=0)]), "invalid_request", 0),
+        (pb.TokensRequest(items=[pb.Item(hash="ab" * 32)]), "invalid_request", 0),
+        (pb.TokensRequest(sizes=[pb.Size(width=5, height=5)], items=[pb.Item(data=GOOD_BYTES)]),
+         "invalid_request", None),
+        (pb.TokensRequest(sizes=[pb.Size(width=100000, height=100000)]), "image_too_large", 0),
+        (pb.TokensRequest(items=[pb.Item(data=truncated_jpeg()[:30])]), "invalid_image", 0),
+    ]
+    with grpc.insecure_channel(builtin_server.grpc_target) as channel:
+        tokens = pb_grpc.EncoderStub(channel).Tokens
+        for request_, type_, index in twins:
+            err = _rpc_error(tokens, request_)
+            md = dict(err.trailing_metadata() or ())
+            assert (md.get("error-type"), md.get("error-index")) == (type_, None if index is None else str(index))
     spec = httpx.get(builtin_server.url + "/openapi.json").json()["paths"]["/v1/tokens"]["post"]
     assert {"200", "400", "413", "415", "422", "503", "504"} <= set(spec["responses"])

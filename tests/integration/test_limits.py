@@ -51,11 +51,44 @@ def test_timeout_is_504_and_the_work_is_not_lost(tight_server: ServerProcess) ->
     assert time.monotonic() - started < 5
     # The encode went on behind the timed-out request and was cached: the retry is a hit, and
     # no queue slot or pin leaked.
-    time.sleep(0.6)
-    again = httpx.post(tight_server.url + "/v1/encode", json={"items": [{"hash": blake3(data).hexdigest()}]})
-    assert (again.json()["items"][0]["status"], again.json()["items"][0]["source"]) == ("hit", "local")
-    body = httpx.get(tight_server.url + "/metrics").text
-    assert "encode_server_queue_depth 0.0" in body
+    item = _wait_for_hit(tight_server, blake3(data).hexdigest())
+    assert (item["status"], item["source"]) == ("hit", "local")
+    assert "encode_server_queue_depth 0.0" in httpx.get(tight_server.url + "/metrics").text
+
+
+def _wait_for_hit(server: ServerProcess, mm_hash: str, timeout: float = 10.0) -> dict:
+    """Poll (bounded) until the abandoned encode of ``mm_hash`` has landed in the cache. A poll
+    that joins the encode still in flight times out like its requester did (504): poll again."""
+    deadline = time.monotonic() + timeout
+    while True:
+        r = httpx.post(server.url + "/v1/encode", json={"items": [{"hash": mm_hash}]}, timeout=30)
+        assert r.status_code in (200, 504), r.text
+        item = r.json()["items"][0] if r.status_code == 200 else {"status": "pending"}
+        if item["status"] == "hit" or time.monotonic() > deadline:
+            return item
+        time.sleep(0.05)
+
+
+def test_overloaded_and_timeout_have_their_grpc_twins(tight_server: ServerProcess) -> None:
+    import grpc
+
+    from encode_server.api.proto.encode_server.v1 import encoder_pb2 as pb
+    from encode_server.api.proto.encode_server.v1 import encoder_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(tight_server.grpc_target) as channel:
+        stub = pb_grpc.EncoderStub(channel)
+        three = [pb.Item(data=image_bytes("PNG", 20, 20, seed=200 + i)) for i in range(3)]
+        with pytest.raises(grpc.RpcError) as overloaded:
+            stub.Encode(pb.EncodeRequest(items=three), timeout=30)
+        assert overloaded.value.code() == grpc.StatusCode.UNAVAILABLE
+        md = dict(overloaded.value.trailing_metadata())
+        assert md["error-type"] == "overloaded" and float(md["retry-after"]) >= 1
+        data = image_bytes("PNG", 24, 24, seed=201)
+        with pytest.raises(grpc.RpcError) as late:
+            stub.Encode(pb.EncodeRequest(items=[pb.Item(data=data)]), timeout=30)
+        assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert dict(late.value.trailing_metadata())["error-type"] == "timeout"
+    assert _wait_for_hit(tight_server, blake3(data).hexdigest())["status"] == "hit"
 
 
 def test_an_item_larger_than_the_cache_is_served_not_cached(server_logs: Path) -> None:

@@ -106,5 +106,9 @@ def test_a_real_prometheus_scrapes_the_server(served: ServerProcess, tmp_path: P
         assert up.json()["data"]["result"][0]["value"][1] == "1"
     finally:
         proc.terminate()
-        proc.wait(20)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
         log.close()

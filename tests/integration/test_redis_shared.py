@@ -171,3 +171,29 @@ def test_tenant_isolation_holds_in_the_shared_tier(shared_redis_url: str, server
         for server in (a, b):
             assert server.stop() == 0, server.log()
         delete_prefix(redis.Redis.from_url(shared_redis_url), prefix)
+
+
+def test_entries_get_the_ttl_and_oversize_values_are_not_written(shared_redis_url: str, server_logs: Path) -> None:
+    prefix = f"test-{uuid.uuid4().hex[:12]}"
+    server = start_server(
+        "--redis-url", shared_redis_url, "--cache-prefix", prefix,
+        "--redis-ttl", "100", "--redis-max-value-mb", str(64 / 1024),  # 64 KiB
+        log_dir=server_logs,
+    )
+    client = redis.Redis.from_url(shared_redis_url)
+    try:
+        fingerprint = httpx.get(server.url + "/v1/model").json()["fingerprint"]
+        small = image_bytes("PNG", 56, 56, seed=90)  # 4 tokens x 128 x 4 B = 2 KiB
+        big = image_bytes("JPEG", 448, 448, seed=91)  # 256 tokens x 128 x 4 B = 128 KiB
+        items = encode(server, [{"data": b64(small)}, {"data": b64(big)}]).json()["items"]
+        assert [i["status"] for i in items] == ["encoded", "encoded"]
+        small_key, big_key = (f"{prefix}:v1:{fingerprint}:{h(d)}" for d in (small, big))
+        deadline = time.monotonic() + 10
+        while not client.exists(small_key) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert 0 < client.ttl(small_key) <= 100
+        assert not client.exists(big_key)
+        assert metric(server, "encode_server_redis_writes_total", '{result="too_large"}') == 1
+    finally:
+        assert server.stop() == 0, server.log()
+        delete_prefix(client, prefix)

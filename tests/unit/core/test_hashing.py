@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 import struct
 import subprocess
 from collections.abc import Mapping
@@ -25,6 +24,7 @@ from encode_server.core.hashing import (
     parse_mm_hash,
     tenant_digest,
 )
+from tests.tools import require_tool
 
 FP = "f" * 64
 H = "0123456789abcdef" * 4
@@ -75,11 +75,11 @@ def test_mm_hash_differs_for_one_flipped_bit() -> None:
     assert mm_hash(data) != before
 
 
-@pytest.mark.skipif(shutil.which("b3sum") is None, reason="b3sum is not installed")
 def test_mm_hash_equals_b3sum_output(tmp_path: Path) -> None:
+    b3sum = require_tool("b3sum")
     path = tmp_path / "image.bin"
     path.write_bytes(_pattern(70_000))
-    out = subprocess.run(["b3sum", "--no-names", str(path)], capture_output=True, text=True, check=True)
+    out = subprocess.run([b3sum, "--no-names", str(path)], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == mm_hash(path.read_bytes())
 
 

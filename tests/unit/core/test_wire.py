@@ -10,6 +10,8 @@ import struct
 import numpy as np
 import pytest
 import safetensors.numpy as st_numpy
+import safetensors.torch as st_torch  # torch is a server dependency; the core never imports it
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -131,14 +133,7 @@ def test_we_load_what_the_reference_dumps() -> None:
         np.testing.assert_array_equal(to_numpy(tensors[name]), arr)
 
 
-def _torch():  # type: ignore[no-untyped-def]
-    """torch only where installed: the core never imports it, its tests may."""
-    return pytest.importorskip("torch")
-
-
 def test_bfloat16_from_the_reference_torch_writer_widens_exactly() -> None:
-    torch = _torch()
-    st_torch = pytest.importorskip("safetensors.torch")
     x = torch.randn(6, 9).to(torch.bfloat16)
     special = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), 1e-40, 3.0e38]).to(torch.bfloat16)
     blob = st_torch.save({"x": x, "special": special}, metadata={"k": "v"})
@@ -152,8 +147,6 @@ def test_bfloat16_from_the_reference_torch_writer_widens_exactly() -> None:
 
 
 def test_reference_torch_reader_loads_our_bfloat16() -> None:
-    torch = _torch()
-    st_torch = pytest.importorskip("safetensors.torch")
     values = np.random.default_rng(1).standard_normal((4, 8)).astype(np.float32)
     blob = dump_safetensors([from_numpy("embedding", values, dtype="bfloat16")], {"grid": "[1, 2, 2]"})
     loaded = st_torch.load(blob)["embedding"]
@@ -162,7 +155,6 @@ def test_reference_torch_reader_loads_our_bfloat16() -> None:
 
 
 def test_from_numpy_bfloat16_rounds_exactly_like_torch() -> None:
-    torch = _torch()
     rng = np.random.default_rng(2)
     bits = rng.integers(0, 2**32, size=20_000, dtype=np.uint64).astype(np.uint32)
     edge = np.array(

@@ -298,14 +298,14 @@ def create_app(runtime: Runtime, load_encoder: Callable[[], VisionEncoder]) -> F
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         # gRPC shares this event loop; its health says NOT_SERVING until the model is ready.
         grpc_server = await start_grpc_server(runtime) if runtime.settings.grpc_port else None
-        runtime._loader = asyncio.create_task(_load(runtime, load_encoder))
+        loader = asyncio.create_task(_load(runtime, load_encoder))
         try:
             yield
         finally:
             runtime.draining = True
             if grpc_server is not None:
                 await grpc_server.stop(grace=3)  # HTTP and gRPC calls were drained already
-            runtime._loader.cancel()
+            loader.cancel()
             if runtime.service is not None:
                 await runtime.service.close()
 

@@ -32,8 +32,6 @@ class Runtime:
     load_error: BaseException | None = None
     inflight: int = 0
     _idle: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
-    _loader: asyncio.Task[None] | None = field(default=None, repr=False)
-
     keys: ApiKeys | None = field(init=False, repr=False)
 
     def __post_init__(self) -> None:

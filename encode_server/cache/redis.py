@@ -50,6 +50,8 @@ _WRITE_BATCH_BYTES = 8 << 20
 # A call that moves many bytes gets this much extra time per byte (a slow 100 MB/s link), so a
 # large hand-off is not mistaken for an outage and does not open the breaker for everyone.
 _SECONDS_PER_BYTE = 1 / (100 << 20)
+# The write-behind queue holds embeddings in memory: bound its bytes as well as its count.
+_WRITE_QUEUE_BYTES = 256 << 20
 # Faults that mean "Redis is not answering": they count against the breaker. A ResponseError means
 # Redis answered (OOM under noeviction, a wrong type): counted as an error, not as an outage.
 _OUTAGES: tuple[type[BaseException], ...] = (RedisError, RedisClusterException, OSError, asyncio.TimeoutError)
@@ -131,6 +133,8 @@ class RedisTier:
         self._breaker = breaker or CircuitBreaker(failure_threshold=3, probe_timeout=max(1.0, 2 * self._deadline))
         self._probe_interval = probe_interval
         self._queue: asyncio.Queue[tuple[str, Embedding]] = asyncio.Queue(maxsize=write_queue)
+        self._queued_bytes = 0
+        self._max_queued_bytes = max(_WRITE_QUEUE_BYTES, max_value_bytes)
         self._tasks: list[asyncio.Task[None]] = []
         self._up = metrics.redis_up
         self._errors = metrics.redis_errors
@@ -223,11 +227,15 @@ class RedisTier:
             self._writes["too_large"].inc()
         elif self._breaker.state is BreakerState.OPEN:
             self._writes["breaker_open"].inc()
+        elif self._queued_bytes + value.nbytes > self._max_queued_bytes:
+            self._writes["queue_full"].inc()
         else:
             try:
                 self._queue.put_nowait((key, value))
             except asyncio.QueueFull:
                 self._writes["queue_full"].inc()
+            else:
+                self._queued_bytes += value.nbytes
 
     async def put_now(self, entries: Sequence[tuple[str, Embedding]]) -> None:
         """Write every entry before returning (the metadata hand-off). Always SET, even when the
@@ -292,6 +300,7 @@ class RedisTier:
             while len(batch) < _WRITE_BATCH_ITEMS and size < _WRITE_BATCH_BYTES and not self._queue.empty():
                 batch.append(self._queue.get_nowait())
                 size += batch[-1][1].nbytes
+            self._queued_bytes -= size
             if self._breaker.state is BreakerState.OPEN:
                 self._writes["breaker_open"].inc(len(batch))
                 continue

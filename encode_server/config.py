@@ -71,6 +71,11 @@ class Settings:
         return int(self.redis_max_value_mb * 1024 * 1024)
 
     @property
+    def max_light_items(self) -> int:
+        """Most hashes in a lookup, or sizes in a token count: no image bytes, so a wider limit."""
+        return max(1024, self.max_items)
+
+    @property
     def cache_bytes(self) -> int:
         return int(self.cache_mb * 1024 * 1024)
 

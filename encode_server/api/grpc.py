@@ -198,7 +198,7 @@ class GrpcApi(pb_grpc.EncoderServicer):
     async def _lookup(
         self, service: EncodeService, request: pb.LookupRequest, tenant: str | None
     ) -> pb.LookupResponse:
-        limit = max(1024, self.runtime.settings.max_items)
+        limit = self.runtime.settings.max_light_items
         if len(request.hashes) > limit:
             raise TooLarge(f"{len(request.hashes)} hashes in one request, above the limit of {limit}",
                            type="too_many_items")
@@ -215,7 +215,7 @@ class GrpcApi(pb_grpc.EncoderServicer):
         s = self.runtime.settings
         self._check_size(request)
         items = _items(request.items, max_items=s.max_items) if request.items else []
-        if len(request.sizes) > max(1024, s.max_items):
+        if len(request.sizes) > s.max_light_items:
             raise TooLarge(f"{len(request.sizes)} sizes in one request", type="too_many_items")
         sizes = [(int(size.width), int(size.height)) for size in request.sizes]
         counts = await service.tokens(items=items, sizes=sizes)

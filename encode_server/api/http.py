@@ -148,7 +148,7 @@ class HttpApi:
         s = self.runtime.settings
         tenant = self._tenant(request)
         service = self.runtime.require_service()
-        hashes = await parse_lookup_body(request, max_hashes=max(1024, s.max_items), max_bytes=s.max_request_bytes)
+        hashes = await parse_lookup_body(request, max_hashes=s.max_light_items, max_bytes=s.max_request_bytes)
         found = await service.lookup(hashes, tenant=tenant)
         request.state.items = len(found)
         request.state.hits = sum(f.cached for f in found)
@@ -160,7 +160,7 @@ class HttpApi:
         self._tenant(request)  # authenticates; token counts are not tenant data
         service = self.runtime.require_service()
         body = await parse_tokens_body(
-            request, max_items=s.max_items, max_sizes=max(1024, s.max_items), max_bytes=s.max_request_bytes
+            request, max_items=s.max_items, max_sizes=s.max_light_items, max_bytes=s.max_request_bytes
         )
         counts = await service.tokens(items=body.items, sizes=body.sizes)
         items = [

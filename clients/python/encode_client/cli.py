@@ -188,10 +188,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         with Client(urls, api_key=args.api_key, timeout=args.timeout) as client:
             command = {"encode": _cmd_encode, "lookup": _cmd_lookup, "tokens": _cmd_tokens}[args.command]
             return command(args, client)
-    except UsageError as exc:
-        print(f"encode-client: {exc}", file=sys.stderr)
-        return 2
-    except ValueError as exc:
+    except (UsageError, ValueError) as exc:
         print(f"encode-client: {exc}", file=sys.stderr)
         return 2
     except ServerError as exc:

@@ -58,9 +58,11 @@ lint: install
 proto: install
 	$(BIN)/python scripts/gen_proto.py
 
+# The side-by-side figures (bench/results/latest.json and PNGs); then the older two benches.
 bench: install tools
-	$(BIN)/python -m bench.batching
-	$(BIN)/python -m bench.tiers
+	$(BIN)/python -m bench.serving
+	$(BIN)/python -m bench.batching --rounds 2
+	$(BIN)/python -m bench.tiers --rounds 10
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -31,6 +31,8 @@ __all__ = ["BaseClient", "Call", "Flow", "Sleep", "rank_replicas"]
 
 T = TypeVar("T")
 
+UPLOAD_MODES = ("hash-first", "always")
+
 
 @dataclass(frozen=True)
 class Call:
@@ -78,12 +80,16 @@ class BaseClient:
         limits: Limits | None = None,
         timeout: float = 60.0,
         seed: int | None = None,
+        upload: str = "hash-first",
     ) -> None:
         replicas = [urls] if isinstance(urls, str) else list(urls)
         if not replicas:
             raise ValueError("at least one replica URL is required")
         if response not in ("safetensors", "json"):
             raise ValueError('response must be "safetensors" or "json"')
+        if upload not in UPLOAD_MODES:
+            raise ValueError(f"upload must be one of {UPLOAD_MODES}, not {upload!r}")
+        self.upload = upload
         self.replicas = [_normalize(u) for u in replicas]
         self.api_key = api_key
         self.response = response
@@ -188,8 +194,13 @@ class BaseClient:
         hashes = [mm_hash(b) for b in blobs]
         unique = list(dict.fromkeys(hashes))
         data = {h: b for h, b in zip(hashes, blobs, strict=True)}
-        found = yield from self._rounds("encode", unique, lambda ix: [(unique[i], None) for i in ix], self._by_count)
-        missed = [h for i, h in enumerate(unique) if found[i].status == "miss"]
+        if self.upload == "always":
+            found = {i: None for i in range(len(unique))}
+        else:
+            found = yield from self._rounds(
+                "encode", unique, lambda ix: [(unique[i], None) for i in ix], self._by_count
+            )
+        missed = [h for i, h in enumerate(unique) if found[i] is None or found[i].status == "miss"]
         if missed:
             missed_blobs = [data[h] for h in missed]
             uploaded = yield from self._rounds(

@@ -64,7 +64,6 @@ SAFETENSORS = "application/vnd.safetensors"
 MAX_PIXELS = 40_000_000
 CONCURRENCY = 16
 S2_TOKENS = (64, 576, 2500)
-S2_DIM = 1024
 
 
 @dataclass(frozen=True)
@@ -125,30 +124,39 @@ class BarePipeline:
     """The same model in this process: decode + preprocess + forward, no server, torch's own
     threads. Its batches are of 16, as the server's concurrency is."""
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, device: str = "cpu", dtype: str = "float32") -> None:
         from encode_server.encoders import load_encoder
         from encode_server.imaging import decode_image
 
         self._decode = decode_image
-        self.encoder = load_encoder(model, device="cpu", dtype="float32")
+        self.encoder = load_encoder(model, device=device, dtype=dtype)
+        self._sync = _cuda_sync if device.startswith("cuda") else (lambda: None)
 
     def run(self, chunk: Sequence[bytes]) -> float:
         started = time.perf_counter()
         prepared = [self.encoder.preprocess(self._decode(d, max_pixels=MAX_PIXELS)) for d in chunk]
-        self.encoder.forward(prepared)
+        self.encoder.forward(prepared)  # returns host bytes: the device work is done
+        self._sync()
         return time.perf_counter() - started
 
     def burst(self, images: Sequence[bytes]) -> float:
         return sum(self.run(images[i : i + CONCURRENCY]) for i in range(0, len(images), CONCURRENCY))
 
 
+def _cuda_sync() -> None:
+    import torch
+
+    torch.cuda.synchronize()
+
+
 def s1(model: str, server_args: Sequence[str], n_images: int, n_seq: int, seed: int, log_dir: Path,
-       extra: Callable[[ServerProcess], dict[str, Any]] | None = None) -> dict[str, Any]:
+       extra: Callable[[ServerProcess], dict[str, Any]] | None = None, device: str = "cpu",
+       dtype: str = "float32") -> dict[str, Any]:
     """Interleaved, so that the load of a shared machine falls on both sides alike: rounds of
     (bare burst, server burst), then one request at a time as (bare, server JSON, server raw)."""
     rounds = max(1, n_images // 32)
     per_round = n_images // rounds
-    bare = BarePipeline(model)
+    bare = BarePipeline(model, device, dtype)
     bare.run(photos(seed + 60_000, 2))  # warm-up
     bare_rates, server_rates, bare_1, json_1, raw_1 = [], [], [], [], []
     with running(*server_args, log_dir=log_dir) as server:
@@ -244,7 +252,7 @@ def allmiss(server: ServerProcess, n: int, seed: int) -> dict[str, float]:
 # -- S2: hits against the raw wire ----------------------------------------------------------------
 
 
-def s2(model_dir: Path, plan: Plan, log_dir: Path) -> dict[str, Any]:
+def s2(model_dir: Path, plan: Plan, log_dir: Path, server_args: Sequence[str] = ()) -> dict[str, Any]:
     import numpy as np
     import redis as redis_lib
 
@@ -255,17 +263,20 @@ def s2(model_dir: Path, plan: Plan, log_dir: Path) -> dict[str, Any]:
     rng = np.random.default_rng(0)
     out: dict[str, Any] = {}
     with start_redis() as redis, running(
-        "--model", str(model_dir), "--redis-url", redis.url, "--cache-prefix", prefix, log_dir=log_dir
+        "--model", str(model_dir), "--redis-url", redis.url, "--cache-prefix", prefix, *server_args, log_dir=log_dir
     ) as server:
         port = port_of(server)
         conn = Conn(port)
-        fingerprint = json.loads(conn.get("/v1/model")[1])["fingerprint"]
+        info = json.loads(conn.get("/v1/model")[1])
+        fingerprint, dim, dtype = info["fingerprint"], int(info["hidden_size"]), info["dtype"]
+        itemsize = 4 if dtype == "float32" else 2
         client = redis_lib.Redis.from_url(redis.url)
         hashes = {}
         for n in S2_TOKENS:
             h = uuid.uuid4().hex + uuid.uuid4().hex
-            tensor = rng.standard_normal((n, S2_DIM), dtype=np.float32)
-            value = Embedding(EncodedTensor(tensor.tobytes(), (n, S2_DIM), "float32"), {})
+            tensor = rng.standard_normal((n, dim), dtype=np.float32)
+            raw = tensor.tobytes() if itemsize == 4 else (tensor.view(np.uint32) >> 16).astype("<u2").tobytes()
+            value = Embedding(EncodedTensor(raw, (n, dim), dtype), {})
             client.set(f"{prefix}:v1:{fingerprint}:{h}", encode_value(fingerprint, h, value))
             hashes[n] = h
         client.close()
@@ -287,7 +298,7 @@ def s2(model_dir: Path, plan: Plan, log_dir: Path) -> dict[str, Any]:
             _wait_port(raw_port)
             for (n, fmt), req in requests.items():
                 count = plan.s2_requests[S2_TOKENS.index(n)]
-                gb = n * S2_DIM * 4 * count / 1e9
+                gb = n * dim * itemsize * count / 1e9
                 ours = _repeat(port, req, count)
                 wire = _repeat(raw_port, Request(f"/{fmt}-{n}", req.body, accept=req.accept), count)
                 out[f"{fmt}_{n}"] = {"server_gb_s": gb / ours, "raw_gb_s": gb / wire, "ratio": wire / ours}
@@ -296,6 +307,7 @@ def s2(model_dir: Path, plan: Plan, log_dir: Path) -> dict[str, Any]:
             raw.wait(10)
             shutil.rmtree(answers, ignore_errors=True)
         out["rss_peak_mb"] = peak_rss_mb(server)
+        out["hidden_size"], out["dtype"] = dim, dtype
     return out
 
 

@@ -86,15 +86,16 @@ def oriented_size(data: bytes, *, max_pixels: int, index: int | None = None) -> 
 
 
 def decode_image(data: bytes, *, max_pixels: int, index: int | None = None) -> Image.Image:
-    """Decode the first frame, apply EXIF orientation, convert to RGB."""
+    """Decode the first frame, apply EXIF orientation, convert to RGB: no pixel copied twice."""
     image = _open(data, index, max_pixels)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             image.seek(0)
             image.load()
-            image = ImageOps.exif_transpose(image) or image
-            return image.convert("RGB")
+            # In place, and no convert for what is RGB already: each would copy every pixel.
+            ImageOps.exif_transpose(image, in_place=True)
+            return image if image.mode == "RGB" else image.convert("RGB")
     except Image.DecompressionBombError as exc:
         raise TooLarge(f"image too large: {exc}", type="image_too_large", index=index) from exc
     except (OSError, ValueError, SyntaxError, EOFError) as exc:

@@ -3,11 +3,18 @@
 Items from any number of requests queue here; one loop forms a batch from the head of the
 queue and runs it in an executor (the forward pass never blocks the event loop).
 
+Batching as infinity does it: the window is a cap, not a toll. A lone item on an idle model
+runs at once; items that arrive while a forward pass runs queue up, and the next batch takes
+them all the moment that pass ends. Waiting to fill a batch only happens while the caller says
+more items are on their way (``arriving``: e.g. images still being decoded), and then for at
+most ``max_wait_s``.
+
 Invariants:
 - A batch holds at most ``max_batch_size`` items and at most ``max_batch_tokens`` cost tokens,
   except that an item costing more than ``max_batch_tokens`` alone runs alone (never starved).
-- A batch starts when it is full, or when its oldest item has waited ``max_wait_s`` (the
-  deadline is monotonic and counts from that item's arrival, as LitServe's loop does).
+- When the model is idle, a batch starts at once, unless it is not full and ``arriving()`` is
+  positive; then it starts when it is full, when ``arriving()`` drops to 0, or when its oldest
+  item has waited ``max_wait_s`` (monotonic, from that item's arrival, as LitServe's loop does).
 - At most ``max_queue`` items wait; ``submit`` past that raises ``Unavailable("overloaded")``
   instead of growing memory without bound.
 - Items whose future was cancelled before their batch formed are dropped, not run.
@@ -64,6 +71,7 @@ class Batcher(Generic[T, R]):
         max_queue: int,
         executor: Executor | None = None,
         observer: BatchObserver | None = None,
+        arriving: Callable[[], int] | None = None,
     ) -> None:
         assert max_batch_size > 0 and max_batch_tokens > 0 and max_queue > 0 and max_wait_s >= 0
         self._run_batch = run_batch
@@ -73,6 +81,7 @@ class Batcher(Generic[T, R]):
         self.max_queue = max_queue
         self._executor = executor
         self._observer = observer
+        self._arriving = arriving
         self._queue: deque[_Pending[T, R]] = deque()
         self._queued_cost = 0
         self._wakeup = asyncio.Event()
@@ -122,22 +131,28 @@ class Batcher(Generic[T, R]):
     def _full(self) -> bool:
         return len(self._queue) >= self.max_batch_size or self._queued_cost >= self.max_batch_tokens
 
+    def _more_arriving(self) -> bool:
+        return self._arriving is not None and self._arriving() > 0
+
     async def _loop(self) -> None:
         while True:
             if not self._queue:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
+            # Idle model: go now, unless more items are known to be on their way (then wait for
+            # them, at most until the oldest item has waited max_wait_s). Items that came while
+            # the last pass ran are all here already: no wait for them.
             deadline = self._queue[0].enqueued_at + self.max_wait_s
-            while not self._full():
+            while not self._full() and self._more_arriving():
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
                 self._wakeup.clear()
                 try:
-                    await asyncio.wait_for(self._wakeup.wait(), remaining)
+                    await asyncio.wait_for(self._wakeup.wait(), min(remaining, 0.001))
                 except asyncio.TimeoutError:
-                    break
+                    continue
             batch = self._take()
             if batch:
                 await self._run(batch)

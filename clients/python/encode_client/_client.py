@@ -88,7 +88,9 @@ class Client(BaseClient):
                 return self._send_grpc(call)
             req = _http.build(call.replica, call.op, call.payload, response=self.response, api_key=self.api_key)
             try:
-                r = self._http.request(req.method, req.url, json=req.json, headers=req.headers)
+                r = self._http.request(
+                    req.method, req.url, json=req.json, content=req.content, files=req.files, headers=req.headers
+                )
             except httpx.TransportError as exc:
                 raise ReplicaUnavailable(call.replica, repr(exc)) from exc
             return _http.parse(call.op, r.status_code, r.headers, r.content, call.replica)
@@ -173,7 +175,9 @@ class AsyncClient(BaseClient):
                 return await self._send_grpc(call)
             req = _http.build(call.replica, call.op, call.payload, response=self.response, api_key=self.api_key)
             try:
-                r = await self._http.request(req.method, req.url, json=req.json, headers=req.headers)
+                r = await self._http.request(
+                    req.method, req.url, json=req.json, content=req.content, files=req.files, headers=req.headers
+                )
             except httpx.TransportError as exc:
                 raise ReplicaUnavailable(call.replica, repr(exc)) from exc
             return _http.parse(call.op, r.status_code, r.headers, r.content, call.replica)

@@ -12,7 +12,7 @@ import numpy as np
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["LookupItem", "Result", "TokenCount", "WarmItem", "to_numpy", "to_torch"]
+__all__ = ["LookupItem", "Result", "TokenCount", "UploadStats", "WarmItem", "to_numpy", "to_torch"]
 
 _NUMPY = {"float32": "<f4", "float16": "<f2", "float64": "<f8", "int32": "<i4", "int64": "<i8", "uint8": "|u1"}
 
@@ -92,3 +92,23 @@ class WarmItem:
     hash: str
     status: str
     replica: str | None = None
+
+
+@dataclass(frozen=True)
+class UploadStats:
+    """How the client has sent images so far (``Client.stats``).
+
+    ``mode`` is what the next ``encode`` will do: "hash-first" (ask by hash, upload the misses)
+    or "upload" (send the bytes at once, because recent hits were too rare to pay for the extra
+    round trip: the adaptive default). ``recent_hit_rate`` is over the last ``window`` images;
+    None before any.
+    """
+
+    mode: str
+    recent_hit_rate: float | None
+    hash_first_items: int  # images asked for by hash first
+    direct_items: int  # images uploaded without asking first
+    hits: int  # images a replica already held (asked by hash, or uploaded and found)
+    misses: int  # images a replica had to encode
+    uploaded_bytes: int  # image bytes sent
+    switches: int  # times the adaptive mode changed its mind

@@ -15,8 +15,8 @@ from encode_server.core.types import RequestItem
 from encode_server.encoders import load_encoder
 from encode_server.encoders.base import EncodedTensor, PreparedImage, VisionEncoder
 from encode_server.metrics import Metrics
-from encode_server.service import EncodeService
 from tests.images import image_bytes
+from tests.services import make_service
 
 
 class GatedEncoder(VisionEncoder):
@@ -42,7 +42,7 @@ class GatedEncoder(VisionEncoder):
 def test_cancelled_requests_leave_no_pins_slots_or_inflight_entries() -> None:
     async def scenario() -> None:
         encoder = GatedEncoder(load_encoder("builtin:tiny", device="cpu"))
-        service = EncodeService(encoder, Settings(cache_mb=16), Metrics())
+        service = make_service(encoder, Settings(cache_mb=16), Metrics())
         await service.start()
         try:
             known = image_bytes("PNG", 24, 24, seed=1)

@@ -404,7 +404,10 @@ class EncodeService:
         assert ident.data is not None
         try:
             loop = asyncio.get_running_loop()
-            prepared = await loop.run_in_executor(self._preprocess_pool, self._prepare, ident.data, ident.index)
+            # Announced while it decodes: an idle model waits (at most --max-wait-ms) for it to join
+            # the batch of the images decoding beside it, and never waits for images not coming.
+            with self.batcher.arriving():
+                prepared = await loop.run_in_executor(self._preprocess_pool, self._prepare, ident.data, ident.index)
             tensor = await self.batcher.submit(prepared, prepared.cost_tokens)
             value = Embedding(tensor, prepared.meta)
             self.local.put(key, value)

@@ -5,15 +5,15 @@ queue and runs it in an executor (the forward pass never blocks the event loop).
 
 Batching as infinity does it: the window is a cap, not a toll. A lone item on an idle model
 runs at once; items that arrive while a forward pass runs queue up, and the next batch takes
-them all the moment that pass ends. Waiting to fill a batch only happens while the caller says
-more items are on their way (``arriving``: e.g. images still being decoded), and then for at
-most ``max_wait_s``.
+them all the moment that pass ends. Waiting to fill a batch only happens while callers have
+announced items on their way (``with batcher.arriving():`` around decoding an image), and then
+for at most ``max_wait_s``.
 
 Invariants:
 - A batch holds at most ``max_batch_size`` items and at most ``max_batch_tokens`` cost tokens,
   except that an item costing more than ``max_batch_tokens`` alone runs alone (never starved).
-- When the model is idle, a batch starts at once, unless it is not full and ``arriving()`` is
-  positive; then it starts when it is full, when ``arriving()`` drops to 0, or when its oldest
+- When the model is idle, a batch starts at once, unless it is not full and items are announced
+  as arriving; then it starts when it is full, when no announced item is left, or when its oldest
   item has waited ``max_wait_s`` (monotonic, from that item's arrival, as LitServe's loop does).
 - At most ``max_queue`` items wait; ``submit`` past that raises ``Unavailable("overloaded")``
   instead of growing memory without bound.
@@ -27,7 +27,7 @@ import asyncio
 import contextlib
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
@@ -71,7 +71,6 @@ class Batcher(Generic[T, R]):
         max_queue: int,
         executor: Executor | None = None,
         observer: BatchObserver | None = None,
-        arriving: Callable[[], int] | None = None,
     ) -> None:
         assert max_batch_size > 0 and max_batch_tokens > 0 and max_queue > 0 and max_wait_s >= 0
         self._run_batch = run_batch
@@ -81,7 +80,7 @@ class Batcher(Generic[T, R]):
         self.max_queue = max_queue
         self._executor = executor
         self._observer = observer
-        self._arriving = arriving
+        self._arriving = 0
         self._queue: deque[_Pending[T, R]] = deque()
         self._queued_cost = 0
         self._wakeup = asyncio.Event()
@@ -131,8 +130,19 @@ class Batcher(Generic[T, R]):
     def _full(self) -> bool:
         return len(self._queue) >= self.max_batch_size or self._queued_cost >= self.max_batch_tokens
 
+    @contextlib.contextmanager
+    def arriving(self) -> Iterator[None]:
+        """Announce one item on its way (an image being decoded): an idle model waits for it, up
+        to ``max_wait_s``, rather than start a batch without it. Submit right after the block."""
+        self._arriving += 1
+        try:
+            yield
+        finally:
+            self._arriving -= 1
+            self._wakeup.set()
+
     def _more_arriving(self) -> bool:
-        return self._arriving is not None and self._arriving() > 0
+        return self._arriving > 0
 
     async def _loop(self) -> None:
         while True:
@@ -150,9 +160,9 @@ class Batcher(Generic[T, R]):
                     break
                 self._wakeup.clear()
                 try:
-                    await asyncio.wait_for(self._wakeup.wait(), min(remaining, 0.001))
+                    await asyncio.wait_for(self._wakeup.wait(), remaining)
                 except asyncio.TimeoutError:
-                    continue
+                    break
             batch = self._take()
             if batch:
                 await self._run(batch)

@@ -109,39 +109,66 @@ def test_items_arriving_during_a_forward_pass_form_the_next_batch() -> None:
     assert run(main()).batches == [[0], [1, 2, 3, 4, 5]]
 
 
-def test_idle_model_waits_for_items_the_caller_says_are_arriving() -> None:
+def test_idle_model_waits_for_items_announced_as_arriving() -> None:
     async def main() -> Recorder:
         rec = Recorder()
-        arriving = [3]
-        b: Batcher[int, int] = Batcher(
-            rec, max_batch_size=64, max_batch_tokens=10**6, max_wait_s=3600, max_queue=10,
-            arriving=lambda: arriving[0],
-        )
+        b: Batcher[int, int] = Batcher(rec, max_batch_size=64, max_batch_tokens=10**6, max_wait_s=3600, max_queue=10)
         b.start()
-        futures = [b.submit(0, 1)]
-        for i in range(1, 4):
-            await asyncio.sleep(0.01)  # "decoding" the next image
-            arriving[0] -= 1
-            futures.append(b.submit(i, 1))
-        assert await asyncio.gather(*futures) == [0, 2, 4, 6]
+
+        async def decode_then_submit(i: int) -> int:
+            with b.arriving():
+                await asyncio.sleep(0.01 * i)  # "decoding" takes longer for each
+            return await b.submit(i, 1)
+
+        assert await asyncio.gather(*(decode_then_submit(i) for i in range(4))) == [0, 2, 4, 6]
         await b.close()
         return rec
 
     assert run(main()).batches == [[0, 1, 2, 3]]
 
 
-def test_wait_for_arriving_items_is_capped_by_max_wait() -> None:
+def test_wait_for_announced_items_is_capped_by_max_wait() -> None:
     async def main() -> Recorder:
         rec = Recorder()
-        b: Batcher[int, int] = Batcher(
-            rec, max_batch_size=64, max_batch_tokens=10**6, max_wait_s=0.02, max_queue=10, arriving=lambda: 5
-        )
+        b: Batcher[int, int] = Batcher(rec, max_batch_size=64, max_batch_tokens=10**6, max_wait_s=0.02, max_queue=10)
         b.start()
-        assert await b.submit(7, 1) == 14  # the promised items never come: it runs anyway
+        never = asyncio.Event()
+
+        async def announced_forever() -> None:
+            with b.arriving():
+                await never.wait()
+
+        stuck = asyncio.create_task(announced_forever())
+        await asyncio.sleep(0)
+        assert await b.submit(7, 1) == 14  # the announced item never comes: this one runs anyway
+        stuck.cancel()
         await b.close()
         return rec
 
     assert run(main()).batches == [[7]]
+
+
+def test_an_announced_item_that_fails_to_decode_does_not_hold_the_batch() -> None:
+    async def main() -> Recorder:
+        rec = Recorder()
+        b: Batcher[int, int] = Batcher(rec, max_batch_size=64, max_batch_tokens=10**6, max_wait_s=3600, max_queue=10)
+        b.start()
+
+        async def bad_image() -> None:
+            with b.arriving():
+                await asyncio.sleep(0.02)
+                raise ValueError("not an image")
+
+        failing = asyncio.create_task(bad_image())
+        await asyncio.sleep(0)
+        result = await b.submit(3, 1)  # waits for the announced item, which then gives up
+        assert result == 6
+        with pytest.raises(ValueError):
+            await failing
+        await b.close()
+        return rec
+
+    assert run(main()).batches == [[3]]
 
 
 def test_full_queue_raises_overloaded_and_recovers() -> None:

@@ -58,11 +58,10 @@ lint: install
 proto: install
 	$(BIN)/python scripts/gen_proto.py
 
-# The side-by-side figures (bench/results/latest.json and PNGs); then the older two benches.
+# The side-by-side figures of issue 9 (bench/results/latest.json and PNGs; S4 reuses bench/tiers.py).
+# The older benches run alone: python -m bench.batching, python -m bench.tiers. A GPU: bench/gpu_check.sh.
 bench: install tools
 	$(BIN)/python -m bench.serving
-	$(BIN)/python -m bench.batching --rounds 2
-	$(BIN)/python -m bench.tiers --rounds 10
 
 clean:
 	rm -rf $(VENV) build *.egg-info

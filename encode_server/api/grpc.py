@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from encode_server.api.budget import GrpcBudgetInterceptor
 from encode_server.api.proto.encode_server.v1 import encoder_pb2 as pb
 from encode_server.api.proto.encode_server.v1 import encoder_pb2_grpc as pb_grpc
 from encode_server.api.runtime import Runtime
@@ -281,6 +282,7 @@ async def start_grpc_server(runtime: Runtime) -> grpc.aio.Server:
     Health says NOT_SERVING until the model is ready. Messages up to ``--max-request-bytes``."""
     s = runtime.settings
     server = grpc.aio.server(
+        interceptors=[GrpcBudgetInterceptor(runtime)],
         options=[
             ("grpc.max_receive_message_length", s.max_request_bytes + _FRAMING_SLACK),
             ("grpc.max_send_message_length", -1),

@@ -29,6 +29,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from encode_server import __version__
 from encode_server.api.bodies import parse_encode_body, parse_lookup_body, parse_tokens_body
+from encode_server.api.budget import BodyBudgetMiddleware
 from encode_server.api.grpc import start_grpc_server
 from encode_server.api.runtime import Runtime
 from encode_server.api.schemas import (
@@ -311,6 +312,7 @@ def create_app(runtime: Runtime, load_encoder: Callable[[], VisionEncoder]) -> F
 
     app = FastAPI(title="encode-server", version=__version__, lifespan=lifespan)
     routes = frozenset({"/v1/encode", "/v1/lookup", "/v1/tokens", "/v1/model", "/health", "/ready", "/metrics"})
+    app.add_middleware(BodyBudgetMiddleware, runtime=runtime)  # inside MetricsMiddleware: its 503s are counted
     app.add_middleware(MetricsMiddleware, runtime=runtime, routes=routes)
     common: dict[int | str, dict[str, Any]] = {503: _error_doc("not_ready")}
     app.add_api_route(
@@ -353,7 +355,9 @@ async def _load(runtime: Runtime, load_encoder: Callable[[], VisionEncoder]) -> 
     try:
         started = time.perf_counter()
         encoder = await asyncio.to_thread(load_encoder)
-        service = EncodeService(encoder, runtime.settings, runtime.metrics, shared=_shared_tier(runtime, encoder))
+        service = EncodeService(
+            encoder, runtime.settings, runtime.metrics, shared=_shared_tier(runtime, encoder), budget=runtime.budget
+        )
         await service.start()
         runtime.service = service
         info = encoder.info

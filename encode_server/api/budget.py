@@ -1,0 +1,232 @@
+"""The request-memory budget at both front doors: refuse before holding, not after.
+
+HTTP (:class:`BodyBudgetMiddleware`, pure ASGI): a declared ``Content-Length`` is charged before
+a byte of the body is read, and a request it does not fit is answered at once, 503 ``overloaded``
+with ``Retry-After``, its body never read into memory. A chunked (undeclared) body, or bytes
+beyond the declared length, are charged as they arrive and refused the moment they would
+overflow; that connection is then closed rather than drained. The request's :class:`Hold` lives
+in the ASGI scope's state, where the body parsers (``api/bodies.py``) settle it to what they
+still hold once the body is parsed (decoded base64, multipart parts); it is released when the
+response starts, by then the route holds nothing of the request.
+
+gRPC (:class:`GrpcBudgetInterceptor`): gRPC receives a whole message before any handler runs, and
+its size is unknown until then. So a call reserves one largest message (``--max-request-bytes``)
+when it starts, and is refused at once, without its message being received, when that does not
+fit; once the message has arrived the reservation is settled to what the call really holds.
+
+Every refusal is counted in ``rejected_total{reason="memory"}``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from encode_server.api.runtime import Runtime
+from encode_server.core.budget import Hold, OverBudget
+from encode_server.core.errors import Unavailable
+from encode_server.metrics import Metrics
+
+__all__ = [
+    "HOLD_KEY",
+    "RETRY_AFTER_S",
+    "BodyBudgetMiddleware",
+    "GrpcBudgetInterceptor",
+    "body_hold",
+    "over_budget",
+]
+
+HOLD_KEY = "body_hold"
+RETRY_AFTER_S = 1
+_MIB = 1024 * 1024
+# Protobuf framing around a message's bytes (the receive limit adds the same slack).
+_GRPC_FRAMING = 64 * 1024
+
+
+def body_hold(scope: Scope) -> Hold | None:
+    """The budget hold of this HTTP request (None outside the middleware, e.g. in unit tests)."""
+    state = scope.get("state")
+    hold = state.get(HOLD_KEY) if isinstance(state, dict) else None
+    return hold if isinstance(hold, Hold) else None
+
+
+def over_budget(metrics: Metrics, exc: OverBudget) -> Unavailable:
+    """The 503 a memory refusal answers, counted once here."""
+    metrics.rejected.labels(reason="memory").inc()
+    capacity = f"{exc.capacity / _MIB:.0f} MiB" if exc.capacity is not None else "unbounded"
+    return Unavailable(
+        f"request memory budget is full ({exc.asked / _MIB:.1f} MiB asked, {exc.available / _MIB:.1f} MiB "
+        f"of {capacity} free); retry later",
+        type="overloaded",
+        retry_after=RETRY_AFTER_S,
+    )
+
+
+def _content_length(scope: Scope) -> int | None:
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length":
+            return int(value) if value.isdigit() else None
+    return None
+
+
+def _error_messages(exc: Unavailable, *, close: bool) -> tuple[Message, Message]:
+    body = json.dumps({"error": {"type": exc.type, "message": exc.message, "index": exc.index}}).encode()
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"retry-after", str(max(1, round(exc.retry_after))).encode()),
+    ]
+    if close:
+        headers.append((b"connection", b"close"))
+    start = {"type": "http.response.start", "status": 503, "headers": headers}
+    return start, {"type": "http.response.body", "body": body, "more_body": False}
+
+
+class BodyBudgetMiddleware:
+    """Charge every HTTP request's body to the runtime's budget before it is held (module doc)."""
+
+    def __init__(self, app: ASGIApp, runtime: Runtime) -> None:
+        self.app = app
+        self.runtime = runtime
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        budget = self.runtime.budget
+        metrics = self.runtime.metrics
+        hold = budget.hold()
+        scope.setdefault("state", {})[HOLD_KEY] = hold
+        declared = _content_length(scope)
+        limit = self.runtime.settings.max_request_bytes
+        # Above --max-request-bytes the route answers 413 before reading: nothing to charge.
+        prepaid = declared if declared is not None and declared <= limit else 0
+        if prepaid and not hold.grow(prepaid):
+            error = over_budget(metrics, OverBudget(prepaid, budget.available or 0, budget.capacity))
+            hold.release()
+            for message in _error_messages(error, close=False):  # uvicorn drains the unread body
+                await send(message)
+            return
+
+        received = 0
+        body_done = declared == 0 or scope.get("method") in ("GET", "HEAD")
+        refused = False
+
+        async def counting_receive() -> Message:
+            nonlocal received, body_done, refused
+            message = await receive()
+            if message["type"] == "http.request":
+                size = len(message.get("body", b""))
+                unpaid = max(0, received + size - max(prepaid, received))
+                received += size
+                body_done = not message.get("more_body", False)
+                if unpaid and not hold.grow(unpaid):
+                    refused = True
+                    raise OverBudget(unpaid, budget.available or 0, budget.capacity)
+            return message
+
+        started = False
+
+        async def releasing_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                hold.release()  # the route is done with the request: nothing of it is held now
+                if not body_done and (refused or declared is None or declared > limit):
+                    # A body still streaming in that nobody will read: close, don't drain it.
+                    message["headers"] = [*message.get("headers", ()), (b"connection", b"close")]
+            await send(message)
+
+        try:
+            await self.app(scope, counting_receive, releasing_send)
+        except OverBudget as exc:
+            if started:
+                raise
+            error = over_budget(metrics, exc)
+            refused = True
+            for message in _error_messages(error, close=not body_done):
+                await releasing_send(message)
+        finally:
+            hold.release()
+
+
+class GrpcBudgetInterceptor(grpc.aio.ServerInterceptor):
+    """Reserve one largest message per unary call of ``service`` before its message is received."""
+
+    def __init__(self, runtime: Runtime, *, service: str = "encode_server.v1.Encoder") -> None:
+        self.runtime = runtime
+        self.prefix = f"/{service}/"
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        method = handler_call_details.method
+        method = method.decode() if isinstance(method, bytes) else method
+        if (
+            handler is None
+            or not method.startswith(self.prefix)
+            or handler.request_streaming
+            or handler.response_streaming
+            or handler.unary_unary is None
+        ):
+            return handler
+        name = method[len(self.prefix):]
+        budget = self.runtime.budget
+        hold = budget.hold()
+        reserve = self.runtime.settings.max_request_bytes + _GRPC_FRAMING
+        if not hold.grow(reserve):
+            return self._refusal(name, handler, OverBudget(reserve, budget.available or 0, budget.capacity))
+        unary = handler.unary_unary
+
+        # A client-streaming handler (the same bytes on the wire as a unary call) receives the
+        # message only when we ask for it, so the reservation is in place before it arrives and
+        # the ``finally`` releases it on every path, a cancelled receive included.
+        async def behaviour(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+            try:
+                request: Any = await anext(aiter(requests), None)
+                if request is None:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "invalid_request: no request message")
+                # The message, and the copies of its image bytes that the items hold.
+                holds = 2 * request.ByteSize()
+                if not hold.settle(holds):
+                    exc = OverBudget(holds - hold.held, budget.available or 0, budget.capacity)
+                    await self._abort(name, context, over_budget(self.runtime.metrics, exc))
+                return await unary(request, context)
+            finally:
+                hold.release()
+
+        return grpc.stream_unary_rpc_method_handler(
+            behaviour,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+
+    def _refusal(self, name: str, handler: grpc.RpcMethodHandler, exc: OverBudget) -> grpc.RpcMethodHandler:
+        error = over_budget(self.runtime.metrics, exc)
+
+        async def refuse(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+            await self._abort(name, context, error)  # the message is never received
+
+        return grpc.stream_unary_rpc_method_handler(
+            refuse, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
+        )
+
+    async def _abort(self, name: str, context: grpc.aio.ServicerContext, error: Unavailable) -> None:
+        metrics = self.runtime.metrics
+        route = f"grpc:{name}"
+        metrics.requests.labels(route=route, code="503").inc()  # as GrpcApi labels its 503s
+        metrics.request_seconds.labels(route=route).observe(0.0)
+        retry = str(max(1, round(error.retry_after)))
+        await context.abort(
+            grpc.StatusCode.UNAVAILABLE,
+            f"{error.type}: {error.message}",
+            trailing_metadata=(("error-type", error.type), ("retry-after", retry)),
+        )
+

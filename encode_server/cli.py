@@ -21,6 +21,7 @@ from encode_server.config import Settings, settings_from
 from encode_server.encoders import load_encoder
 from encode_server.encoders.base import VisionEncoder
 from encode_server.logs import configure_logging
+from encode_server.malloc import return_freed_memory
 from encode_server.metrics import Metrics
 
 __all__ = ["DrainingServer", "main"]
@@ -84,6 +85,7 @@ class DrainingServer(uvicorn.Server):
 def main(argv: Sequence[str] | None = None) -> int:
     settings = settings_from(sys.argv[1:] if argv is None else argv, os.environ)
     configure_logging(settings.log_level, settings.log_format)
+    return_freed_memory()  # before any thread starts: freed request buffers leave the process
     try:
         keys = ApiKeys.from_settings(settings)
     except ValueError as exc:

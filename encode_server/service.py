@@ -394,7 +394,12 @@ class EncodeService:
                 if self.local.pin_if_present(key):
                     pinned.append(key)
         if errors:
-            raise min(errors, key=lambda e: e.index if e.index is not None else -1)
+            error = min(errors, key=lambda e: e.index if e.index is not None else -1)
+            del errors, outcomes  # a frame in the traceback must not hold the error: a cycle keeps the
+            try:  # request's bytes alive until the garbage collector runs (uncounted memory)
+                raise error
+            finally:
+                del error
 
     def _start_encode(self, key: str, ident: _Identified) -> asyncio.Future[Embedding]:
         assert ident.data is not None and key not in self._inflight
@@ -422,6 +427,8 @@ class EncodeService:
             future.set_exception(Unavailable("server is shutting down", type="not_ready"))
             raise
         except BaseException as exc:
+            if isinstance(exc, EncodeServerError):  # expected: no traceback, whose frames would hold
+                exc.__traceback__ = None  # the image bytes in a cycle through ``future``
             future.set_exception(exc)
         finally:
             self._inflight.pop(key, None)

@@ -6,8 +6,9 @@ with ``Retry-After``, its body never read into memory. A chunked (undeclared) bo
 beyond the declared length, are charged as they arrive and refused the moment they would
 overflow; that connection is then closed rather than drained. The request's :class:`Hold` lives
 in the ASGI scope's state, where the body parsers (``api/bodies.py``) settle it to what they
-still hold once the body is parsed (decoded base64, multipart parts); it is released when the
-response starts, by then the route holds nothing of the request.
+still hold once the body is parsed (decoded base64, multipart parts); it is released when a
+successful response starts (the route has returned: it holds nothing of the request), or once
+an error response has been sent (until then the exception's traceback holds the route's frames).
 
 gRPC (:class:`GrpcBudgetInterceptor`): gRPC receives a whole message before any handler runs, and
 its size is unknown until then. So a call reserves one largest message (``--max-request-bytes``)
@@ -135,7 +136,11 @@ class BodyBudgetMiddleware:
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
-                hold.release()  # the route is done with the request: nothing of it is held now
+                if message["status"] < 400:
+                    # The route has returned: nothing of the request is held any more. An error
+                    # response is sent while the exception's traceback still holds the request's
+                    # frames (and bytes): that hold ends with the call, below.
+                    hold.release()
                 if not body_done and (refused or declared is None or declared > limit):
                     # A body still streaming in that nobody will read: close, don't drain it.
                     message["headers"] = [*message.get("headers", ()), (b"connection", b"close")]

@@ -17,9 +17,12 @@ from typing import Any
 __all__ = ["ENV_PREFIX", "Settings", "build_parser", "settings_from"]
 
 ENV_PREFIX = "ENCODE_SERVER_"
-# A JSON body held while its base64 is parsed and decoded peaks near 2.75x its size (body, parsed
-# text, decoded bytes): the request-memory budget must fit that much for one largest request.
-REQUEST_COPIES = 3
+# The most copies of one request held at once: a JSON body while its base64 is parsed and decoded
+# (body, parsed text, decoded bytes: about 2.75x), a gRPC message while it is received and parsed
+# (4x). The request-memory budget must fit that much for one largest request.
+REQUEST_COPIES = 4
+# Protobuf framing around a gRPC message's bytes (the receive limit adds it to --max-request-bytes).
+MESSAGE_FRAMING = 64 * 1024
 
 
 def _opt(default: Any, help: str, *, repr: bool = True, **extra: Any) -> Any:
@@ -181,11 +184,12 @@ def _validate(s: Settings) -> None:
     if s.max_inflight_mb < 0:
         raise SystemExit(f"--max-inflight-mb must be >= 0 (0: no bound), got {s.max_inflight_mb}")
     budget = s.max_inflight_bytes
-    if budget is not None and budget < REQUEST_COPIES * s.max_request_bytes:
+    floor = REQUEST_COPIES * (s.max_request_bytes + MESSAGE_FRAMING)
+    if budget is not None and budget < floor:
         raise SystemExit(
-            f"--max-inflight-mb ({s.max_inflight_mb:g} MiB) must hold one largest request with its decoded "
-            f"copies ({REQUEST_COPIES} x --max-request-bytes = {REQUEST_COPIES * s.max_request_bytes / 2**20:g} MiB), "
-            "or such a request could never be served"
+            f"--max-inflight-mb ({s.max_inflight_mb:g} MiB) must hold one largest request with its copies "
+            f"({REQUEST_COPIES} x (--max-request-bytes + 64 KiB) = {floor / 2**20:.2f} MiB), or such a request "
+            "could never be served"
         )
     if s.drain_seconds < 0:
         raise SystemExit(f"--drain-seconds must be >= 0, got {s.drain_seconds}")

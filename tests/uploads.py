@@ -32,6 +32,7 @@ __all__ = [
     "noise_png",
     "random_bytes",
     "raw_payload",
+    "read_response",
     "reset_peak_rss",
     "rss_bytes",
     "upload",
@@ -110,10 +111,12 @@ def upload(
     content_type: str = "application/octet-stream",
     content_length: int | None = None,
     extra: bytes = b"",
+    stop_on_answer: bool = True,
     timeout: float = 60.0,
 ) -> Upload:
     """POST ``body`` (bytes: declared with its length unless ``content_length`` says otherwise; an
-    iterable of already-framed pieces: sent chunked), then ``extra`` bytes after it."""
+    iterable of already-framed pieces: sent chunked), then ``extra`` bytes after it; unless
+    ``stop_on_answer`` is False, sending stops as soon as the server answers."""
     result = Upload()
     if isinstance(body, bytes | bytearray):
         length = len(body) if content_length is None else content_length
@@ -128,24 +131,25 @@ def upload(
         try:
             sock.sendall(head)
             for piece in [*pieces, *_slices(extra)] if extra else pieces:
-                if select.select([sock], [], [], 0)[0]:
+                if stop_on_answer and select.select([sock], [], [], 0)[0]:
                     break  # the server answered (or closed) before the body was all sent
                 sock.sendall(piece)
                 result.sent += len(piece)
         except OSError as exc:  # the server closed while we were still sending
             result.error = type(exc).__name__
-        _read_response(sock, result)
+        read_response(sock, result)
     result.seconds = time.monotonic() - started
     return result
 
 
-def _read_response(sock: socket.socket, result: Upload) -> None:
+def read_response(sock: socket.socket, result: Upload) -> Upload:
+    """Read one response (head, and a body of its Content-Length) into ``result``."""
     data = b""
     try:
         while b"\r\n\r\n" not in data:
             chunk = sock.recv(65536)
             if not chunk:
-                return
+                return result
             data += chunk
         head, _, rest = data.partition(b"\r\n\r\n")
         lines = head.decode("latin-1").split("\r\n")
@@ -160,6 +164,7 @@ def _read_response(sock: socket.socket, result: Upload) -> None:
         result.body = rest[:want]
     except OSError as exc:
         result.error = result.error or type(exc).__name__
+    return result
 
 
 def rss_bytes(pid: int, field_name: str = "VmRSS") -> int:

@@ -11,9 +11,10 @@ successful response starts (the route has returned: it holds nothing of the requ
 an error response has been sent (until then the exception's traceback holds the route's frames).
 
 gRPC (:class:`GrpcBudgetInterceptor`): gRPC receives a whole message before any handler runs, and
-its size is unknown until then. So a call reserves one largest message (``--max-request-bytes``)
-when it starts, and is refused at once, without its message being received, when that does not
-fit; once the message has arrived the reservation is settled to what the call really holds.
+its size is unknown until then. So a call reserves what receiving one largest message
+(``--max-request-bytes``) takes when it starts (four copies at the peak, measured), and is refused
+at once, without its message being received, when that does not fit; once the message has
+arrived the reservation is settled to what the call really holds (the message and its items).
 
 Every refusal is counted in ``rejected_total{reason="memory"}``.
 """
@@ -21,6 +22,7 @@ Every refusal is counted in ``rejected_total{reason="memory"}``.
 from __future__ import annotations
 
 import json
+import traceback
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -28,6 +30,7 @@ import grpc
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from encode_server.api.runtime import Runtime
+from encode_server.config import MESSAGE_FRAMING, REQUEST_COPIES
 from encode_server.core.budget import Hold, OverBudget
 from encode_server.core.errors import Unavailable
 from encode_server.metrics import Metrics
@@ -44,8 +47,6 @@ __all__ = [
 HOLD_KEY = "body_hold"
 RETRY_AFTER_S = 1
 _MIB = 1024 * 1024
-# Protobuf framing around a message's bytes (the receive limit adds the same slack).
-_GRPC_FRAMING = 64 * 1024
 
 
 def body_hold(scope: Scope) -> Hold | None:
@@ -185,7 +186,9 @@ class GrpcBudgetInterceptor(grpc.aio.ServerInterceptor):
         name = method[len(self.prefix):]
         budget = self.runtime.budget
         hold = budget.hold()
-        reserve = self.runtime.settings.max_request_bytes + _GRPC_FRAMING
+        # Receiving and parsing a message holds it up to four times at once (gRPC's buffer, the
+        # bytes handed to the parser, the parsed message, the items' copies of its image bytes).
+        reserve = REQUEST_COPIES * (self.runtime.settings.max_request_bytes + MESSAGE_FRAMING)
         if not hold.grow(reserve):
             return self._refusal(name, handler, OverBudget(reserve, budget.available or 0, budget.capacity))
         unary = handler.unary_unary
@@ -195,16 +198,25 @@ class GrpcBudgetInterceptor(grpc.aio.ServerInterceptor):
         # the ``finally`` releases it on every path, a cancelled receive included.
         async def behaviour(requests: Any, context: grpc.aio.ServicerContext) -> Any:
             try:
-                request: Any = await anext(aiter(requests), None)
+                messages = aiter(requests)
+                request: Any = await anext(messages, None)
+                # Close the receiver now: suspended after its first message, its frame would
+                # hold the message's raw bytes for as long as the call lives, and longer.
+                if (close := getattr(messages, "aclose", None)) is not None:
+                    await close()
                 if request is None:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "invalid_request: no request message")
-                # The message, and the copies of its image bytes that the items hold.
+                # From now on: the message, and the copies of its image bytes that the items hold.
                 holds = 2 * request.ByteSize()
                 if not hold.settle(holds):
                     exc = OverBudget(holds - hold.held, budget.available or 0, budget.capacity)
                     await self._abort(name, context, over_budget(self.runtime.metrics, exc))
                 return await unary(request, context)
+            except BaseException as exc:
+                _clear_frames(exc)
+                raise
             finally:
+                request = None  # this frame may outlive the call in a traceback: not the bytes
                 hold.release()
 
         return grpc.stream_unary_rpc_method_handler(
@@ -235,3 +247,17 @@ class GrpcBudgetInterceptor(grpc.aio.ServerInterceptor):
             trailing_metadata=(("error-type", error.type), ("retry-after", retry)),
         )
 
+
+
+def _clear_frames(exc: BaseException | None) -> None:
+    """Drop the locals of the finished frames an error (and the errors it chains) holds.
+
+    gRPC's error path keeps the abort exception, whose context is the domain error, whose
+    traceback holds the handler's frames, the request message and its image bytes among their
+    locals, in reference cycles only the garbage collector frees: memory the budget no longer
+    counts. The line numbers stay for logging; only the locals go."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        traceback.clear_frames(exc.__traceback__)
+        exc = exc.__cause__ or exc.__context__

@@ -72,6 +72,9 @@ def burst(budget_mb: int, bodies: list[Payload], uploads: int, log_dir: Path) ->
             else str(r.status) for r in results
         )
         refused = sorted(r.seconds for r in results if r.status == 503)
+        # Refused from the declared length alone, before the body was read; the rest were refused
+        # later (a decode or parse step found no room) after waiting their turn.
+        unread = sorted(r.seconds for r in results if r.status == 503 and b"body was not read" in r.body)
         health = httpx.get(server.url + "/health", timeout=30).status_code
         deadline = time.monotonic() + 30
         while metric(server, "encode_server_inflight_bytes") and time.monotonic() < deadline:
@@ -84,9 +87,11 @@ def burst(budget_mb: int, bodies: list[Payload], uploads: int, log_dir: Path) ->
             "over_idle_mb": (rss.peak - idle) / MIB,
             "answers": dict(answers),
             "refusals": len(refused),
+            "refused_unread": len(unread),
+            "unread_s_median": statistics.median(unread) if unread else None,
+            "unread_s_max": unread[-1] if unread else None,
             "refuse_s_median": statistics.median(refused) if refused else None,
             "refuse_s_max": refused[-1] if refused else None,
-            "refused_sent_mb_max": max((r.sent for r in results if r.status == 503), default=0) / MIB,
             "burst_s": elapsed,
             "inflight_after": metric(server, "encode_server_inflight_bytes"),
             "after_mb": rss_bytes(pid) / MIB,
@@ -114,9 +119,10 @@ def main() -> None:
                 f"budget {label}: idle {row['idle_mb']:.0f} MiB, peak {row['peak_mb']:.0f} MiB "
                 f"(+{row['over_idle_mb']:.0f} MiB over idle), burst {row['burst_s']:.1f} s; "
                 f"answers {row['answers']}; {row['refusals']} refused, "
-                + (f"median {row['refuse_s_median']:.2f} s / max {row['refuse_s_max']:.2f} s to refuse, "
-                   f"most body sent before a refusal {row['refused_sent_mb_max']:.1f} MiB; "
-                   if row["refusals"] else "")
+                + (f"{row['refused_unread']} of them before the body was read (median "
+                   f"{row['unread_s_median']:.2f} s / max {row['unread_s_max']:.2f} s to the answer), all refusals "
+                   f"median {row['refuse_s_median']:.2f} s / max {row['refuse_s_max']:.2f} s; "
+                   if row["refused_unread"] else "")
                 + f"afterwards {row['inflight_after']:.0f} bytes in flight, RSS {row['after_mb']:.0f} MiB, "
                 f"/health {row['health_after']}",
                 flush=True,

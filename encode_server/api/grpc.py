@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from encode_server.api.budget import GrpcBudgetInterceptor
+from encode_server.api.budget import GRPC_BUDGET_OPTIONS, GrpcBudgetInterceptor
 from encode_server.api.proto.encode_server.v1 import encoder_pb2 as pb
 from encode_server.api.proto.encode_server.v1 import encoder_pb2_grpc as pb_grpc
 from encode_server.api.runtime import Runtime
@@ -286,6 +286,7 @@ async def start_grpc_server(runtime: Runtime) -> grpc.aio.Server:
         options=[
             ("grpc.max_receive_message_length", s.max_request_bytes + _FRAMING_SLACK),
             ("grpc.max_send_message_length", -1),
+            *GRPC_BUDGET_OPTIONS,
         ]
     )
     pb_grpc.add_EncoderServicer_to_server(GrpcApi(runtime), server)

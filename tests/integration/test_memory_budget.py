@@ -271,3 +271,24 @@ def test_grpc_calls_reserve_a_largest_message_before_it_is_received(
         pb.EncodeRequest(items=[pb.Item(data=image_bytes(seed=21))]), timeout=60
     )
     assert ok.items[0].status in ("encoded", "hit")
+
+
+def test_grpc_refuses_an_upload_at_once_when_full_but_still_answers_lookups(server: ServerProcess) -> None:
+    channel = grpc.insecure_channel(server.grpc_target, options=[("grpc.max_send_message_length", -1)])
+    stub = pb_grpc.EncoderStub(channel)
+    refusals = memory_refusals(server)
+    with pinned(server, 5):  # 150 of 160 MiB held: no room to receive a largest message
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Encode(pb.EncodeRequest(items=[pb.Item(data=random_bytes(SIZE, seed=9))]), timeout=60)
+        elapsed = time.monotonic() - started
+        md = dict(info.value.trailing_metadata() or ())
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value
+        assert (md.get("error-type"), md.get("retry-after")) == ("overloaded", "1")
+        assert info.value.details().startswith("overloaded: ")
+        assert elapsed < QUICK_S
+        assert memory_refusals(server) == refusals + 1
+        # Lookups carry hashes only: they reserve a light message, and are answered.
+        found = stub.Lookup(pb.LookupRequest(hashes=["0" * 64]), timeout=30)
+        assert [item.cached for item in found.items] == [False]
+    assert metric(server, "encode_server_requests_total", '{code="503",route="grpc:Encode"}') >= 1

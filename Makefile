@@ -61,6 +61,7 @@ proto: install
 bench: install tools
 	$(BIN)/python -m bench.batching
 	$(BIN)/python -m bench.tiers
+	$(BIN)/python -m bench.memory_burst
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -112,8 +112,10 @@ def decode_image(data: bytes, *, max_pixels: int, index: int | None = None) -> I
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             image.seek(0)
             image.load()
-            image = ImageOps.exif_transpose(image) or image
-            return image if image.mode == "RGB" else image.convert("RGB")  # no copy when already RGB
+            # In place, and no conversion of an RGB image: neither makes a full-size copy of the
+            # frame (the request-memory budget charges the frame, not copies of it).
+            ImageOps.exif_transpose(image, in_place=True)
+            return image if image.mode == "RGB" else image.convert("RGB")
     except Image.DecompressionBombError as exc:
         raise TooLarge(f"image too large: {exc}", type="image_too_large", index=index) from exc
     except (OSError, ValueError, SyntaxError, EOFError) as exc:

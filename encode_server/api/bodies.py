@@ -224,7 +224,9 @@ async def _parse_encode_body(request: Request, *, max_items: int, max_bytes: int
         async def replay() -> Message:
             return {"type": "http.request", "body": body, "more_body": False}
 
-        return await _multipart_items(Request(request.scope, replay), max_items, max_bytes)
+        # The parser hands each part on as one slice of the body: a copy, while it is parsed.
+        with _transient(body_hold(request.scope), len(body)):
+            return await _multipart_items(Request(request.scope, replay), max_items, max_bytes)
     if kind not in ("application/json", "application/octet-stream") and not kind.startswith("image/"):
         raise UnsupportedMediaType(
             f"unsupported content type {kind!r}: use application/json, multipart/form-data, "

@@ -177,7 +177,7 @@ class BodyBudgetMiddleware:
 
 
 class GrpcBudgetInterceptor(grpc.aio.ServerInterceptor):
-    """Reserve one largest message per unary call of ``service`` before its message is received."""
+    """Reserve, per unary call of ``service``, what receiving its message takes, before it is received."""
 
     def __init__(self, runtime: Runtime, *, service: str = "encode_server.v1.Encoder") -> None:
         self.runtime = runtime

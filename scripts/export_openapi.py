@@ -20,18 +20,15 @@ OUTPUT = ROOT / "docs" / "openapi.json"
 
 
 def build_app() -> Any:
-    """The HTTP app, built as the server builds it but never started: no model is loaded (the
-    document does not depend on the model or on the settings). The one place that knows the app
-    factory's signature."""
+    """The HTTP app, built as the composition root (``encode_server/app.py``) builds it, but with no
+    service: the document depends on neither the model nor the settings. The one place that knows
+    the app factory's signature."""
     from encode_server.api.http import create_app
     from encode_server.api.runtime import Runtime
     from encode_server.config import Settings
     from encode_server.metrics import Metrics
 
-    def no_model() -> Any:
-        raise RuntimeError("the OpenAPI export never loads a model")
-
-    return create_app(Runtime(Settings(), Metrics()), no_model)
+    return create_app(Runtime(Settings(), Metrics()))
 
 
 def render(document: dict[str, Any]) -> str:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
@@ -70,3 +71,13 @@ def test_the_checker_finds_what_is_broken() -> None:
     assert [p.split(":")[0] for p in problems] == [
         "../../shared/DESIGN.md", "missing.md", "api.md#no-such-heading", "/etc/passwd", "nowhere.md",
     ]
+
+
+_REPO_PATH = re.compile(r"`((?:encode_server|clients|deploy|tests|scripts|bench|docs)/[\w./-]*\w)`")
+
+
+@pytest.mark.parametrize("doc", FILES, ids=[f.relative_to(ROOT).as_posix() for f in FILES])
+def test_every_repository_path_named_in_code_exists(doc: Path) -> None:
+    """A file named in the prose (`encode_server/api/grpc.py`, `deploy/k8s/`) is where it says."""
+    named = set(_REPO_PATH.findall(doc.read_text()))
+    assert sorted(p for p in named if not (ROOT / p).exists()) == []

@@ -176,7 +176,8 @@ class GrpcApi(pb_grpc.EncoderServicer):
             except Exception:
                 log.exception("unexpected error in gRPC %s", name)
                 await context.abort(
-                    grpc.StatusCode.INTERNAL, "internal server error", trailing_metadata=(("error-type", "internal"),)
+                    grpc.StatusCode.INTERNAL, "internal server error",
+                    trailing_metadata=(("error-type", "internal"), ("x-request-id", record.request_id)),
                 )
                 raise
             record.code = 200

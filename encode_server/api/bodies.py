@@ -26,10 +26,11 @@ from starlette.requests import Request
 from starlette.types import Message
 
 from encode_server.api.budget import body_hold
+from encode_server.api.frontdoor import check_count, request_item
 from encode_server.api.schemas import EncodeItemIn, EncodeRequestIn, LookupRequestIn, TokensRequestIn
 from encode_server.core.budget import Hold
 from encode_server.core.errors import BadInput, InvalidRequest, TooLarge, UnsupportedMediaType
-from encode_server.core.types import RequestItem
+from encode_server.core.types import RequestItem, Return
 
 __all__ = [
     "EncodeBody",
@@ -49,7 +50,7 @@ _DECODE_OFF_LOOP_BYTES = 256 << 10
 @dataclass(frozen=True)
 class EncodeBody:
     items: list[RequestItem]
-    want_embeddings: bool
+    return_kind: Return
 
 
 @dataclass(frozen=True)
@@ -114,8 +115,10 @@ def _validation_error(exc: ValidationError) -> InvalidRequest:
 
 
 def _check_count(obj: Any, field: str, limit: int) -> None:
+    """The front doors' count rule, before validation: a huge list is refused before it is walked.
+    (An empty list is left to the schema, which names the field.)"""
     if isinstance(obj, dict) and isinstance(obj.get(field), list) and len(obj[field]) > limit:
-        raise TooLarge(f"{len(obj[field])} {field} in one request, above the limit of {limit}", type="too_many_items")
+        check_count(len(obj[field]), limit, field)
 
 
 def decode_base64(text: str, index: int, hold: Hold | None = None) -> bytes:
@@ -162,16 +165,14 @@ def _json_items(body: bytes, max_items: int, hold: Hold | None = None) -> Encode
         except ValidationError as exc:
             raise _validation_error(exc) from None
         del obj
-        return EncodeBody(_decode_items(parsed.items, hold), want_embeddings=parsed.return_ == "embeddings")
+        return EncodeBody(_decode_items(parsed.items, hold), Return(parsed.return_))
 
 
 def _decode_items(parsed: list[EncodeItemIn], hold: Hold | None = None) -> list[RequestItem]:
     items = []
     for index, item in enumerate(parsed):
-        if item.data is None and item.hash is None:
-            raise InvalidRequest("an item needs 'data', 'hash' or both", index=index)
         data = decode_base64(item.data, index, hold) if item.data is not None else None
-        items.append(RequestItem(index=index, mm_hash=item.hash, data=data))
+        items.append(request_item(index, item.hash, data))
     return items
 
 
@@ -202,7 +203,7 @@ async def _multipart_items(request: Request, max_items: int, max_bytes: int) -> 
         ret = form.get("return", "embeddings")
         if ret not in ("embeddings", "metadata"):
             raise InvalidRequest('"return" must be "embeddings" or "metadata"')
-        return EncodeBody(items, want_embeddings=ret == "embeddings")
+        return EncodeBody(items, Return(ret))
     finally:
         await form.close()
 
@@ -240,7 +241,7 @@ async def _parse_encode_body(request: Request, *, max_items: int, max_bytes: int
         return _json_items(body, max_items, hold)
     if not body:
         raise BadInput("empty body: expected the bytes of one image", type="invalid_image", index=0)
-    return EncodeBody([RequestItem(index=0, data=body)], want_embeddings=True)
+    return EncodeBody([RequestItem(index=0, data=body)], Return.EMBEDDINGS)
 
 
 async def parse_lookup_body(request: Request, *, max_hashes: int, max_bytes: int) -> list[str]:

@@ -126,15 +126,17 @@ class Hold:
     Invariants: ``0 <= held``; everything held is in the budget's ``used``; after
     :meth:`release` (idempotent, so every exit path may call it) the hold is closed: it holds
     nothing and any further :meth:`grow` is refused (a late charge after the request ended would
-    leak). Not for use from several threads at once: one request's steps run one at a time.
+    leak). Thread-safe: a request's parse step may still be charging in a worker thread when the
+    event loop releases the hold (the client went away).
     """
 
-    __slots__ = ("_budget", "_closed", "_held")
+    __slots__ = ("_budget", "_closed", "_held", "_lock")
 
     def __init__(self, budget: ByteBudget) -> None:
         self._budget = budget
         self._held = 0
         self._closed = False
+        self._lock = threading.Lock()
 
     @property
     def held(self) -> int:
@@ -150,10 +152,11 @@ class Hold:
 
     def grow(self, nbytes: int) -> bool:
         """Hold ``nbytes`` more if they fit (False, nothing changed, if not or if closed)."""
-        if self._closed or not self._budget.try_acquire(nbytes):
-            return False
-        self._held += nbytes
-        return True
+        with self._lock:
+            if self._closed or not self._budget.try_acquire(nbytes):
+                return False
+            self._held += nbytes
+            return True
 
     def grow_or_raise(self, nbytes: int) -> None:
         """:meth:`grow`, raising :class:`OverBudget` when it is refused."""
@@ -162,19 +165,22 @@ class Hold:
 
     def shrink(self, nbytes: int) -> None:
         """Give back ``nbytes`` of what this hold has (no more than it has)."""
-        if nbytes > self._held:
-            raise ValueError(f"shrink by {nbytes} bytes with only {self._held} held")
-        self._budget.release(nbytes)
-        self._held -= nbytes
+        with self._lock:
+            if nbytes > self._held:
+                raise ValueError(f"shrink by {nbytes} bytes with only {self._held} held")
+            self._budget.release(nbytes)
+            self._held -= nbytes
 
     def settle(self, nbytes: int) -> bool:
         """Hold exactly ``nbytes`` from now on: what the request still holds once a step has freed
         (or made) copies. Shrinking always succeeds; growing may be refused (False)."""
         _check_size(nbytes)
-        if nbytes <= self._held:
-            self.shrink(self._held - nbytes)
+        with self._lock:
+            held = self._held
+        if nbytes <= held:
+            self.shrink(held - nbytes)
             return True
-        return self.grow(nbytes - self._held)
+        return self.grow(nbytes - held)
 
     @contextmanager
     def transient(self, nbytes: int) -> Iterator[None]:
@@ -183,15 +189,19 @@ class Hold:
         try:
             yield
         finally:
-            if not self._closed:
-                self.shrink(nbytes)
+            with self._lock:
+                if not self._closed:
+                    given = min(nbytes, self._held)  # a settle inside the block may have given it back
+                    self._budget.release(given)
+                    self._held -= given
 
     def release(self) -> None:
         """Give back everything and close; a second call does nothing."""
-        if not self._closed:
-            self._closed = True
-            held, self._held = self._held, 0
-            self._budget.release(held)
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                held, self._held = self._held, 0
+                self._budget.release(held)
 
 
 def _check_size(nbytes: int) -> None:

@@ -164,3 +164,23 @@ class BudgetMachine(RuleBasedStateMachine):
 
 TestBudgetMachine = BudgetMachine.TestCase
 TestBudgetMachine.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)
+
+
+def test_a_hold_released_while_another_thread_charges_it_never_leaks() -> None:
+    budget = ByteBudget(10_000)
+    for _ in range(200):
+        hold = budget.hold()
+        start = threading.Barrier(2)
+
+        def charge(h=hold, b=start) -> None:  # type: ignore[no-untyped-def]
+            b.wait()
+            for _ in range(50):
+                h.grow(3)
+
+        worker = threading.Thread(target=charge)
+        worker.start()
+        start.wait()
+        hold.release()
+        worker.join()
+        hold.release()
+        assert budget.used == 0 and hold.held == 0

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import json
 import os
 import shlex
 import shutil
@@ -140,28 +141,67 @@ runroot = "{self.run_dir}/storage"
             raise RuntimeError(f"podman {shlex.join(args)} exited {done.returncode}:\n{done.stdout}\n{done.stderr}")
         return done
 
-    def run_until_done(self, args: Sequence[str], *, timeout: float, log: Path) -> None:
-        """A long podman command (a build) as its own process group, logged to ``log``; on timeout
-        it is ended (TERM, then KILL) by its process group ID, which is its PID."""
+    def build(self, args: Sequence[str], *, timeout: float, log: Path) -> None:
+        """``podman build ARGS``, one at a time per storage directory (concurrent test runs queue
+        here rather than fight over two cores). Should it overrun or be interrupted, everything it
+        started is ended by ID: its process group, the runc containers of its RUN steps (found by
+        their bundles, which live in a temporary directory of this build) and its working
+        containers (the ones that appeared during this build; no other build can run meanwhile)."""
+        with _locked(self.root / "build.lock"):
+            before = self._working_containers()
+            tmp = Path(tempfile.mkdtemp(prefix="build-", dir=self.run_dir))
+            try:
+                self._run_logged(["build", *args], timeout=timeout, log=log, tmpdir=tmp)
+            except BaseException:
+                self._end_build_leftovers(before, tmp)
+                raise
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+
+    def _run_logged(self, args: Sequence[str], *, timeout: float, log: Path, tmpdir: Path) -> None:
         with log.open("ab") as out:
-            proc = subprocess.Popen(self.command(*args), env=self.env, stdout=out, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+            proc = subprocess.Popen(self.command(*args), env={**self.env, "TMPDIR": str(tmpdir)}, stdout=out,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
             try:
                 code = proc.wait(timeout)
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGTERM)
-                try:
-                    proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait(10)
+                _end_group(proc)
                 raise RuntimeError(f"podman {args[0]} did not finish within {timeout} s; see {log}") from None
+            except BaseException:  # interrupted (Ctrl-C, pytest-timeout): the build must not outlive us
+                _end_group(proc)
+                raise
         if code != 0:
             tail = log.read_text(errors="replace")[-6000:]
             raise RuntimeError(f"podman {shlex.join(args)} exited {code}:\n{tail}")
 
+    def _working_containers(self) -> set[str]:
+        listed = self("ps", "--all", "--external", "--format", "{{.ID}}", check=False)
+        return set(listed.stdout.split())
+
+    def _end_build_leftovers(self, before: set[str], tmpdir: Path) -> None:
+        listed = subprocess.run(["runc", "list", "--format", "json"], capture_output=True, text=True, timeout=30)
+        for c in json.loads(listed.stdout or "null") or []:
+            if str(c.get("bundle", "")).startswith(str(tmpdir)):
+                subprocess.run(["runc", "kill", c["id"], "KILL"], capture_output=True, timeout=30)
+                subprocess.run(["runc", "delete", "--force", c["id"]], capture_output=True, timeout=30)
+        for container in self._working_containers() - before:
+            self("rm", "--force", container, check=False)
+
     def image_exists(self, ref: str) -> bool:
         return self("image", "exists", ref, check=False).returncode == 0
+
+
+def _end_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM to the process group we started, SIGKILL if it is still there after 60 s. (What its
+    RUN steps started is not in that group: see ``Podman.build``.)"""
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
 
 
 @contextlib.contextmanager

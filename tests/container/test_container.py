@@ -44,6 +44,7 @@ TAG = "localhost/encode-server-test:cpu"
 LABEL = "encode-server-test.pid"
 READY_WITHIN = 90.0  # seconds from `podman run` to /ready 200 (about 8 s on an idle 2-core host)
 UID = 10001
+BATCH_WAIT_MS = "5000"  # main's batch window: long enough that requests are surely in flight at SIGTERM
 
 
 def b64(data: bytes) -> str:
@@ -118,9 +119,9 @@ def image(podman: Podman, tmp_path_factory: pytest.TempPathFactory) -> str:
     options, _cert = pip_build_options()
     iidfile = logs / "iid"
     started = time.monotonic()
-    podman.run_until_done(
+    podman.build(
         [
-            "build", "--format", "docker", "--network", "host", "--layers", "--pull=never",
+            "--format", "docker", "--network", "host", "--layers", "--pull=never",
             "--build-arg", "VARIANT=cpu", "--build-arg", f"CPU_IMAGE={base}",
             *options, "--iidfile", str(iidfile), "--tag", TAG, "--file", str(ROOT / "Dockerfile"), str(ROOT),
         ],
@@ -153,7 +154,7 @@ def containers(podman: Podman, image: str, own_redis: RedisProcess,
     main_port, locked_port = free_port(), free_port()
     specs = {
         "main": ([*common, "--env", f"ENCODE_SERVER_PORT={free_port()}"],  # overridden by --port below
-                 ["--port", str(main_port), "--grpc-port", str(free_port()), "--max-wait-ms", "1500",
+                 ["--port", str(main_port), "--grpc-port", str(free_port()), "--max-wait-ms", BATCH_WAIT_MS,
                   "--drain-seconds", "20"], main_port),
         "locked": ([*common, "--env", f"ENCODE_SERVER_PORT={locked_port}",
                     "--env", f"ENCODE_SERVER_GRPC_PORT={free_port()}",
@@ -180,7 +181,10 @@ def test_image_runs_as_non_root_with_a_healthcheck_and_no_build_settings(podman:
     assert config["User"] == f"{UID}:{UID}"
     # Kept only in the docker format (`--format docker`): podman's OCI default drops it.
     assert inspected["Healthcheck"]["Test"] == ["CMD", "/opt/venv/bin/python", "-m", "encode_server.healthcheck"]
+    # Build arguments (indexes, wheelhouse paths) stay in the build stages: not in the config, nor the history.
     assert not [e for e in config["Env"] if e.startswith(("PIP_", "TORCH_INDEX"))], config["Env"]
+    history = podman("history", "--no-trunc", "--format", "{{.CreatedBy}}", image).stdout
+    assert "PIP_" not in history and "TORCH_INDEX" not in history and "/opt/build" not in history, history
 
 
 def test_ready_within_bound(containers: dict[str, Container]) -> None:
@@ -260,23 +264,31 @@ def test_sigterm_with_requests_in_flight_drains_and_exits_0(containers: dict[str
     main.wait_ready(READY_WITHIN)
     pngs = [image_bytes("PNG", 24, 24, seed=1210 + i) for i in range(3)]
     results: list[httpx.Response] = []
+    answered_at: list[float] = []
 
     def send(data: bytes) -> None:
         results.append(httpx.post(main.url + "/v1/encode", json={"items": [{"data": b64(data)}]}, timeout=60))
+        answered_at.append(time.monotonic())
 
     threads = [threading.Thread(target=send, args=(png,)) for png in pngs]
     for t in threads:
         t.start()
     deadline = time.monotonic() + 20
-    # Each batch waits 1.5 s to fill: once all three are queued, they are in flight at SIGTERM.
+    # A batch waits BATCH_WAIT_MS to fill: once all three are queued, they are in flight at SIGTERM.
     while main.metric("encode_server_queue_depth") < len(pngs):
         assert time.monotonic() < deadline, "the requests never reached the queue"
         time.sleep(0.02)
+    signalled_at = time.monotonic()
     podman("kill", "--signal", "TERM", main.name)
+    deadline = time.monotonic() + 10
+    while httpx.get(main.url + "/ready", timeout=5).status_code != 503:
+        assert time.monotonic() < deadline, "/ready did not turn 503 on SIGTERM"
+        time.sleep(0.05)
     for t in threads:
         t.join(60)
     assert [r.status_code for r in results] == [200] * len(pngs), [r.text for r in results]
     assert all(r.json()["items"][0]["status"] == "encoded" for r in results)
+    assert min(answered_at) > signalled_at, "a request was answered before SIGTERM: none was in flight"
     exit_code = podman("wait", main.name, timeout=60).stdout.strip()
     assert exit_code == "0", main.logs()
     assert "drained; shutting down" in main.logs()

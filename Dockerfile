@@ -1,7 +1,7 @@
 # syntax=docker/dockerfile:1
 # encode-server image. CUDA runtime base by default; `--build-arg VARIANT=cpu` for a CPU-only image.
 # The two variants share every step: they differ only in the base image and the index torch comes from.
-#   docker build -t encode-server .                                  # CUDA 12.4, torch cu124 wheels
+#   docker build -t encode-server .                                  # CUDA 12.8, torch cu128 wheels
 #   docker build -t encode-server:cpu --build-arg VARIANT=cpu .
 #   podman build --format docker -t encode-server:cpu --build-arg VARIANT=cpu .   # OCI drops HEALTHCHECK
 #
@@ -21,13 +21,13 @@
 # wheels), so that a code change rebuilds a few hundred kilobytes, not the venv. The model is not
 # baked in: it is read from the hub or a mounted directory at start and cached in the volume /models.
 ARG VARIANT=cuda
-ARG CUDA_IMAGE=nvidia/cuda:12.4.1-runtime-ubuntu22.04
+ARG CUDA_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04
 ARG CPU_IMAGE=python:3.11-slim-bookworm
-ARG CUDA_TORCH_INDEX_URL=https://download.pytorch.org/whl/cu124
+ARG CUDA_TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
 ARG CPU_TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 
 FROM ${CUDA_IMAGE} AS base-cuda
-# Ubuntu 22.04's Python is 3.10, which the project supports (requires-python >= 3.10).
+# Ubuntu 24.04's Python is 3.12. CUDA 12.8: torch's cu124 index stopped at 2.6; cu128 carries recent releases.
 RUN apt-get update \
     && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates \
     && rm -rf /var/lib/apt/lists/*

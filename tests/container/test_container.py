@@ -166,13 +166,12 @@ def containers(podman: Podman, image: str, own_redis: RedisProcess,
     try:
         for role, (options, args, port) in specs.items():
             name = f"encode-server-test-{os.getpid()}-{role}"
-            at = time.monotonic()
+            started[role] = Container(podman, name, f"http://127.0.0.1:{port}", time.monotonic())
             podman("run", "--name", name, *options, image, *args, timeout=120)
-            started[role] = Container(podman, name, f"http://127.0.0.1:{port}", at)
         yield started
-    finally:
+    finally:  # every name we asked for, even where `podman run` failed half-way
         for c in started.values():
-            podman("rm", "--force", "--time", "0", c.name, check=False, timeout=60)
+            podman("rm", "--force", "--ignore", "--time", "0", c.name, check=False, timeout=60)
 
 
 def test_image_runs_as_non_root_with_a_healthcheck_and_no_build_settings(podman: Podman, image: str) -> None:

@@ -73,14 +73,13 @@ class Container:
     def wait_ready(self, within: float) -> float:
         """Seconds from `podman run` to /ready 200."""
         while time.monotonic() - self.started_at < within:
-            if not self.inspect()["State"]["Running"]:
-                raise AssertionError(f"{self.name} exited:\n{self.logs()}")
             try:
                 if httpx.get(self.url + "/ready", timeout=2).status_code == 200:
                     return time.monotonic() - self.started_at
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
+            except httpx.TransportError:  # not listening yet, or gone
+                if not self.inspect()["State"]["Running"]:
+                    raise AssertionError(f"{self.name} exited:\n{self.logs()}") from None
+            time.sleep(0.1)
         raise AssertionError(f"{self.name} not ready within {within} s:\n{self.logs()}")
 
 

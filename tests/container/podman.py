@@ -25,6 +25,7 @@ import fcntl
 import hashlib
 import json
 import os
+import resource
 import shlex
 import shutil
 import signal
@@ -51,7 +52,6 @@ DEBIAN_MIRROR = os.environ.get("ENCODE_TEST_DEBIAN_MIRROR", "http://deb.debian.o
 # useradd/groupadd (passwd), which the Dockerfile's runtime stage calls.
 BASE_PACKAGES = ("python3", "python3-venv", "python3-pip", "ca-certificates", "passwd")
 BASE_IMAGE = "localhost/encode-server-test-base"
-ULIMITS = ("nofile=20000:20000", "nproc=32768:32768")
 INSTALL = "apt-get install -y podman runc debootstrap"
 
 
@@ -59,6 +59,17 @@ def require_container_tools() -> None:
     missing = [tool for tool in ("podman", "runc", "debootstrap") if shutil.which(tool) is None]
     if missing:
         raise RuntimeError(f"{', '.join(missing)} not found; `make test` installs them, or run: {INSTALL}")
+
+
+def container_ulimits() -> tuple[str, ...]:
+    """nofile 20000 and nproc 32768, or the host's hard limit where that is lower: podman's own
+    defaults (nofile 1048576) are above these hosts' limits, and runc then fails every start."""
+    def fit(resource_id: int, wanted: int) -> int:
+        hard = resource.getrlimit(resource_id)[1]
+        return wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+
+    nofile, nproc = fit(resource.RLIMIT_NOFILE, 20000), fit(resource.RLIMIT_NPROC, 32768)
+    return f"nofile={nofile}:{nofile}", f"nproc={nproc}:{nproc}"
 
 
 def base_image_tag() -> str:
@@ -98,7 +109,7 @@ class Podman:
     def _write_config(self) -> None:
         for d in (self.root, self.root / "networks", self.root / "volumes", self.run_dir):
             d.mkdir(parents=True, exist_ok=True)
-        ulimits = ", ".join(f'"{u}"' for u in ULIMITS)
+        ulimits = ", ".join(f'"{u}"' for u in container_ulimits())
         files = {
             "containers.conf": f"""\
 # encode-server's container test (tests/container/podman.py); the host's podman config is untouched.

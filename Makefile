@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 TORCH_REQ := deploy/torch.txt
 PORT ?= 8000
 
-.PHONY: install tools serve test test-container lint bench clean proto
+.PHONY: install tools serve test test-container lint bench clean proto openapi test-docs
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -41,7 +41,7 @@ tools:
 	if [ -n "$$missing" ]; then \
 		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 			echo "installing $(OPS_PACKAGES) for: $$missing"; \
-			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(OPS_PACKAGES) >/dev/null; \
+			apt-get -o DPkg::Lock::Timeout=600 update -qq && DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends $(OPS_PACKAGES) >/dev/null; \
 		else \
 			echo "missing: $$missing. Install them, then re-run: sudo apt-get install -y $(OPS_PACKAGES)" >&2; exit 1; \
 		fi; \
@@ -58,6 +58,11 @@ test: install tools test-container
 test-container: install tools
 	$(BIN)/python -m pytest -q tests/container
 
+# The docs against the code (part of `make test`, through pytest's testpaths): every link
+# resolves, every error type and metric is documented, docs/openapi.json is what a server serves.
+test-docs: install
+	$(BIN)/python -m pytest -q tests/docs
+
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/mypy encode_server clients/python/encode_client
@@ -66,6 +71,10 @@ lint: install
 # regenerates it and compares).
 proto: install
 	$(BIN)/python scripts/gen_proto.py
+
+# docs/openapi.json, from the app factory (a test fails when it differs from what the server serves).
+openapi: install
+	$(BIN)/python scripts/export_openapi.py
 
 bench: install tools
 	$(BIN)/python -m bench.batching

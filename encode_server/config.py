@@ -55,7 +55,9 @@ class Settings:
     redis_write_queue: int = _opt(512, "writes waiting to go to Redis; beyond it new writes are dropped")
     max_batch_size: int = _opt(32, "most images in one forward pass")
     max_batch_tokens: int = _opt(65536, "most patch tokens in one forward pass")
-    max_wait_ms: float = _opt(5.0, "longest a batch waits to fill, in milliseconds")
+    max_wait_ms: float = _opt(
+        5.0, "an idle model starts at once; it waits at most this long (ms) only for images still being decoded"
+    )
     max_queue: int = _opt(1024, "most items pending encode before 503 overloaded")
     max_request_bytes: int = _opt(64 * 1024 * 1024, "largest request body in bytes")
     max_inflight_mb: float = _opt(

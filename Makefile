@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 TORCH_PIN := torch==2.13.0
 PORT ?= 8000
 
-.PHONY: install tools serve test lint bench clean proto
+.PHONY: install tools serve test test-vllm vllm-env lint bench clean proto
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +48,18 @@ tools:
 test: install tools
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
+	$(MAKE) test-vllm
+
+# vLLM's CPU build in its own venv, cached outside the repo under ~/.cache/encode-server and keyed by
+# a hash of tests/vllm/env (built once, in a few minutes; see scripts/vllm_env.sh). The tests run a
+# real vLLM engine in-process against a real encode-server (from .venv) and a real Redis.
+vllm-env:
+	@scripts/vllm_env.sh >/dev/null
+
+test-vllm: install tools
+	@env=$$(scripts/vllm_env.sh) && \
+	ENCODE_SERVER_PYTHON=$(abspath $(BIN))/python PYTHONPATH=$(CURDIR)/clients/python:$(CURDIR) \
+	"$$env/bin/python" -m pytest -q -p no:cacheprovider tests/vllm
 
 lint: install
 	$(BIN)/ruff check .

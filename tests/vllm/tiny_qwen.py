@@ -24,11 +24,12 @@ SPECIAL = [
     "<|image_pad|>",
     "<|video_pad|>",
 ]
-WORDS = (
+_TEXT = (
     "user assistant system describe the image what is in this picture a an of and to it you are helpful "
     "cat dog red blue green sky tree house car person one two three four five six seven eight nine ten "
     "hello world please tell me about colour shape big small left right top bottom yes no"
-).split()
+)
+WORDS = _TEXT.split(" ")
 VOCAB_SIZE = 256
 
 CHAT_TEMPLATE = (

@@ -181,19 +181,20 @@ class BaseClient:
 
     # -- flows -----------------------------------------------------------------------------------
 
-    def _encode_flow(self, images: Sequence[ImageInput]) -> Flow[list[Result]]:
+    def _encode_flow(self, images: Sequence[ImageInput], op: str = "encode") -> Flow[list[Result]]:
         """Hash locally; ask for every distinct hash without bytes; upload only the misses, once,
-        to the replica that missed (its local tier then holds them)."""
+        to the replica that missed (its local tier then holds them). ``op="handoff"``: the same,
+        with ``"return": "metadata"`` (into the shared tier; metadata and store keys back)."""
         blobs = [image_bytes(i) for i in images]
         hashes = [mm_hash(b) for b in blobs]
         unique = list(dict.fromkeys(hashes))
         data = {h: b for h, b in zip(hashes, blobs, strict=True)}
-        found = yield from self._rounds("encode", unique, lambda ix: [(unique[i], None) for i in ix], self._by_count)
+        found = yield from self._rounds(op, unique, lambda ix: [(unique[i], None) for i in ix], self._by_count)
         missed = [h for i, h in enumerate(unique) if found[i].status == "miss"]
         if missed:
             missed_blobs = [data[h] for h in missed]
             uploaded = yield from self._rounds(
-                "encode", missed, lambda ix: [(missed[i], missed_blobs[i]) for i in ix], self._by_bytes(missed_blobs)
+                op, missed, lambda ix: [(missed[i], missed_blobs[i]) for i in ix], self._by_bytes(missed_blobs)
             )
             position = {h: i for i, h in enumerate(unique)}
             for j, h in enumerate(missed):

@@ -40,6 +40,9 @@ def build(base_url: str, op: str, payload: Any, *, response: str, api_key: str |
     if op == "encode":
         headers["Accept"] = SAFETENSORS if response == "safetensors" else "application/json"
         return HttpRequest("POST", base + "/v1/encode", {"items": [_item(h, d) for h, d in payload]}, headers)
+    if op == "handoff":  # the EPD hand-off: into the shared tier, metadata and keys back
+        body = {"items": [_item(h, d) for h, d in payload], "return": "metadata"}
+        return HttpRequest("POST", base + "/v1/encode", body, {**headers, "Accept": "application/json"})
     if op == "lookup":
         return HttpRequest("POST", base + "/v1/lookup", {"hashes": list(payload)}, headers)
     if op == "tokens":
@@ -73,7 +76,7 @@ def parse(op: str, status: int, headers: Mapping[str, str], content: bytes, repl
     """The answer as a list aligned with the request's items (``model``: a one-item list)."""
     if status != 200:
         raise _error(status, headers, content, replica)
-    if op == "encode":
+    if op in ("encode", "handoff"):
         if headers.get("content-type", "").startswith(SAFETENSORS):
             return _encode_safetensors(content, replica)
         items = json.loads(content)["items"]

@@ -30,7 +30,7 @@ os.environ.update(
     TOKENIZERS_PARALLELISM="false",
 )
 
-from tests.vllm.tiny_qwen import make_tiny_qwen2_5_vl  # noqa: E402
+from tests.vllm.tiny_qwen import make_tiny_qwen2_5_vl
 
 PROMPT_HEAD = "<|im_start|>user\n"
 PROMPT_TAIL = "describe the image<|im_end|>\n<|im_start|>assistant\n"

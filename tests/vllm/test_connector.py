@@ -18,9 +18,9 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-
 from encode_client import Client
 from encode_client.keys import store_key
+
 from tests.redis_procs import RedisProcess, start_redis
 from tests.server import ServerProcess, start_server
 from tests.vllm.conftest import (
@@ -121,7 +121,8 @@ def test_zeros_in_the_store_change_the_answer(
     zero_requests, zero_direct = [], []
     for h, grid, emb in zip(baseline["hashes"], baseline["grids"], baseline["embeddings"], strict=True):
         zeros = np.zeros_like(emb)
-        redis.set(store_key(fingerprint, h, prefix=PREFIX), stored_value(zeros, fingerprint, h, {"image_grid_thw": grid}))
+        value = stored_value(zeros, fingerprint, h, {"image_grid_thw": grid})
+        redis.set(store_key(fingerprint, h, prefix=PREFIX), value)
         zero_requests.append(metadata_only(grid, h))
         zero_direct.append(direct_embeds(zeros, grid))
     llm.llm_engine.reset_encoder_cache()
@@ -208,7 +209,10 @@ def _vllm_grid(llm: Any, width: int, height: int, **kwargs: Any) -> list[int]:
     return [1, h // vision.patch_size, w // vision.patch_size]
 
 
-@pytest.mark.parametrize("settings", [{}, {"min_pixels": 112 * 112, "max_pixels": 448 * 448}], ids=["checkpoint", "wider"])
+WIDER = {"min_pixels": 112 * 112, "max_pixels": 448 * 448}
+
+
+@pytest.mark.parametrize("settings", [{}, WIDER], ids=["checkpoint", "wider"])
 def test_token_parity_with_vllm_placeholders(
     llm: Any, model_dir: Path, server: ServerProcess, logs: Path, tmp_path: Path, settings: dict[str, int]
 ) -> None:

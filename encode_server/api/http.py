@@ -42,6 +42,7 @@ from encode_server.api.schemas import (
 )
 from encode_server.api.status import status_for
 from encode_server.cache.base import SharedTier
+from encode_server.cache.export import FileExporter
 from encode_server.cache.redis import create_redis_tier, redact_url
 from encode_server.core.errors import (
     EncodeServerError,
@@ -353,7 +354,10 @@ async def _load(runtime: Runtime, load_encoder: Callable[[], VisionEncoder]) -> 
     try:
         started = time.perf_counter()
         encoder = await asyncio.to_thread(load_encoder)
-        service = EncodeService(encoder, runtime.settings, runtime.metrics, shared=_shared_tier(runtime, encoder))
+        service = EncodeService(
+            encoder, runtime.settings, runtime.metrics, shared=_shared_tier(runtime, encoder),
+            exporter=_exporter(runtime, encoder),
+        )
         await service.start()
         runtime.service = service
         info = encoder.info
@@ -385,6 +389,16 @@ def _shared_tier(runtime: Runtime, encoder: VisionEncoder) -> SharedTier | None:
     tier = create_redis_tier(s, runtime.metrics, spec)
     log.info("shared tier: %s (%s), ttl %d s", tier.name, redact_url(s.redis_url), s.redis_ttl)
     return tier
+
+
+def _exporter(runtime: Runtime, encoder: VisionEncoder) -> FileExporter | None:
+    """``--export-dir``: vLLM's stock EC file layout, for deployments without our connector."""
+    s = runtime.settings
+    if s.export_dir is None:
+        return None
+    exporter = FileExporter(s.export_dir, s.export_max_bytes, model_fingerprint(encoder.info))
+    log.info("exporting embeddings to %s (%d files, budget %.0f MiB)", s.export_dir, len(exporter), s.export_max_mb)
+    return exporter
 
 
 def _install_error_handlers(app: FastAPI) -> None:

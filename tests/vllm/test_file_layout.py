@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-
 from encode_client import Client
+
 from tests.server import ServerProcess, start_server
 from tests.vllm.conftest import direct_embeds, engine, greedy, metadata_only, png
 

@@ -8,6 +8,7 @@ server received: no image bytes, only ``uuid`` + ``image_grid_thw``.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import signal
@@ -23,9 +24,9 @@ from typing import Any
 import httpx
 import pytest
 import redis
-
 from encode_client import mm_hash
 from encode_client.proxy import EPDProxy
+
 from tests.redis_procs import delete_prefix
 from tests.server import ServerProcess, free_port, start_server
 from tests.vllm.conftest import CONNECTOR_MODULE, metric, png
@@ -84,10 +85,8 @@ class Relay(threading.Thread):
             pass
         finally:
             for s in (src, dst):
-                try:
+                with contextlib.suppress(OSError):
                     s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
 
     def close(self) -> None:
         self.sock.close()

@@ -12,10 +12,10 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
-
 from encode_client import Client, ServerError, mm_hash
 from encode_client.epd import EPDError, rewrite_chat_request
 from encode_client.proxy import EPDProxy
+
 from tests.images import image_bytes
 from tests.redis_procs import delete_prefix
 from tests.server import ServerProcess, free_port, start_server

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
 from encode_client.keys import store_key, tenant_digest
+
 from encode_server.core.hashing import cache_key
 from encode_server.core.hashing import tenant_digest as server_tenant_digest
 

@@ -41,8 +41,8 @@ def build(base_url: str, op: str, payload: Any, *, response: str, api_key: str |
         headers["Accept"] = SAFETENSORS if response == "safetensors" else "application/json"
         return HttpRequest("POST", base + "/v1/encode", {"items": [_item(h, d) for h, d in payload]}, headers)
     if op == "handoff":  # the EPD hand-off: into the shared tier, metadata and keys back
-        body = {"items": [_item(h, d) for h, d in payload], "return": "metadata"}
-        return HttpRequest("POST", base + "/v1/encode", body, {**headers, "Accept": "application/json"})
+        handoff = {"items": [_item(h, d) for h, d in payload], "return": "metadata"}
+        return HttpRequest("POST", base + "/v1/encode", handoff, {**headers, "Accept": "application/json"})
     if op == "lookup":
         return HttpRequest("POST", base + "/v1/lookup", {"hashes": list(payload)}, headers)
     if op == "tokens":

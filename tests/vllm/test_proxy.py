@@ -121,7 +121,7 @@ def vllm_server(model_dir: Path, server: ServerProcess, logs: Path) -> Iterator[
         "--enforce-eager", "--max-model-len", "1024", "--no-enable-prefix-caching", "--mm-processor-cache-gb", "0",
         "--limit-mm-per-prompt", json.dumps({"image": 4, "video": 0}), "--ec-transfer-config", json.dumps(ec),
     ]
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # the engine in the server's process: starts faster
     log_path = logs / f"vllm-{port}.log"
     started = time.perf_counter()
     with log_path.open("wb") as log:

@@ -6,7 +6,9 @@ from __future__ import annotations
 import subprocess
 import sys
 
-BASE_MODULES = ["encode_client", "encode_client.epd", "encode_client.proxy", "encode_client.keys", "encode_client.store"]
+BASE_MODULES = [
+    "encode_client", "encode_client.epd", "encode_client.proxy", "encode_client.keys", "encode_client.store"
+]
 
 
 def test_base_client_imports_neither_torch_nor_vllm() -> None:

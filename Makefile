@@ -45,9 +45,15 @@ tools:
 		fi; \
 	fi
 
+# The vLLM environment (minutes on a fresh machine, mostly downloads) builds in the background
+# while the server's suite runs; the vLLM tests run once both are done.
+VLLM_BUILD_LOG := $(HOME)/.cache/encode-server/vllm-env-build.log
+
 test: install tools
-	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q
+	@mkdir -p $(dir $(VLLM_BUILD_LOG)); scripts/vllm_env.sh >/dev/null 2>$(VLLM_BUILD_LOG) & build=$$!; \
+	$(BIN)/ruff check . && $(BIN)/python -m pytest -q; rc=$$?; \
+	if ! wait $$build; then cat $(VLLM_BUILD_LOG) >&2; echo "building the vLLM test environment failed" >&2; exit 1; fi; \
+	exit $$rc
 	$(MAKE) test-vllm
 
 # vLLM's CPU build in its own venv, cached outside the repo under ~/.cache/encode-server and keyed by

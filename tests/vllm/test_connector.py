@@ -313,3 +313,19 @@ def test_fault_redis_down_then_back(
     assert greedy(llm, requests) == baseline["connector"]
     text = httpx.get(server.url + "/metrics", timeout=10).text
     assert metric(text, "encode_server_items_total", status="encoded") >= len(IMAGES)
+
+
+@pytest.mark.parametrize(
+    ("extra", "words"),
+    [
+        ({}, "needs redis_url"),
+        ({"redis_url": "redis://127.0.0.1:1/0"}, "needs fingerprint or encoder_url"),
+        ({"redis_url": "redis://x", "fingerprint": "ab" * 32, "prefx": "typo"}, "unknown keys"),
+        ({"redis_url": "redis://x", "fingerprint": "ab" * 32, "timeout_ms": 0}, "timeout_ms"),
+    ],
+)
+def test_connector_settings_are_checked_at_start(extra: dict[str, Any], words: str) -> None:
+    from encode_client.vllm_connector import ConnectorSettings
+
+    with pytest.raises(ValueError, match=words):
+        ConnectorSettings.from_extra(extra)

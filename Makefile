@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 TORCH_PIN := torch==2.13.0
 PORT ?= 8000
 
-.PHONY: install tools serve test test-vllm vllm-env lint bench clean proto
+.PHONY: install tools serve test test-vllm vllm-env lint bench clean proto openapi test-docs
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -39,7 +39,7 @@ tools:
 	if [ -n "$$missing" ]; then \
 		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 			echo "installing $(OPS_PACKAGES) for: $$missing"; \
-			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(OPS_PACKAGES) >/dev/null; \
+			apt-get -o DPkg::Lock::Timeout=600 update -qq && DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends $(OPS_PACKAGES) >/dev/null; \
 		else \
 			echo "missing: $$missing. Install them, then re-run: sudo apt-get install -y $(OPS_PACKAGES)" >&2; exit 1; \
 		fi; \
@@ -67,6 +67,11 @@ test-vllm: install tools
 	ENCODE_SERVER_PYTHON=$(abspath $(BIN))/python PYTHONPATH=$(CURDIR)/clients/python:$(CURDIR) \
 	"$$env/bin/python" -m pytest -q -p no:cacheprovider tests/vllm
 
+# The docs against the code (part of `make test`, through pytest's testpaths): every link
+# resolves, every error type and metric is documented, docs/openapi.json is what a server serves.
+test-docs: install
+	$(BIN)/python -m pytest -q tests/docs
+
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/mypy encode_server clients/python/encode_client
@@ -75,6 +80,10 @@ lint: install
 # regenerates it and compares).
 proto: install
 	$(BIN)/python scripts/gen_proto.py
+
+# docs/openapi.json, from the app factory (a test fails when it differs from what the server serves).
+openapi: install
+	$(BIN)/python scripts/export_openapi.py
 
 bench: install tools
 	$(BIN)/python -m bench.batching

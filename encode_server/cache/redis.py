@@ -1,6 +1,6 @@
 """The shared tier on Redis or Redis Cluster; the only module that imports ``redis``.
 
-Redis is an accelerator, never a dependency (DESIGN section 4):
+Redis is an accelerator, never a dependency (docs/cache.md):
 - every call has a short connect/socket timeout and an overall deadline, and goes through one
   :class:`CircuitBreaker`; while it is open, reads answer "miss" at once and writes are skipped;
 - redis-py's own retries are off: a retry would only multiply the time a request waits on a dead
@@ -33,6 +33,7 @@ from redis.exceptions import RedisClusterException, RedisError, ResponseError
 from encode_server.config import Settings
 from encode_server.core.breaker import BreakerState, CircuitBreaker
 from encode_server.core.errors import TooLarge, Unavailable
+from encode_server.core.hashing import CacheKey
 from encode_server.core.stored import CorruptValue, ValueSpec, decode_value, encode_value
 from encode_server.core.types import Embedding
 from encode_server.metrics import Metrics
@@ -132,7 +133,7 @@ class RedisTier:
         self._max_value_bytes = max_value_bytes
         self._breaker = breaker or CircuitBreaker(failure_threshold=3, probe_timeout=max(1.0, 2 * self._deadline))
         self._probe_interval = probe_interval
-        self._queue: asyncio.Queue[tuple[str, Embedding]] = asyncio.Queue(maxsize=write_queue)
+        self._queue: asyncio.Queue[tuple[CacheKey, Embedding]] = asyncio.Queue(maxsize=write_queue)
         self._queued_bytes = 0
         self._max_queued_bytes = max(_WRITE_QUEUE_BYTES, max_value_bytes)
         self._tasks: list[asyncio.Task[None]] = []
@@ -166,7 +167,7 @@ class RedisTier:
 
     # -- reads ---------------------------------------------------------------------------------
 
-    async def get_many(self, keys: Sequence[str]) -> list[Embedding | None]:
+    async def get_many(self, keys: Sequence[CacheKey]) -> list[Embedding | None]:
         if not keys:
             return []
         try:
@@ -181,7 +182,7 @@ class RedisTier:
                 self._lookups["miss"].inc()
             else:
                 try:
-                    value = decode_value(blob, self._spec, _mm_hash_of(key))
+                    value = decode_value(blob, self._spec, key.mm_hash)
                     self._lookups["hit"].inc()
                 except CorruptValue as exc:
                     self._lookups["corrupt"].inc()
@@ -189,7 +190,7 @@ class RedisTier:
             out.append(value)
         return out
 
-    async def contains_many(self, keys: Sequence[str]) -> list[bool]:
+    async def contains_many(self, keys: Sequence[CacheKey]) -> list[bool]:
         """Presence only (EXISTS, pipelined): a value is not read nor validated here."""
         if not keys:
             return []
@@ -197,7 +198,7 @@ class RedisTier:
         async def exists() -> list[Any]:
             pipe = self._pipeline()
             for key in keys:
-                pipe.exists(key)
+                pipe.exists(key.text)
             return list(await pipe.execute())
 
         try:
@@ -212,17 +213,18 @@ class RedisTier:
             return self._client.pipeline()
         return self._client.pipeline(transaction=False)
 
-    async def _mget(self, keys: Sequence[str]) -> list[bytes | None]:
+    async def _mget(self, keys: Sequence[CacheKey]) -> list[bytes | None]:
         # decode_responses is off, so values are bytes (the stubs also allow str).
+        names = [key.text for key in keys]
         if isinstance(self._client, RedisCluster):
-            found = await self._client.mget_nonatomic(list(keys))
+            found = await self._client.mget_nonatomic(names)
         else:
-            found = await self._client.mget(list(keys))
+            found = await self._client.mget(names)
         return [v.encode() if isinstance(v, str) else v for v in found]
 
     # -- writes --------------------------------------------------------------------------------
 
-    def put_behind(self, key: str, value: Embedding) -> None:
+    def put_behind(self, key: CacheKey, value: Embedding) -> None:
         if value.nbytes > self._max_value_bytes:
             self._writes["too_large"].inc()
         elif self._breaker.state is BreakerState.OPEN:
@@ -237,7 +239,7 @@ class RedisTier:
             else:
                 self._queued_bytes += value.nbytes
 
-    async def put_now(self, entries: Sequence[tuple[str, Embedding]]) -> None:
+    async def put_now(self, entries: Sequence[tuple[CacheKey, Embedding]]) -> None:
         """Write every entry before returning (the metadata hand-off). Always SET, even when the
         key exists: the stored value might be corrupt, and the prefill worker reads it next.
 
@@ -263,10 +265,10 @@ class RedisTier:
                 retry_after=max(1.0, self._breaker.retry_in()),
             ) from None
 
-    async def _set_many(self, entries: Sequence[tuple[str, Embedding]]) -> None:
+    async def _set_many(self, entries: Sequence[tuple[CacheKey, Embedding]]) -> None:
         """SET every entry, one pipeline per bounded chunk (items and bytes)."""
         for start in range(0, len(entries), _WRITE_BATCH_ITEMS):
-            chunk: list[tuple[str, Embedding]] = []
+            chunk: list[tuple[CacheKey, Embedding]] = []
             size = 0
             for key, value in entries[start : start + _WRITE_BATCH_ITEMS]:
                 if chunk and size + value.nbytes > _WRITE_BATCH_BYTES:
@@ -276,8 +278,8 @@ class RedisTier:
                 size += value.nbytes
             await self._set_chunk(chunk, size)
 
-    async def _set_chunk(self, entries: Sequence[tuple[str, Embedding]], nbytes: int) -> None:
-        blobs = [(key, encode_value(self._spec.fingerprint, _mm_hash_of(key), value)) for key, value in entries]
+    async def _set_chunk(self, entries: Sequence[tuple[CacheKey, Embedding]], nbytes: int) -> None:
+        blobs = [(key.text, encode_value(self._spec.fingerprint, key.mm_hash, value)) for key, value in entries]
 
         async def write() -> None:
             pipe = self._pipeline()
@@ -351,8 +353,3 @@ class RedisTier:
         self._breaker.record_success()
         self._up.set(1)
         return result
-
-
-def _mm_hash_of(key: str) -> str:
-    """The last segment of a cache key is always its mm_hash (see ``core.hashing``)."""
-    return key.rsplit(":", 1)[-1]

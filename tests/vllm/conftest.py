@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import gc
 import io
-import json
 import os
 import time
 from collections.abc import Iterator, Sequence
@@ -161,20 +160,11 @@ def pixels(data: bytes, uuid: str | None = None) -> dict[str, Any]:
 
 
 def stored_value(embedding: Any, fingerprint: str, mm_hash: str, meta: dict[str, Any]) -> bytes:
-    """A value in the server's store format (DESIGN section 4), for replacing one in a test."""
-    import safetensors.torch
-    import torch
+    """A value in the server's store format (the client's ``dump_value``), for replacing one in a test."""
+    from encode_client.safetensors import from_numpy
+    from encode_client.store import dump_value
 
-    tensor = torch.as_tensor(embedding, dtype=torch.float32).contiguous()
-    metadata = {
-        "format": "encode-server/embedding/v1",
-        "fingerprint": fingerprint,
-        "mm_hash": mm_hash,
-        "dtype": "float32",
-        "shape": json.dumps(list(tensor.shape), separators=(",", ":")),
-        "meta": json.dumps(meta, separators=(",", ":"), sort_keys=True),
-    }
-    return safetensors.torch.save({"embedding": tensor}, metadata=metadata)
+    return dump_value(fingerprint, mm_hash, from_numpy("embedding", np.asarray(embedding, dtype="<f4")), meta)
 
 
 def metric(text: str, name: str, **labels: str) -> float:

@@ -69,6 +69,9 @@ __all__ = ["ConnectorSettings", "EncodeServerECConnector", "EncodeServerECMetada
 log = logging.getLogger("encode_client.vllm_connector")
 
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# vLLM 0.32+ fails the requests this returns; an engine without it would wait on a deferred
+# request for ever, so there the connector never defers (vLLM then reports the missing input).
+_ENGINE_FAILS_REQUESTS = hasattr(ECConnectorBase, "take_unavailable_requests")
 
 
 @dataclass(frozen=True)
@@ -190,6 +193,9 @@ class EncodeServerECConnector(ECConnectorBase):
                 self.counts["local_fallback"] += 1
                 continue
             self.counts["unavailable"] += 1
+            if not _ENGINE_FAILS_REQUESTS:
+                log.error("request %s: image %s is not in encode-server's store", request.request_id, feature.identifier)
+                return True
             self._unavailable.add(request.request_id)
             log.error(
                 "request %s: image %s is not in encode-server's store and the request carries no pixels; "

@@ -194,7 +194,7 @@ class EncodeServerECConnector(ECConnectorBase):
                 continue
             self.counts["unavailable"] += 1
             if not _ENGINE_FAILS_REQUESTS:
-                log.error("request %s: image %s is not in encode-server's store", request.request_id, feature.identifier)
+                log.error("request %s: image %s is not in the store", request.request_id, feature.identifier)
                 return True
             self._unavailable.add(request.request_id)
             log.error(

@@ -78,6 +78,10 @@ class Settings:
     )
     api_keys: str | None = _opt(None, "comma-separated API keys, each key or tenant:key", repr=False)
     tenant_isolation: bool = _opt(False, "make the tenant of the API key part of every cache key")
+    export_dir: str | None = _opt(
+        None, "also write each embedding to DIR/<mm_hash>/encoder_cache.safetensors (vLLM's ECExampleConnector)"
+    )
+    export_max_mb: float = _opt(10240.0, "disk budget of --export-dir in MiB; the oldest files go first")
 
     @property
     def redis_max_value_bytes(self) -> int:
@@ -87,6 +91,10 @@ class Settings:
     def max_light_items(self) -> int:
         """Most hashes in a lookup, or sizes in a token count: no image bytes, so a wider limit."""
         return max(1024, self.max_items)
+
+    @property
+    def export_max_bytes(self) -> int:
+        return int(self.export_max_mb * 1024 * 1024)
 
     @property
     def max_inflight_bytes(self) -> int | None:
@@ -183,6 +191,10 @@ def _validate(s: Settings) -> None:
         raise SystemExit("--redis-ttl must be >= 0; --redis-timeout-ms, --redis-max-value-mb, --redis-write-queue > 0")
     if s.cache_mb < 0 or s.max_wait_ms < 0 or s.request_timeout <= 0:
         raise SystemExit("--cache-mb and --max-wait-ms must be >= 0, --request-timeout > 0")
+    if s.export_dir is not None and s.tenant_isolation:
+        raise SystemExit("--export-dir cannot be used with --tenant-isolation: vLLM's file layout has no tenant")
+    if s.export_max_mb <= 0:
+        raise SystemExit(f"--export-max-mb must be positive, got {s.export_max_mb}")
     if s.max_inflight_mb < 0:
         raise SystemExit(f"--max-inflight-mb must be >= 0 (0: no bound), got {s.max_inflight_mb}")
     budget = s.max_inflight_bytes

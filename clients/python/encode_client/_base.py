@@ -253,10 +253,11 @@ class BaseClient:
 
     # -- flows -----------------------------------------------------------------------------------
 
-    def _encode_flow(self, images: Sequence[ImageInput]) -> Flow[list[Result]]:
+    def _encode_flow(self, images: Sequence[ImageInput], op: str = "encode") -> Flow[list[Result]]:
         """Hash locally; ask for every distinct hash without bytes (unless the upload mode says
         to send them at once); upload only the misses, once, to the replica that missed (its
-        local tier then holds them)."""
+        local tier then holds them). ``op="handoff"``: the same, with ``"return": "metadata"``
+        (into the shared tier; metadata and store keys back)."""
         blobs = [image_bytes(i) for i in images]
         hashes = [mm_hash(b) for b in blobs]
         unique = list(dict.fromkeys(hashes))
@@ -267,9 +268,7 @@ class BaseClient:
             self._counts["direct"] += len(unique)
         else:
             self._counts["hash_first"] += len(unique)
-            found = yield from self._rounds(
-                "encode", unique, lambda ix: [(unique[i], None) for i in ix], self._by_count
-            )
+            found = yield from self._rounds(op, unique, lambda ix: [(unique[i], None) for i in ix], self._by_count)
             for i in range(len(unique)):
                 if found[i].status != "miss":
                     self._observe(True)
@@ -277,7 +276,7 @@ class BaseClient:
         if missed:
             missed_blobs = [data[h] for h in missed]
             uploaded = yield from self._rounds(
-                "encode", missed, lambda ix: [(missed[i], missed_blobs[i]) for i in ix], self._by_bytes(missed_blobs)
+                op, missed, lambda ix: [(missed[i], missed_blobs[i]) for i in ix], self._by_bytes(missed_blobs)
             )
             self._counts["bytes"] += sum(len(b) for b in missed_blobs)
             position = {h: i for i, h in enumerate(unique)}

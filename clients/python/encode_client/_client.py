@@ -54,6 +54,12 @@ class Client(BaseClient):
         images that no replica tier holds, once per distinct image."""
         return self._run(self._encode_flow(images))
 
+    def hand_off(self, images: Sequence[ImageInput]) -> list[Result]:
+        """The EPD hand-off: make sure each image is in the server's shared tier (hash first,
+        upload only the misses) and get its metadata and store ``key`` back, no embedding bytes.
+        Needs a server with ``--redis-url`` (else ``ServerError`` 409 ``no_shared_tier``)."""
+        return self._run(self._encode_flow(images, "handoff"))
+
     def lookup(self, hashes: Sequence[str]) -> list[LookupItem]:
         return self._run(self._lookup_flow(hashes))
 
@@ -140,6 +146,10 @@ class AsyncClient(BaseClient):
     async def encode(self, images: Sequence[ImageInput]) -> list[Result]:
         """See ``Client.encode``."""
         return await self._run(self._encode_flow(images))
+
+    async def hand_off(self, images: Sequence[ImageInput]) -> list[Result]:
+        """See ``Client.hand_off``."""
+        return await self._run(self._encode_flow(images, "handoff"))
 
     async def lookup(self, hashes: Sequence[str]) -> list[LookupItem]:
         return await self._run(self._lookup_flow(hashes))

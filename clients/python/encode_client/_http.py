@@ -57,6 +57,9 @@ def build(base_url: str, op: str, payload: Any, *, response: str, api_key: str |
         if payload and all(d is not None for _, d in payload):
             return _upload(base + "/v1/encode", [d for _, d in payload], headers)
         return HttpRequest("POST", base + "/v1/encode", {"items": [_item(h, d) for h, d in payload]}, headers)
+    if op == "handoff":  # the EPD hand-off: into the shared tier, metadata and keys back
+        handoff = {"items": [_item(h, d) for h, d in payload], "return": "metadata"}
+        return HttpRequest("POST", base + "/v1/encode", handoff, {**headers, "Accept": "application/json"})
     if op == "lookup":
         return HttpRequest("POST", base + "/v1/lookup", {"hashes": list(payload)}, headers)
     if op == "tokens":
@@ -90,7 +93,7 @@ def parse(op: str, status: int, headers: Mapping[str, str], content: bytes, repl
     """The answer as a list aligned with the request's items (``model``: a one-item list)."""
     if status != 200:
         raise _error(status, headers, content, replica)
-    if op == "encode":
+    if op in ("encode", "handoff"):
         if headers.get("content-type", "").startswith(SAFETENSORS):
             return _encode_safetensors(content, replica)
         items = json.loads(content)["items"]

@@ -5,8 +5,9 @@ layer with the code), then two containers on the host network, each on free port
 redis-server this module starts on loopback:
 
 - ``main``: ports set by flags (``--port``, with ``ENCODE_SERVER_PORT`` pointing elsewhere, so a
-  probe that read only the environment would fail); ``--max-wait-ms`` long enough that requests are
-  surely in flight when it gets SIGTERM (the last test here);
+  probe that read only the environment would fail); slow-to-decode images and a long ``--max-wait-ms``
+  (the batcher waits for images still decoding) keep requests in flight when it gets SIGTERM (the
+  last test here);
 - ``locked``: the securityContext of deploy/k8s/deployment.yaml: read-only root filesystem with only
   the volumes the manifest mounts (/models, /tmp) writable, every capability dropped, no new
   privileges; its port set by ``ENCODE_SERVER_PORT`` only.
@@ -33,7 +34,7 @@ import redis
 
 from tests.container.podman import Podman, ensure_base_image, pip_build_options, require_container_tools
 from tests.container.timings import TIMINGS
-from tests.images import image_bytes
+from tests.images import image_bytes, slow_png
 from tests.redis_procs import RedisProcess, start_redis
 from tests.server import free_port
 
@@ -44,7 +45,7 @@ TAG = "localhost/encode-server-test:cpu"
 LABEL = "encode-server-test.pid"
 READY_WITHIN = 90.0  # seconds from `podman run` to /ready 200 (about 8 s on an idle 2-core host)
 UID = 10001
-BATCH_WAIT_MS = "5000"  # main's batch window: long enough that requests are surely in flight at SIGTERM
+BATCH_WAIT_MS = "5000"  # main waits this long for images still decoding, so three form one batch
 
 
 def b64(data: bytes) -> str:
@@ -260,7 +261,9 @@ def test_sigterm_with_requests_in_flight_drains_and_exits_0(containers: dict[str
     """Last: it ends the main container."""
     main = containers["main"]
     main.wait_ready(READY_WITHIN)
-    pngs = [image_bytes("PNG", 24, 24, seed=1210 + i) for i in range(3)]
+    # 36-megapixel PNGs of a few KB: each decode takes a good part of a second, so all three are
+    # still in flight when SIGTERM arrives (an idle model starts at once: there is no window to fill).
+    pngs = [slow_png(seed=1210 + i, side=6000) for i in range(3)]
     results: list[httpx.Response] = []
     answered_at: list[float] = []
 
@@ -272,7 +275,7 @@ def test_sigterm_with_requests_in_flight_drains_and_exits_0(containers: dict[str
     for t in threads:
         t.start()
     deadline = time.monotonic() + 20
-    # A batch waits BATCH_WAIT_MS to fill: once all three are queued, they are in flight at SIGTERM.
+    # Admitted (hashed) at once, then decoding: once all three count, they are in flight at SIGTERM.
     while main.metric("encode_server_queue_depth") < len(pngs):
         assert time.monotonic() < deadline, "the requests never reached the queue"
         time.sleep(0.02)

@@ -14,6 +14,7 @@ from types import FrameType
 
 import uvicorn
 
+from encode_server.api.connections import uvicorn_options
 from encode_server.api.http import create_app
 from encode_server.api.runtime import Runtime
 from encode_server.auth import ApiKeys
@@ -108,6 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         access_log=False,  # the middleware writes the one access line per request
         # The drain already waited for requests; this only bounds closing idle connections.
         timeout_graceful_shutdown=5,
+        **uvicorn_options(settings, runtime.metrics),  # header/body timeouts, connection cap
     )
     DrainingServer(config, runtime, settings.drain_seconds).run()
     return 1 if runtime.load_error is not None else 0

@@ -78,7 +78,7 @@ def decode_value(blob: bytes, spec: ValueSpec, mm_hash: str) -> Embedding:
     try:
         shape = json.loads(metadata["shape"])
         meta = json.loads(metadata["meta"])
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # deep nesting is not a ValueError
         raise CorruptValue(f"metadata shape or meta is not JSON: {exc}") from None
     if tensor.dtype != spec.dtype or metadata["dtype"] != spec.dtype:
         raise CorruptValue(f"dtype {tensor.dtype}/{metadata['dtype']}, expected {spec.dtype}")

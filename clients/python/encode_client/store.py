@@ -102,7 +102,7 @@ def parse_value(key: str, blob: bytes, *, fingerprint: str | None = None) -> Sto
     ok_shape = isinstance(shape, list) and len(shape) == 2 and all(type(d) is int and d >= 1 for d in shape)
     try:
         meta_shape, meta = json.loads(metadata["shape"]), json.loads(metadata["meta"])
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # deep nesting is not a ValueError
         raise CorruptValue(f"{key}: metadata shape/meta are not JSON: {exc}") from None
     if not ok_shape or meta_shape != shape or not isinstance(meta, dict):
         raise CorruptValue(f"{key}: shape {shape!r} (metadata {meta_shape!r}) is not a valid [N, D]")

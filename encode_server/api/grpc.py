@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from encode_server.api.grpc_decode import add_encoder_servicer, check_decoded
 from encode_server.api.proto.encode_server.v1 import encoder_pb2 as pb
 from encode_server.api.proto.encode_server.v1 import encoder_pb2_grpc as pb_grpc
 from encode_server.api.runtime import Runtime
@@ -153,6 +154,7 @@ class GrpcApi(pb_grpc.EncoderServicer):
         metrics.inflight_requests.inc()
         try:
             tenant = self._authorize(context)
+            check_decoded(request)  # bytes that were not a protobuf: INVALID_ARGUMENT, not UNKNOWN
             with self.runtime.serving():  # a drain waits for gRPC calls too
                 return await handler(self.runtime.require_service(), request, tenant)
         except EncodeServerError as exc:
@@ -286,7 +288,7 @@ async def start_grpc_server(runtime: Runtime) -> grpc.aio.Server:
             ("grpc.max_send_message_length", -1),
         ]
     )
-    pb_grpc.add_EncoderServicer_to_server(GrpcApi(runtime), server)
+    add_encoder_servicer(GrpcApi(runtime), server)
     health_pb2_grpc.add_HealthServicer_to_server(HealthApi(runtime), server)
     host = f"[{s.host}]" if ":" in s.host else s.host
     server.add_insecure_port(f"{host}:{s.grpc_port}")

@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 TORCH_PIN := torch==2.13.0
 PORT ?= 8000
 
-.PHONY: install tools serve test lint bench clean proto
+.PHONY: install tools serve test lint bench soak clean proto
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -61,6 +61,11 @@ proto: install
 bench: install tools
 	$(BIN)/python -m bench.batching
 	$(BIN)/python -m bench.tiers
+
+# 10 minutes of mixed load with Redis paused once (the README's Robustness figures); the tests
+# run its 60-second form.
+soak: install tools
+	$(BIN)/python -m bench.soak --duration 600
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,4 +1,4 @@
-"""API keys and the tenant each one stands for (DESIGN section 8).
+"""API keys and the tenant each one stands for (docs/api.md).
 
 Shared by the HTTP and gRPC front doors: both hand over the ``Authorization`` value they received
 and get back the tenant id, or ``Unauthorized``.

@@ -1,7 +1,7 @@
 """Every metric, defined in one place, on a registry owned by one server instance.
 
 A registry per instance (not prometheus_client's global one) lets tests run several servers in
-one process and keeps the names in DESIGN section 6 the only public surface.
+one process and keeps the names in docs/metrics.md the only public surface.
 """
 
 from __future__ import annotations
@@ -59,7 +59,11 @@ class Metrics:
         self.request_seconds = histogram(
             "request_seconds", "Request latency by route.", LATENCY_BUCKETS, ("route",)
         )
-        self.queue_depth = gauge("queue_depth", "Items waiting for a batch.")
+        self.queue_depth = gauge(
+            "queue_depth",
+            "Images admitted and not yet encoded (decoding, queued for a batch, or in a forward pass); "
+            "--max-queue bounds it.",
+        )
         self.inflight_requests = gauge("inflight_requests", "Requests being served now.")
         self.redis_errors = counter("redis_errors", "Redis errors by operation.", ("op",))
         self.redis_writes = counter(

@@ -30,8 +30,8 @@ from encode_server.core.errors import (
     TooLarge,
     Unavailable,
 )
-from encode_server.core.hashing import cache_key, fingerprint, mm_hash, parse_mm_hash
-from encode_server.core.types import Embedding, EncodedTensor, ItemResult, RequestItem
+from encode_server.core.hashing import CacheKey, fingerprint, mm_hash, parse_mm_hash
+from encode_server.core.types import ENCODER, Embedding, EncodedTensor, Hit, ItemResult, RequestItem, Return
 from encode_server.encoders.base import EncoderInfo, PreparedImage, VisionEncoder
 from encode_server.imaging import decode_image, oriented_size
 from encode_server.metrics import Metrics
@@ -45,7 +45,7 @@ _HASH_OFF_LOOP_BYTES = 1 << 20
 
 
 def model_fingerprint(info: EncoderInfo) -> str:
-    """Everything besides the image that changes the embedding (DESIGN section 1).
+    """Everything besides the image that changes the embedding (docs/cache.md).
 
     Content, not names: the digest of the loaded weights stands for the model id and revision, so
     replicas that mount one checkpoint at different paths (or pull it by hub id) share a cache,
@@ -85,17 +85,23 @@ class TokenCount:
 class _Identified:
     index: int
     mm_hash: str
-    key: str
+    key: CacheKey
     data: bytes | None
 
 
 class EncodeService:
+    """Resolves items through the tiers it is handed: ``local`` (this process), ``shared``
+    (Redis, optional) and, last, ``batcher`` (the encoder). It builds none of them: the
+    composition root (``encode_server.app``) does, so a test can hand in its own."""
+
     def __init__(
         self,
         encoder: VisionEncoder,
         settings: Settings,
         metrics: Metrics,
         *,
+        local: LocalTier,
+        batcher: Batcher[PreparedImage, EncodedTensor],
         shared: SharedTier | None = None,
     ) -> None:
         self.encoder = encoder
@@ -103,19 +109,10 @@ class EncodeService:
         self.metrics = metrics
         self.shared = shared
         self.fingerprint = model_fingerprint(encoder.info)
-        self.local = LocalTier(settings.cache_bytes, metrics)
+        self.local = local
+        self.batcher = batcher
         self._preprocess_pool = ThreadPoolExecutor(
             max(1, settings.preprocess_workers), thread_name_prefix="preprocess"
-        )
-        self._forward_pool = ThreadPoolExecutor(1, thread_name_prefix="forward")
-        self.batcher: Batcher[PreparedImage, EncodedTensor] = Batcher(
-            encoder.forward,
-            max_batch_size=settings.max_batch_size,
-            max_batch_tokens=settings.max_batch_tokens,
-            max_wait_s=settings.max_wait_ms / 1000.0,
-            max_queue=settings.max_queue,
-            executor=self._forward_pool,
-            observer=metrics.observe_batch,
         )
         # Pending = admitted and not yet encoded (decoding, queued or in a forward pass): what
         # --max-queue bounds, so that memory stays bounded however fast requests arrive.
@@ -124,13 +121,14 @@ class EncodeService:
         metrics.model_info.labels(
             model=info.model_id, fingerprint=self.fingerprint, dtype=info.dtype, device=info.device
         ).set(1)
-        self._inflight: dict[str, asyncio.Future[Embedding]] = {}
+        self._inflight: dict[CacheKey, asyncio.Future[Embedding]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
     # -- lifecycle -----------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Start the batcher and run one warm-up forward pass (readiness waits for it)."""
+        """Start the batcher (and the shared tier's background work) and run one warm-up forward
+        pass: readiness waits for it."""
         self.batcher.start()
         if self.shared is not None:
             await self.shared.start()
@@ -146,49 +144,48 @@ class EncodeService:
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         self._preprocess_pool.shutdown(wait=False, cancel_futures=True)
-        self._forward_pool.shutdown(wait=False, cancel_futures=True)
         if self.shared is not None:
             await self.shared.close()
 
-    def key_for(self, h: str, tenant: str | None = None) -> str:
+    def key_for(self, h: str, tenant: str | None = None) -> CacheKey:
         """The cache key of ``h``; with a ``tenant`` (tenant isolation) a key no other tenant shares."""
-        return cache_key(self.fingerprint, h, prefix=self.settings.cache_prefix, tenant=tenant)
+        return CacheKey(self.fingerprint, h, self.settings.cache_prefix, tenant)
 
     # -- use cases -----------------------------------------------------------------------------
 
     async def encode(
-        self, items: Sequence[RequestItem], *, want_embeddings: bool = True, tenant: str | None = None
+        self, items: Sequence[RequestItem], *, return_kind: Return = Return.EMBEDDINGS, tenant: str | None = None
     ) -> list[ItemResult]:
         """Resolve every item: a tier hit, an encode of its bytes, or a miss (hash-only, unknown).
 
-        With ``want_embeddings=False`` (the EPD hand-off) every resolved item is also made sure to
+        With ``Return.METADATA`` (the EPD hand-off) every resolved item is also made sure to
         be in the shared tier before returning, so the caller can read it from there. ``tenant``
         goes into every cache key, so tiers and single-flight never cross tenants. Past
         ``--request-timeout``: ``Timeout`` (the encodes go on and are cached; pins are released).
         """
         timeout = self.settings.request_timeout
         try:
-            return await asyncio.wait_for(self._resolve(items, want_embeddings, tenant), timeout)
+            return await asyncio.wait_for(self._resolve(items, return_kind, tenant), timeout)
         except asyncio.TimeoutError:
             self.metrics.rejected.labels(reason="timeout").inc()
             raise Timeout(f"request took longer than {timeout:g} s") from None
 
     async def _resolve(
-        self, items: Sequence[RequestItem], want_embeddings: bool, tenant: str | None
+        self, items: Sequence[RequestItem], return_kind: Return, tenant: str | None
     ) -> list[ItemResult]:
-        if not want_embeddings and self.shared is None:
+        if return_kind is Return.METADATA and self.shared is None:
             raise Conflict(
                 '"return": "metadata" needs a shared tier (start the server with --redis-url)',
                 type="no_shared_tier",
             )
         idents = await self._identify(items, tenant)
-        pinned: list[str] = []
+        pinned: list[CacheKey] = []
         try:
             found = self._lookup_local(idents, pinned)
             await self._lookup_shared(idents, found, pinned)
             await self._encode_missing(idents, found, pinned)
             results = [self._result(ident, found.get(ident.key)) for ident in idents]
-            if not want_embeddings:
+            if return_kind is Return.METADATA:
                 await self._hand_off(results)
             return results
         finally:
@@ -324,19 +321,19 @@ class EncodeService:
             out.append(_Identified(item.index, h, self.key_for(h, tenant), item.data))
         return out
 
-    def _lookup_local(self, idents: list[_Identified], pinned: list[str]) -> dict[str, tuple[str, Embedding]]:
-        found: dict[str, tuple[str, Embedding]] = {}
+    def _lookup_local(self, idents: list[_Identified], pinned: list[CacheKey]) -> dict[CacheKey, Hit]:
+        found: dict[CacheKey, Hit] = {}
         for ident in idents:
             if ident.key in found:
                 continue
             value = self.local.get_and_pin(ident.key)
             if value is not None:
                 pinned.append(ident.key)
-                found[ident.key] = ("local", value)
+                found[ident.key] = Hit(self.local.name, value)
         return found
 
     async def _lookup_shared(
-        self, idents: list[_Identified], found: dict[str, tuple[str, Embedding]], pinned: list[str]
+        self, idents: list[_Identified], found: dict[CacheKey, Hit], pinned: list[CacheKey]
     ) -> None:
         if self.shared is None:
             return
@@ -345,20 +342,20 @@ class EncodeService:
             return
         for key, value in zip(keys, await self.shared.get_many(keys), strict=True):
             if value is not None:
-                found[key] = (self.shared.name, value)
+                found[key] = Hit(self.shared.name, value)
                 if self.local.put_and_pin(key, value):
                     pinned.append(key)
             elif (local := self.local.peek(key)) is not None and self.local.pin_if_present(key):
                 # An encode finished while we awaited Redis: it is local now, not a miss.
                 pinned.append(key)
-                found[key] = ("local", local)
+                found[key] = Hit(self.local.name, local)
 
     async def _encode_missing(
-        self, idents: list[_Identified], found: dict[str, tuple[str, Embedding]], pinned: list[str]
+        self, idents: list[_Identified], found: dict[CacheKey, Hit], pinned: list[CacheKey]
     ) -> None:
         # The first item with bytes owns the encode of its key; hash-only items join an encode
         # already in flight (theirs or another request's) and are otherwise misses.
-        wanted: dict[str, _Identified] = {}
+        wanted: dict[CacheKey, _Identified] = {}
         for ident in idents:
             if ident.key in found or ident.key in wanted:
                 continue
@@ -386,13 +383,13 @@ class EncodeService:
             elif isinstance(outcome, BaseException):
                 raise outcome
             else:
-                found[key] = ("encoder", outcome)
+                found[key] = Hit(ENCODER, outcome)
                 if self.local.pin_if_present(key):
                     pinned.append(key)
         if errors:
             raise min(errors, key=lambda e: e.index if e.index is not None else -1)
 
-    def _start_encode(self, key: str, ident: _Identified) -> asyncio.Future[Embedding]:
+    def _start_encode(self, key: CacheKey, ident: _Identified) -> asyncio.Future[Embedding]:
         assert ident.data is not None and key not in self._inflight
         future: asyncio.Future[Embedding] = asyncio.get_running_loop().create_future()
         # Mark a failure as retrieved even when every requester has gone (timed out).
@@ -403,7 +400,7 @@ class EncodeService:
         task.add_done_callback(self._tasks.discard)
         return future
 
-    async def _encode_one(self, key: str, ident: _Identified, future: asyncio.Future[Embedding]) -> None:
+    async def _encode_one(self, key: CacheKey, ident: _Identified, future: asyncio.Future[Embedding]) -> None:
         assert ident.data is not None
         try:
             loop = asyncio.get_running_loop()
@@ -432,20 +429,18 @@ class EncodeService:
         self.metrics.preprocess.observe(time.perf_counter() - started)
         return prepared
 
-    def _result(self, ident: _Identified, hit: tuple[str, Embedding] | None) -> ItemResult:
+    def _result(self, ident: _Identified, hit: Hit | None) -> ItemResult:
         if hit is None:
-            status, source, value = "miss", None, None
-        else:
-            source, value = hit
-            status = "encoded" if source == "encoder" else "hit"
-        self.metrics.items.labels(status=status, source=source or "none").inc()
-        return ItemResult(ident.index, ident.mm_hash, status, source, value, key=ident.key)
+            self.metrics.items.labels(status="miss", source="none").inc()
+            return ItemResult(ident.index, ident.mm_hash, "miss", None, None, key=ident.key)
+        self.metrics.items.labels(status=hit.status, source=hit.source).inc()
+        return ItemResult(ident.index, ident.mm_hash, hit.status, hit.source, hit.embedding, key=ident.key)
 
     async def _hand_off(self, results: list[ItemResult]) -> None:
         """Write every resolved item to the shared tier now, in one round trip; a Redis hit is
         already there. Duplicates in a request are written once."""
         assert self.shared is not None
-        entries: dict[str, tuple[int, Embedding]] = {}
+        entries: dict[CacheKey, tuple[int, Embedding]] = {}
         for result in results:
             if result.embedding is not None and result.source != self.shared.name:
                 assert result.key is not None  # always set, with the tenant: never rebuild it here

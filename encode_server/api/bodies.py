@@ -18,9 +18,10 @@ from starlette.formparsers import MultiPartException
 from starlette.requests import Request
 from starlette.types import Message
 
+from encode_server.api.frontdoor import check_count, request_item
 from encode_server.api.schemas import EncodeItemIn, EncodeRequestIn, LookupRequestIn, TokensRequestIn
 from encode_server.core.errors import BadInput, InvalidRequest, TooLarge, UnsupportedMediaType
-from encode_server.core.types import RequestItem
+from encode_server.core.types import RequestItem, Return
 
 __all__ = [
     "EncodeBody",
@@ -40,7 +41,7 @@ _DECODE_OFF_LOOP_BYTES = 256 << 10
 @dataclass(frozen=True)
 class EncodeBody:
     items: list[RequestItem]
-    want_embeddings: bool
+    return_kind: Return
 
 
 @dataclass(frozen=True)
@@ -89,8 +90,10 @@ def _validation_error(exc: ValidationError) -> InvalidRequest:
 
 
 def _check_count(obj: Any, field: str, limit: int) -> None:
+    """The front doors' count rule, before validation: a huge list is refused before it is walked.
+    (An empty list is left to the schema, which names the field.)"""
     if isinstance(obj, dict) and isinstance(obj.get(field), list) and len(obj[field]) > limit:
-        raise TooLarge(f"{len(obj[field])} {field} in one request, above the limit of {limit}", type="too_many_items")
+        check_count(len(obj[field]), limit, field)
 
 
 def decode_base64(text: str, index: int) -> bytes:
@@ -114,17 +117,14 @@ def _json_items(body: bytes, max_items: int) -> EncodeBody:
         parsed = EncodeRequestIn.model_validate(obj)
     except ValidationError as exc:
         raise _validation_error(exc) from None
-    return EncodeBody(_decode_items(parsed.items), want_embeddings=parsed.return_ == "embeddings")
+    return EncodeBody(_decode_items(parsed.items), Return(parsed.return_))
 
 
 def _decode_items(parsed: list[EncodeItemIn]) -> list[RequestItem]:
-    items = []
-    for index, item in enumerate(parsed):
-        if item.data is None and item.hash is None:
-            raise InvalidRequest("an item needs 'data', 'hash' or both", index=index)
-        data = decode_base64(item.data, index) if item.data is not None else None
-        items.append(RequestItem(index=index, mm_hash=item.hash, data=data))
-    return items
+    return [
+        request_item(index, item.hash, decode_base64(item.data, index) if item.data is not None else None)
+        for index, item in enumerate(parsed)
+    ]
 
 
 async def _multipart_items(request: Request, max_items: int, max_bytes: int) -> EncodeBody:
@@ -149,7 +149,7 @@ async def _multipart_items(request: Request, max_items: int, max_bytes: int) -> 
         ret = form.get("return", "embeddings")
         if ret not in ("embeddings", "metadata"):
             raise InvalidRequest('"return" must be "embeddings" or "metadata"')
-        return EncodeBody(items, want_embeddings=ret == "embeddings")
+        return EncodeBody(items, Return(ret))
     finally:
         await form.close()
 
@@ -177,7 +177,7 @@ async def parse_encode_body(request: Request, *, max_items: int, max_bytes: int)
         return _json_items(body, max_items)
     if not body:
         raise BadInput("empty body: expected the bytes of one image", type="invalid_image", index=0)
-    return EncodeBody([RequestItem(index=0, data=body)], want_embeddings=True)
+    return EncodeBody([RequestItem(index=0, data=body)], Return.EMBEDDINGS)
 
 
 async def parse_lookup_body(request: Request, *, max_hashes: int, max_bytes: int) -> list[str]:

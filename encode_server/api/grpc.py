@@ -1,4 +1,4 @@
-"""The gRPC front door (DESIGN section 7): parse, call the same ``EncodeService``, map errors.
+"""The gRPC front door (docs/api.md): parse, call the same ``EncodeService``, map errors.
 
 Same items, statuses, limits and error ``type``s as HTTP. An error is a gRPC status code
 (``CODES`` below) whose details start with ``"{type}: "``, with the HTTP error's ``type`` also in
@@ -16,13 +16,21 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from encode_server.api.frontdoor import (
+    RequestRecord,
+    check_count,
+    item_fields,
+    new_request_id,
+    record_request,
+    request_item,
+    retry_after,
+)
 from encode_server.api.grpc_decode import add_encoder_servicer, check_decoded
 from encode_server.api.proto.encode_server.v1 import encoder_pb2 as pb
 from encode_server.api.proto.encode_server.v1 import encoder_pb2_grpc as pb_grpc
@@ -39,7 +47,7 @@ from encode_server.core.errors import (
     Unavailable,
     UnsupportedMediaType,
 )
-from encode_server.core.types import ItemResult, RequestItem
+from encode_server.core.types import ItemResult, RequestItem, Return
 from encode_server.service import EncodeService
 
 __all__ = ["CODES", "SERVICE_NAME", "GrpcApi", "HealthApi", "code_for", "start_grpc_server"]
@@ -77,39 +85,33 @@ def error_metadata(exc: EncodeServerError) -> tuple[tuple[str, str], ...]:
     md = [("error-type", exc.type)]
     if exc.index is not None:
         md.append(("error-index", str(exc.index)))
-    if isinstance(exc, Unavailable):
-        md.append(("retry-after", str(max(1, round(exc.retry_after)))))
+    if (seconds := retry_after(exc)) is not None:
+        md.append(("retry-after", seconds))
     return tuple(md)
 
 
 def _items(raw: Sequence[pb.Item], *, max_items: int) -> list[RequestItem]:
-    """The JSON body's item rules: at least one, at most ``max_items``, each with data or hash."""
-    if len(raw) > max_items:
-        raise TooLarge(f"{len(raw)} items in one request, above the limit of {max_items}", type="too_many_items")
-    if not raw:
-        raise InvalidRequest("items: at least one item is required")
-    items = []
-    for index, item in enumerate(raw):
-        has_hash, has_data = item.HasField("hash"), item.HasField("data")
-        if not (has_hash or has_data):
-            raise InvalidRequest("an item needs 'data', 'hash' or both", index=index)
-        items.append(
-            RequestItem(index=index, mm_hash=item.hash if has_hash else None, data=item.data if has_data else None)
-        )
-    return items
+    """The same item rules as the HTTP body (``frontdoor``)."""
+    check_count(len(raw), max_items)
+    return [
+        request_item(index, item.hash if item.HasField("hash") else None, item.data if item.HasField("data") else None)
+        for index, item in enumerate(raw)
+    ]
 
 
-def _encode_item(r: ItemResult, *, with_embedding: bool, with_key: bool) -> pb.EncodeItem:
+def _encode_item(r: ItemResult, return_kind: Return) -> pb.EncodeItem:
+    """``item_fields`` as protobuf; the tensor bytes travel raw (no base64) with ``EMBEDDINGS``."""
+    fields = item_fields(r, return_kind)
     out = pb.EncodeItem(index=r.index, hash=r.mm_hash, status=r.status)
     if r.source is not None:
         out.source = r.source
     if r.embedding is not None:
-        t = r.embedding.tensor
-        out.num_tokens = r.embedding.num_tokens
-        out.embedding.CopyFrom(pb.Tensor(dtype=t.dtype, shape=t.shape, data=t.data if with_embedding else b""))
-        out.meta_json = json.dumps(r.embedding.meta, separators=(",", ":"))
-    if with_key and r.key is not None:
-        out.key = r.key
+        data = r.embedding.tensor.data if return_kind is Return.EMBEDDINGS else b""
+        out.num_tokens = fields["num_tokens"]
+        out.embedding.CopyFrom(pb.Tensor(dtype=fields["dtype"], shape=fields["shape"], data=data))
+        out.meta_json = json.dumps(fields["meta"], separators=(",", ":"))
+    if "key" in fields:
+        out.key = fields["key"]
     return out
 
 
@@ -133,47 +135,55 @@ class GrpcApi(pb_grpc.EncoderServicer):
 
     # -- the one call site -----------------------------------------------------------------------
 
-    def _authorize(self, context: grpc.aio.ServicerContext) -> str | None:
+    def _authorize(self, context: grpc.aio.ServicerContext, record: RequestRecord) -> str | None:
         """The tenant that keys this call's cache entries (None: shared), as on HTTP."""
         header = dict(context.invocation_metadata() or ()).get("authorization")
         tenant = self.runtime.authenticate(header if isinstance(header, str) else None)
+        record.tenant = tenant
         return self.runtime.cache_tenant(tenant)
 
     async def _call(
         self,
         name: str,
-        handler: Callable[[EncodeService, Req, str | None], Awaitable[Resp]],
+        handler: Callable[[EncodeService, Req, RequestRecord, str | None], Awaitable[Resp]],
         request: Req,
         context: grpc.aio.ServicerContext,
     ) -> Resp:
-        metrics = self.runtime.metrics
-        route = f"grpc:{name}"
-        started = time.perf_counter()
-        code = grpc.StatusCode.OK
-        status = 200  # the HTTP twin of ``code``: requests_total{code} means the same on both doors
-        metrics.inflight_requests.inc()
-        try:
-            tenant = self._authorize(context)
-            check_decoded(request)  # bytes that were not a protobuf: INVALID_ARGUMENT, not UNKNOWN
-            with self.runtime.serving():  # a drain waits for gRPC calls too
-                return await handler(self.runtime.require_service(), request, tenant)
-        except EncodeServerError as exc:
-            code, status = code_for(exc), status_for(exc)
-            # The type leads the status details too, for clients that read no trailing metadata.
-            await context.abort(code, f"{exc.type}: {exc.message}", trailing_metadata=error_metadata(exc))
-            raise  # unreachable: abort raises
-        except (asyncio.CancelledError, grpc.aio.AbortError):
-            code, status = grpc.StatusCode.CANCELLED, 499
-            raise
-        except Exception:
-            log.exception("unexpected error in gRPC %s", name)
-            code, status = grpc.StatusCode.INTERNAL, 500
-            await context.abort(code, "internal server error", trailing_metadata=(("error-type", "internal"),))
-            raise
-        finally:
-            metrics.inflight_requests.dec()
-            metrics.requests.labels(route=route, code=str(status)).inc()
-            metrics.request_seconds.labels(route=route).observe(time.perf_counter() - started)
+        """Auth, readiness, errors and the accounting both doors share (``record_request``): the
+        record's ``code`` is the HTTP twin of the gRPC status, and ``sent`` the response message's
+        size (an error's status details, as HTTP counts its JSON error body)."""
+        metadata = dict(context.invocation_metadata() or ())
+        client_id = metadata.get("x-request-id")
+        record = RequestRecord(
+            protocol="grpc", method="POST", route=f"grpc:{name}",
+            request_id=new_request_id(client_id if isinstance(client_id, str) else None),
+        )
+        context.set_trailing_metadata((("x-request-id", record.request_id),))
+        with record_request(self.runtime, record):  # a drain waits for gRPC calls too
+            try:
+                tenant = self._authorize(context, record)
+                check_decoded(request)  # bytes that were not a protobuf: INVALID_ARGUMENT, not UNKNOWN
+                response = await handler(self.runtime.require_service(), request, record, tenant)
+            except EncodeServerError as exc:
+                details = f"{exc.type}: {exc.message}"  # the type leads, for clients that read no metadata
+                record.code, record.sent = status_for(exc), len(details.encode())
+                await context.abort(
+                    code_for(exc), details,
+                    trailing_metadata=(*error_metadata(exc), ("x-request-id", record.request_id)),
+                )
+                raise  # unreachable: abort raises
+            except (asyncio.CancelledError, grpc.aio.AbortError):
+                record.code = 499
+                raise
+            except Exception:
+                log.exception("unexpected error in gRPC %s", name)
+                await context.abort(
+                    grpc.StatusCode.INTERNAL, "internal server error", trailing_metadata=(("error-type", "internal"),)
+                )
+                raise
+            record.code = 200
+            record.sent = response.ByteSize()  # type: ignore[attr-defined]
+            return response
 
     # -- handlers --------------------------------------------------------------------------------
 
@@ -184,43 +194,42 @@ class GrpcApi(pb_grpc.EncoderServicer):
             raise TooLarge(f"request is {size} bytes, above the limit of {limit}")
 
     async def _encode(
-        self, service: EncodeService, request: pb.EncodeRequest, tenant: str | None
+        self, service: EncodeService, request: pb.EncodeRequest, record: RequestRecord, tenant: str | None
     ) -> pb.EncodeResponse:
         s = self.runtime.settings
         self._check_size(request)
         items = _items(request.items, max_items=s.max_items)
-        want = request.return_kind == pb.RETURN_EMBEDDINGS
-        results = await service.encode(items, want_embeddings=want, tenant=tenant)
+        record.items = len(items)
+        return_kind = Return.METADATA if request.return_kind == pb.RETURN_METADATA else Return.EMBEDDINGS
+        results = await service.encode(items, return_kind=return_kind, tenant=tenant)
+        record.hits = sum(r.status == "hit" for r in results)
         return pb.EncodeResponse(
             model=service.encoder.info.model_id,
             fingerprint=service.fingerprint,
-            items=[_encode_item(r, with_embedding=want, with_key=not want) for r in results],
+            items=[_encode_item(r, return_kind) for r in results],
         )
 
     async def _lookup(
-        self, service: EncodeService, request: pb.LookupRequest, tenant: str | None
+        self, service: EncodeService, request: pb.LookupRequest, record: RequestRecord, tenant: str | None
     ) -> pb.LookupResponse:
-        limit = self.runtime.settings.max_light_items
-        if len(request.hashes) > limit:
-            raise TooLarge(f"{len(request.hashes)} hashes in one request, above the limit of {limit}",
-                           type="too_many_items")
-        if not request.hashes:
-            raise InvalidRequest("hashes: at least one hash is required")
+        check_count(len(request.hashes), self.runtime.settings.max_light_items, "hashes")
         found = await service.lookup(list(request.hashes), tenant=tenant)
+        record.items, record.hits = len(found), sum(f.cached for f in found)
         return pb.LookupResponse(
             items=[pb.LookupItem(hash=f.mm_hash, cached=f.cached, tier=f.tier) for f in found]
         )
 
     async def _tokens(
-        self, service: EncodeService, request: pb.TokensRequest, tenant: str | None
+        self, service: EncodeService, request: pb.TokensRequest, record: RequestRecord, tenant: str | None
     ) -> pb.TokensResponse:
         s = self.runtime.settings
         self._check_size(request)
         items = _items(request.items, max_items=s.max_items) if request.items else []
-        if len(request.sizes) > s.max_light_items:
-            raise TooLarge(f"{len(request.sizes)} sizes in one request", type="too_many_items")
+        if request.sizes:
+            check_count(len(request.sizes), s.max_light_items, "sizes")
         sizes = [(int(size.width), int(size.height)) for size in request.sizes]
         counts = await service.tokens(items=items, sizes=sizes)
+        record.items = len(counts)
         return pb.TokensResponse(
             model=service.encoder.info.model_id,
             fingerprint=service.fingerprint,
@@ -231,7 +240,9 @@ class GrpcApi(pb_grpc.EncoderServicer):
             ],
         )
 
-    async def _model(self, service: EncodeService, request: pb.ModelRequest, tenant: str | None) -> pb.ModelResponse:
+    async def _model(
+        self, service: EncodeService, request: pb.ModelRequest, record: RequestRecord, tenant: str | None
+    ) -> pb.ModelResponse:
         info = service.encoder.info
         return pb.ModelResponse(
             id=info.model_id, fingerprint=service.fingerprint, kind=info.kind, dtype=info.dtype,
@@ -278,7 +289,8 @@ class HealthApi(health_pb2_grpc.HealthServicer):
 
 
 async def start_grpc_server(runtime: Runtime) -> grpc.aio.Server:
-    """Bind ``--host``:``--grpc-port`` in the running event loop (the HTTP server's) and start.
+    """Bind ``--host``:``--grpc-port`` in the running event loop and start (``encode_server.app``
+    calls it beside the HTTP door; neither door starts the other).
 
     Health says NOT_SERVING until the model is ready. Messages up to ``--max-request-bytes``."""
     s = runtime.settings

@@ -1,6 +1,6 @@
 """The shared tier on Redis or Redis Cluster; the only module that imports ``redis``.
 
-Redis is an accelerator, never a dependency (DESIGN section 4):
+Redis is an accelerator, never a dependency (docs/cache.md):
 - every call has a short connect/socket timeout and an overall deadline, and goes through one
   :class:`CircuitBreaker`; while it is open, reads answer "miss" at once and writes are skipped;
 - redis-py's own retries are off: a retry would only multiply the time a request waits on a dead
@@ -38,6 +38,7 @@ from redis.exceptions import RedisClusterException, RedisError, ResponseError
 from encode_server.config import Settings
 from encode_server.core.breaker import BreakerState, CircuitBreaker
 from encode_server.core.errors import TooLarge, Unavailable
+from encode_server.core.hashing import CacheKey
 from encode_server.core.stored import CorruptValue, ValueSpec, decode_value, encode_value
 from encode_server.core.types import Embedding
 from encode_server.metrics import Metrics
@@ -143,12 +144,12 @@ class RedisTier:
         self._max_value_bytes = max_value_bytes
         self._breaker = breaker or CircuitBreaker(failure_threshold=3, probe_timeout=max(1.0, 2 * self._deadline))
         self._probe_interval = probe_interval
-        self._queue: asyncio.Queue[tuple[str, Embedding]] = asyncio.Queue(maxsize=write_queue)
+        self._queue: asyncio.Queue[tuple[CacheKey, Embedding]] = asyncio.Queue(maxsize=write_queue)
         self._queued_bytes = 0
         self._max_queued_bytes = max(_WRITE_QUEUE_BYTES, max_value_bytes)
         self._tasks: list[asyncio.Task[None]] = []
         # Writes Redis missed while unavailable, oldest first; replayed when the breaker closes.
-        self._replay: OrderedDict[str, Embedding] = OrderedDict()
+        self._replay: OrderedDict[CacheKey, Embedding] = OrderedDict()
         self._replay_bytes = 0
         self._max_replay_bytes = replay_bytes
         self._replay_task: asyncio.Task[None] | None = None
@@ -187,7 +188,7 @@ class RedisTier:
 
     # -- reads ---------------------------------------------------------------------------------
 
-    async def get_many(self, keys: Sequence[str]) -> list[Embedding | None]:
+    async def get_many(self, keys: Sequence[CacheKey]) -> list[Embedding | None]:
         if not keys:
             return []
         try:
@@ -202,7 +203,7 @@ class RedisTier:
                 self._lookups["miss"].inc()
             else:
                 try:
-                    value = decode_value(blob, self._spec, _mm_hash_of(key))
+                    value = decode_value(blob, self._spec, key.mm_hash)
                     self._lookups["hit"].inc()
                 except CorruptValue as exc:
                     self._lookups["corrupt"].inc()
@@ -210,7 +211,7 @@ class RedisTier:
             out.append(value)
         return out
 
-    async def contains_many(self, keys: Sequence[str]) -> list[bool]:
+    async def contains_many(self, keys: Sequence[CacheKey]) -> list[bool]:
         """Presence only (EXISTS, pipelined): a value is not read nor validated here."""
         if not keys:
             return []
@@ -218,7 +219,7 @@ class RedisTier:
         async def exists() -> list[Any]:
             pipe = self._pipeline()
             for key in keys:
-                pipe.exists(key)
+                pipe.exists(key.text)
             return list(await pipe.execute())
 
         try:
@@ -233,17 +234,18 @@ class RedisTier:
             return self._client.pipeline()
         return self._client.pipeline(transaction=False)
 
-    async def _mget(self, keys: Sequence[str]) -> list[bytes | None]:
+    async def _mget(self, keys: Sequence[CacheKey]) -> list[bytes | None]:
         # decode_responses is off, so values are bytes (the stubs also allow str).
+        names = [key.text for key in keys]
         if isinstance(self._client, RedisCluster):
-            found = await self._client.mget_nonatomic(list(keys))
+            found = await self._client.mget_nonatomic(names)
         else:
-            found = await self._client.mget(list(keys))
+            found = await self._client.mget(names)
         return [v.encode() if isinstance(v, str) else v for v in found]
 
     # -- writes --------------------------------------------------------------------------------
 
-    def put_behind(self, key: str, value: Embedding) -> None:
+    def put_behind(self, key: CacheKey, value: Embedding) -> None:
         if value.nbytes > self._max_value_bytes:
             self._writes["too_large"].inc()
         elif self._breaker.state is BreakerState.OPEN:
@@ -258,7 +260,7 @@ class RedisTier:
             else:
                 self._queued_bytes += value.nbytes
 
-    async def put_now(self, entries: Sequence[tuple[str, Embedding]]) -> None:
+    async def put_now(self, entries: Sequence[tuple[CacheKey, Embedding]]) -> None:
         """Write every entry before returning (the metadata hand-off). Always SET, even when the
         key exists: the stored value might be corrupt, and the prefill worker reads it next.
 
@@ -284,10 +286,10 @@ class RedisTier:
                 retry_after=max(1.0, self._breaker.retry_in()),
             ) from None
 
-    async def _set_many(self, entries: Sequence[tuple[str, Embedding]], result: str = "written") -> None:
+    async def _set_many(self, entries: Sequence[tuple[CacheKey, Embedding]], result: str = "written") -> None:
         """SET every entry, one pipeline per bounded chunk (items and bytes)."""
         for start in range(0, len(entries), _WRITE_BATCH_ITEMS):
-            chunk: list[tuple[str, Embedding]] = []
+            chunk: list[tuple[CacheKey, Embedding]] = []
             size = 0
             for key, value in entries[start : start + _WRITE_BATCH_ITEMS]:
                 if chunk and size + value.nbytes > _WRITE_BATCH_BYTES:
@@ -297,8 +299,8 @@ class RedisTier:
                 size += value.nbytes
             await self._set_chunk(chunk, size, result)
 
-    async def _set_chunk(self, entries: Sequence[tuple[str, Embedding]], nbytes: int, result: str) -> None:
-        blobs = [(key, encode_value(self._spec.fingerprint, _mm_hash_of(key), value)) for key, value in entries]
+    async def _set_chunk(self, entries: Sequence[tuple[CacheKey, Embedding]], nbytes: int, result: str) -> None:
+        blobs = [(key.text, encode_value(self._spec.fingerprint, key.mm_hash, value)) for key, value in entries]
 
         async def write() -> None:
             pipe = self._pipeline()
@@ -343,7 +345,7 @@ class RedisTier:
         """Bytes of writes held for replay now."""
         return self._replay_bytes
 
-    def _defer(self, entries: Sequence[tuple[str, Embedding]], missed: str | None = None) -> None:
+    def _defer(self, entries: Sequence[tuple[CacheKey, Embedding]], missed: str | None = None) -> None:
         """Keep writes Redis missed, for :meth:`_replay_writes`; oldest out first past the budget.
 
         Keys are content-addressed: a key already held is not held twice. ``missed`` also counts
@@ -372,7 +374,7 @@ class RedisTier:
     async def _replay_writes(self) -> None:
         """Write what was held, oldest first, a bounded chunk at a time, while Redis answers."""
         while self._replay and self._breaker.state is BreakerState.CLOSED:
-            chunk: list[tuple[str, Embedding]] = []
+            chunk: list[tuple[CacheKey, Embedding]] = []
             size = 0
             while self._replay and len(chunk) < _WRITE_BATCH_ITEMS and size < _WRITE_BATCH_BYTES:
                 key, value = self._replay.popitem(last=False)
@@ -433,8 +435,3 @@ class RedisTier:
         if was is not BreakerState.CLOSED:
             self._schedule_replay()
         return result
-
-
-def _mm_hash_of(key: str) -> str:
-    """The last segment of a cache key is always its mm_hash (see ``core.hashing``)."""
-    return key.rsplit(":", 1)[-1]

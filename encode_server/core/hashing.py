@@ -1,4 +1,4 @@
-"""Identity of images, models and cache entries (DESIGN.md section 1).
+"""Identity of images, models and cache entries (docs/cache.md).
 
 Three digests, all full 256-bit BLAKE3 in lowercase hex (64 characters), never truncated:
 
@@ -20,6 +20,7 @@ import math
 import re
 import struct
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import blake3
 
@@ -28,6 +29,7 @@ from encode_server.core.errors import BadInput
 __all__ = [
     "FINGERPRINT_VERSION",
     "KEY_VERSION",
+    "CacheKey",
     "cache_key",
     "fingerprint",
     "frame",
@@ -182,20 +184,49 @@ def tenant_digest(tenant: str) -> str:
     return blake3.blake3(frame(_TENANT_DOMAIN, tenant)).hexdigest()
 
 
-def cache_key(fingerprint: str, mm_hash: str, *, prefix: str = "encode", tenant: str | None = None) -> str:
-    """The store key of one embedding: ``{prefix}:v1:{fingerprint}:{mm_hash}``.
+@dataclass(frozen=True, eq=False)
+class CacheKey:
+    """The address of one embedding in every tier, and in the single-flight table.
 
-    With ``tenant`` (tenant isolation on): ``{prefix}:v1:{fingerprint}:t:{tenant_digest}:{mm_hash}``.
-    Both digests must already be canonical lowercase hex (use :func:`parse_mm_hash` on client
-    input): an uppercase hash would silently address a different key. ``prefix`` is operator
-    config; it may contain ``:`` (``prod:encode``) but no whitespace.
+    Invariants (checked on construction): ``fingerprint`` and ``mm_hash`` are 64 lowercase hex
+    digits (use :func:`parse_mm_hash` on client input: an uppercase hash would silently address a
+    different key); ``prefix`` is non-empty printable text without whitespace (operator config; it
+    may contain ``:``, as in ``prod:encode``); ``tenant``, when set, is a non-empty tenant id.
+    ``str(key)`` is the store key, computed once: ``{prefix}:v1:{fingerprint}:{mm_hash}``, or
+    ``{prefix}:v1:{fingerprint}:t:{tenant_digest}:{mm_hash}`` with a tenant. Two keys are equal
+    exactly when their store keys are, so a tier never splits a string apart again.
     """
-    if not isinstance(fingerprint, str) or _LOWER_HEX64.fullmatch(fingerprint) is None:
-        raise ValueError(f"fingerprint must be 64 lowercase hex digits, got {fingerprint!r}")
-    if not isinstance(mm_hash, str) or _LOWER_HEX64.fullmatch(mm_hash) is None:
-        raise ValueError(f"mm_hash must be 64 lowercase hex digits (see parse_mm_hash), got {mm_hash!r}")
-    if not isinstance(prefix, str) or not prefix or not prefix.isprintable() or any(c.isspace() for c in prefix):
-        raise ValueError(f"prefix must be a non-empty printable string without whitespace, got {prefix!r}")
-    if tenant is None:
-        return f"{prefix}:{KEY_VERSION}:{fingerprint}:{mm_hash}"
-    return f"{prefix}:{KEY_VERSION}:{fingerprint}:t:{tenant_digest(tenant)}:{mm_hash}"
+
+    fingerprint: str
+    mm_hash: str
+    prefix: str = "encode"
+    tenant: str | None = None
+    text: str = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        fingerprint, mm_hash, prefix, tenant = self.fingerprint, self.mm_hash, self.prefix, self.tenant
+        if not isinstance(fingerprint, str) or _LOWER_HEX64.fullmatch(fingerprint) is None:
+            raise ValueError(f"fingerprint must be 64 lowercase hex digits, got {fingerprint!r}")
+        if not isinstance(mm_hash, str) or _LOWER_HEX64.fullmatch(mm_hash) is None:
+            raise ValueError(f"mm_hash must be 64 lowercase hex digits (see parse_mm_hash), got {mm_hash!r}")
+        if not isinstance(prefix, str) or not prefix or not prefix.isprintable() or any(c.isspace() for c in prefix):
+            raise ValueError(f"prefix must be a non-empty printable string without whitespace, got {prefix!r}")
+        if tenant is None:
+            text = f"{prefix}:{KEY_VERSION}:{fingerprint}:{mm_hash}"
+        else:
+            text = f"{prefix}:{KEY_VERSION}:{fingerprint}:t:{tenant_digest(tenant)}:{mm_hash}"
+        object.__setattr__(self, "text", text)
+
+    def __str__(self) -> str:
+        return self.text
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, CacheKey) and other.text == self.text
+
+    def __hash__(self) -> int:
+        return hash(self.text)
+
+
+def cache_key(fingerprint: str, mm_hash: str, *, prefix: str = "encode", tenant: str | None = None) -> str:
+    """The store key of one embedding: ``str(CacheKey(...))`` (see :class:`CacheKey`)."""
+    return CacheKey(fingerprint, mm_hash, prefix, tenant).text

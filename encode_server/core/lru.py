@@ -1,4 +1,4 @@
-"""An LRU cache bounded in bytes, with pinning: the local cache tier (DESIGN.md section 4.1).
+"""An LRU cache bounded in bytes, with pinning: the local cache tier (docs/cache.md).
 
 Modelled on vLLM's ``EncoderCacheManager``: entries in use by an in-flight request are pinned by
 reference count and never evicted, and the API splits "can I?" (no mutation) from "do it"

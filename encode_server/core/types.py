@@ -3,9 +3,25 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from enum import Enum
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["Embedding", "EncodedTensor", "ItemResult", "RequestItem"]
+if TYPE_CHECKING:
+    from encode_server.core.hashing import CacheKey
+
+__all__ = ["ENCODER", "Embedding", "EncodedTensor", "Hit", "ItemResult", "RequestItem", "Return"]
+
+ENCODER = "encoder"
+"""The ``source`` of an embedding this server computed (the other sources are tier names)."""
+
+
+class Return(str, Enum):
+    """What an encode answers with: the same word in the HTTP body's ``"return"``, gRPC's
+    ``return_kind`` and the code. ``metadata`` is the EPD hand-off: every resolved item is made
+    sure to be in the shared tier and answered with its ``key`` instead of its bytes."""
+
+    EMBEDDINGS = "embeddings"
+    METADATA = "metadata"
 
 
 @dataclass(frozen=True)
@@ -47,6 +63,19 @@ class RequestItem:
 
 
 @dataclass(frozen=True)
+class Hit:
+    """Where a resolved embedding came from: a tier's name (``local``, ``redis``) or
+    :data:`ENCODER`."""
+
+    source: str
+    embedding: Embedding
+
+    @property
+    def status(self) -> str:
+        return "encoded" if self.source == ENCODER else "hit"
+
+
+@dataclass(frozen=True)
 class ItemResult:
     """How one item was resolved. ``embedding`` is None for a miss."""
 
@@ -55,4 +84,4 @@ class ItemResult:
     status: str  # "hit" | "encoded" | "miss"
     source: str | None  # "local" | "redis" | "encoder" | None
     embedding: Embedding | None
-    key: str | None = None
+    key: CacheKey | None = None

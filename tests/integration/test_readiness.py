@@ -1,25 +1,24 @@
 """/ready is 503 while the model loads and warms up, then 200; /health answers all along.
 
-The server runs in-process (uvicorn on a real loopback port, real HTTP) so that the test can hold
-the model load open: the loader is the real ``load_encoder``, gated by an event.
+The server runs in-process (the composition root, ``EncodeServer``, on a real loopback port, real
+HTTP) so that the test can hold the model load open: the loader is the real ``load_encoder``,
+gated by an event.
 """
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
-import uvicorn
 
-from encode_server.api.http import create_app
-from encode_server.api.runtime import Runtime
+from encode_server.app import EncodeServer
 from encode_server.config import Settings
 from encode_server.encoders import load_encoder
 from encode_server.encoders.base import VisionEncoder
-from encode_server.metrics import Metrics
 from tests.server import free_port
 
 
@@ -32,21 +31,22 @@ def gated_server() -> Iterator[tuple[str, threading.Event]]:
         return load_encoder("builtin:tiny", device="cpu")
 
     port = free_port()
-    settings = Settings(port=port, grpc_port=0)
-    app = create_app(Runtime(settings, Metrics()), slow_load)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
+    settings = Settings(port=port, grpc_port=0, log_level="warning", drain_seconds=5)
+    server = EncodeServer(settings, load_encoder=slow_load)
+    exit_codes: list[int] = []
+    thread = threading.Thread(target=lambda: exit_codes.append(asyncio.run(server.serve())), daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 20
-    while not server.started and time.monotonic() < deadline:
+    while not server.http.started and time.monotonic() < deadline:
         time.sleep(0.02)
     try:
         yield url, gate
     finally:
         gate.set()
-        server.should_exit = True
+        server.shutdown()
         thread.join(20)
+    assert exit_codes == [0], "the server did not drain and exit cleanly"
 
 
 def test_ready_is_503_while_loading_then_200(gated_server: tuple[str, threading.Event]) -> None:

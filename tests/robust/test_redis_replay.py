@@ -17,6 +17,7 @@ from redis.backoff import NoBackoff
 
 from encode_server.cache.redis import RedisTier
 from encode_server.core.breaker import Backoff, CircuitBreaker
+from encode_server.core.hashing import CacheKey
 from encode_server.core.stored import ValueSpec
 from encode_server.core.types import Embedding, EncodedTensor
 from encode_server.metrics import Metrics
@@ -51,8 +52,9 @@ def test_replay_buffer_is_bounded_in_bytes_keeps_the_newest_and_replays_them() -
                          max_value_bytes=1 << 20, write_queue=64, breaker=breaker, probe_interval=0.1,
                          replay_bytes=1000)
         await tier.start()
-        keys = [f"replaytest:v1:{FP}:{i:064x}" for i in range(12)]
-        for i, key in enumerate(keys):
+        cache_keys = [CacheKey(FP, f"{i:064x}", "replaytest") for i in range(12)]
+        keys = [str(k) for k in cache_keys]
+        for i, key in enumerate(cache_keys):
             tier.put_behind(key, _value(i))
             await asyncio.sleep(0.05)
             assert tier.replay_bytes <= 1000

@@ -11,15 +11,15 @@ from encode_server.core.hashing import mm_hash
 from encode_server.core.types import RequestItem
 from encode_server.encoders import load_encoder
 from encode_server.metrics import Metrics
-from encode_server.service import EncodeService
 from tests.images import image_bytes
+from tests.services import make_service
 
 
 def test_cancelled_requests_leave_no_pins_slots_or_inflight_entries() -> None:
     async def scenario() -> None:
         # Batches wait 200 ms to fill, so every request below is cancelled while its item is queued.
         settings = Settings(max_wait_ms=200, cache_mb=16)
-        service = EncodeService(load_encoder("builtin:tiny", device="cpu"), settings, Metrics())
+        service = make_service(load_encoder("builtin:tiny", device="cpu"), settings, Metrics())
         await service.start()
         try:
             known = image_bytes("PNG", 24, 24, seed=1)

@@ -11,8 +11,9 @@ from typing import Any
 
 from encode_client._errors import ServerError
 from encode_client._types import LookupItem, Result, TokenCount
+from encode_client.safetensors import load_safetensors
 
-__all__ = ["SAFETENSORS", "HttpRequest", "build", "parse", "read_safetensors"]
+__all__ = ["SAFETENSORS", "HttpRequest", "build", "parse"]
 
 SAFETENSORS = "application/vnd.safetensors"
 
@@ -105,27 +106,12 @@ def _result(item: Mapping[str, Any], data: bytes, replica: str) -> Result:
     )
 
 
-def read_safetensors(blob: bytes) -> tuple[dict[str, tuple[str, tuple[int, ...], bytes]], dict[str, str]]:
-    """A safetensors file to ``{name: (dtype code, shape, bytes)}`` and its metadata."""
-    if len(blob) < 8:
-        raise ValueError("not a safetensors file: shorter than 8 bytes")
-    n = int.from_bytes(blob[:8], "little")
-    if n > len(blob) - 8:
-        raise ValueError("not a safetensors file: header runs past the end")
-    header = json.loads(blob[8 : 8 + n])
-    metadata = header.pop("__metadata__", None) or {}
-    data = memoryview(blob)[8 + n :]
-    tensors = {}
-    for name, info in header.items():
-        begin, end = info["data_offsets"]
-        tensors[name] = (info["dtype"], tuple(info["shape"]), bytes(data[begin:end]))
-    return tensors, metadata
-
-
 def _encode_safetensors(blob: bytes, replica: str) -> list[Result]:
-    tensors, metadata = read_safetensors(blob)
+    """A safetensors answer, read by the one strict codec: a bad offset is an error, never a
+    silently truncated tensor."""
+    tensors, metadata = load_safetensors(blob)
     out = []
     for item in json.loads(metadata["items"]):
         tensor = tensors.get(str(item["index"]))
-        out.append(_result(item, tensor[2] if tensor else b"", replica))
+        out.append(_result(item, tensor.data if tensor else b"", replica))
     return out

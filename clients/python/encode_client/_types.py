@@ -9,22 +9,19 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from encode_client import safetensors
+from encode_client.safetensors import DTYPES
+
 if TYPE_CHECKING:
     import torch
 
 __all__ = ["LookupItem", "Result", "TokenCount", "WarmItem", "to_numpy", "to_torch"]
 
-_NUMPY = {"float32": "<f4", "float16": "<f2", "float64": "<f8", "int32": "<i4", "int64": "<i8", "uint8": "|u1"}
-
-
 def to_numpy(raw: bytes, dtype: str, shape: Sequence[int]) -> np.ndarray:
     """Raw little-endian tensor bytes to numpy; bfloat16 widens exactly to float32."""
-    if dtype == "bfloat16":
-        bits = np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16
-        return bits.view(np.float32).reshape(tuple(shape))
-    if dtype not in _NUMPY:
+    if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}")
-    return np.frombuffer(raw, dtype=_NUMPY[dtype]).reshape(tuple(shape))
+    return safetensors.to_numpy(safetensors.WireTensor("", dtype, tuple(shape), raw))
 
 
 def to_torch(raw: bytes, dtype: str, shape: Sequence[int]) -> torch.Tensor:

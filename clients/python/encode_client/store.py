@@ -12,28 +12,31 @@ Redis; a prefill worker reads it here, without the embedding crossing the encode
 
 Needs ``pip install 'encode-client[store]'`` (redis-py); never imports the server. The value is a
 safetensors blob (tensor ``embedding``; metadata ``format``, ``fingerprint``, ``mm_hash``,
-``dtype``, ``shape``, ``meta``), parsed here by a small strict reader and checked exactly as the
-server checks it: a value that is malformed, of another format version, or whose fingerprint or
-mm_hash is not the key's, raises :class:`CorruptValue` instead of returning wrong numbers.
+``dtype``, ``shape``, ``meta``), parsed by the strict codec in :mod:`encode_client.safetensors`
+and checked here by :func:`read_value`, the function the server reads its own tier with: a value
+that is malformed, of another format version, or whose fingerprint or mm_hash is not the key's,
+raises :class:`CorruptValue` instead of returning wrong numbers.
 """
 
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
-__all__ = ["CorruptValue", "StoreReader", "StoredEmbedding", "parse_value"]
+from encode_client.safetensors import SafetensorsError, WireTensor, dump_safetensors, load_safetensors, to_numpy
+
+__all__ = [
+    "VALUE_FORMAT", "CorruptValue", "StoreReader", "StoredEmbedding", "dump_value", "parse_value", "read_value",
+]
 
 VALUE_FORMAT = "encode-server/embedding/v1"
-_FIELDS = frozenset({"format", "fingerprint", "mm_hash", "dtype", "shape", "meta"})
-# safetensors dtype code -> (our name, item size, numpy spelling or None for bfloat16)
-_DTYPES = {"F32": ("float32", 4, "<f4"), "F16": ("float16", 2, "<f2"), "BF16": ("bfloat16", 2, None)}
-_MAX_HEADER = 100_000_000
+TENSOR_NAME = "embedding"
+VALUE_FIELDS = frozenset({"format", "fingerprint", "mm_hash", "dtype", "shape", "meta"})
+VALUE_DTYPES = frozenset({"float32", "bfloat16", "float16"})
 
 
 class CorruptValue(ValueError):
@@ -52,10 +55,7 @@ class StoredEmbedding:
 
     def numpy(self) -> np.ndarray:
         """float32/float16 as stored; bfloat16 widened to float32 exactly (bits shifted left by 16)."""
-        if self.dtype == "bfloat16":
-            bits = np.frombuffer(self.data, dtype="<u2").astype("<u4") << 16
-            return bits.view("<f4").reshape(self.shape)
-        return np.frombuffer(self.data, dtype=_DTYPES[_code(self.dtype)][2]).reshape(self.shape)
+        return to_numpy(WireTensor(TENSOR_NAME, self.dtype, self.shape, self.data))
 
     def torch(self) -> Any:
         """A torch tensor in the stored dtype (bfloat16 stays bfloat16); needs torch installed."""
@@ -65,51 +65,65 @@ class StoredEmbedding:
         return raw.view(getattr(torch, self.dtype)).reshape(self.shape)
 
 
-def _code(dtype: str) -> str:
-    return next(code for code, (name, _, _) in _DTYPES.items() if name == dtype)
+def dump_value(fingerprint: str, mm_hash: str, tensor: WireTensor, meta: dict[str, Any]) -> bytes:
+    """The stored value of one embedding (what the server writes; tests and tools may too)."""
+    metadata = {
+        "format": VALUE_FORMAT,
+        "fingerprint": fingerprint,
+        "mm_hash": mm_hash,
+        "dtype": tensor.dtype,
+        "shape": json.dumps(list(tensor.shape), separators=(",", ":")),
+        "meta": json.dumps(meta, separators=(",", ":"), sort_keys=True),
+    }
+    return dump_safetensors([WireTensor(TENSOR_NAME, tensor.dtype, tensor.shape, tensor.data)], metadata)
+
+
+def read_value(blob: bytes, *, where: str = "value") -> StoredEmbedding:
+    """Parse and validate one stored value on its own; raise :class:`CorruptValue`.
+
+    The one validator of stored values (the server reads its tier through it too). Accepted only
+    when the blob is strict safetensors holding exactly the tensor ``embedding`` of shape
+    [N >= 1, D] in a float dtype, and its metadata has exactly :data:`VALUE_FIELDS`, all agreeing
+    with the tensor. ``where`` names the value in error messages. ``key`` of the result is ``""``:
+    :func:`parse_value` checks the value against the key it was read under."""
+    try:
+        tensors, metadata = load_safetensors(blob)
+    except SafetensorsError as exc:
+        raise CorruptValue(f"{where}: not a safetensors value: {exc}") from None
+    if set(metadata) != VALUE_FIELDS:
+        raise CorruptValue(f"{where}: metadata fields {sorted(metadata)}, expected {sorted(VALUE_FIELDS)}")
+    if metadata["format"] != VALUE_FORMAT:
+        raise CorruptValue(f"{where}: format {metadata['format']!r}, expected {VALUE_FORMAT!r}")
+    if set(tensors) != {TENSOR_NAME}:
+        raise CorruptValue(f"{where}: expected exactly one tensor {TENSOR_NAME!r}, got {sorted(tensors)}")
+    tensor = tensors[TENSOR_NAME]
+    if tensor.dtype not in VALUE_DTYPES or tensor.dtype != metadata["dtype"]:
+        raise CorruptValue(f"{where}: dtype {tensor.dtype!r} does not match metadata {metadata['dtype']!r}")
+    try:
+        meta_shape, meta = json.loads(metadata["shape"]), json.loads(metadata["meta"])
+    except (ValueError, RecursionError) as exc:  # deep nesting is not a ValueError
+        raise CorruptValue(f"{where}: metadata shape/meta are not JSON: {exc}") from None
+    shape = list(tensor.shape)
+    if len(shape) != 2 or min(shape) < 1 or meta_shape != shape:
+        raise CorruptValue(f"{where}: shape {shape!r} (metadata {meta_shape!r}) is not a valid [N >= 1, D]")
+    if not isinstance(meta, dict):
+        raise CorruptValue(f"{where}: meta must be a JSON object, got {type(meta).__name__}")
+    fp, mm_hash = metadata["fingerprint"], metadata["mm_hash"]
+    return StoredEmbedding("", mm_hash, fp, tensor.dtype, tensor.shape, tensor.data, meta)
 
 
 def parse_value(key: str, blob: bytes, *, fingerprint: str | None = None) -> StoredEmbedding:
-    """Parse and validate one stored value read under ``key``; raise :class:`CorruptValue`."""
-    if len(blob) < 8:
-        raise CorruptValue(f"{key}: {len(blob)} bytes is too short for a safetensors value")
-    n = int.from_bytes(blob[:8], "little")
-    if n > min(_MAX_HEADER, len(blob) - 8):
-        raise CorruptValue(f"{key}: header length {n} runs past the {len(blob)}-byte value")
-    try:
-        header = json.loads(blob[8 : 8 + n].decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise CorruptValue(f"{key}: header is not JSON: {exc}") from None
-    if not isinstance(header, dict):
-        raise CorruptValue(f"{key}: header is not a JSON object")
-    metadata = header.pop("__metadata__", None)
-    strings = isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())
-    if not strings or set(metadata) != _FIELDS:
-        raise CorruptValue(f"{key}: metadata must have exactly the string fields {sorted(_FIELDS)}")
-    if metadata["format"] != VALUE_FORMAT:
-        raise CorruptValue(f"{key}: format {metadata['format']!r}, expected {VALUE_FORMAT!r}")
-    mm_hash, fp = metadata["mm_hash"], metadata["fingerprint"]
+    """Parse and validate one stored value read under ``key``; raise :class:`CorruptValue`.
+
+    :func:`read_value`, and the value's fingerprint and mm_hash are the key's
+    (``...:{fingerprint}:...:{mm_hash}``); ``fingerprint``, when given (``GET /v1/model``), too."""
+    stored = read_value(blob, where=key)
+    fp, mm_hash = stored.fingerprint, stored.mm_hash
     if not key.endswith(":" + mm_hash) or f":{fp}:" not in key:
         raise CorruptValue(f"{key}: the value's fingerprint/mm_hash ({fp[:12]}.../{mm_hash[:12]}...) are not the key's")
     if fingerprint is not None and fp != fingerprint:
         raise CorruptValue(f"{key}: fingerprint {fp[:12]}..., expected {fingerprint[:12]}...")
-    entry = header.get("embedding")
-    if set(header) != {"embedding"} or not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
-        raise CorruptValue(f"{key}: expected exactly one tensor 'embedding', got {sorted(header)}")
-    code, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-    if code not in _DTYPES or _DTYPES[code][0] != metadata["dtype"]:
-        raise CorruptValue(f"{key}: dtype {code!r} does not match metadata {metadata['dtype']!r}")
-    ok_shape = isinstance(shape, list) and len(shape) == 2 and all(type(d) is int and d >= 1 for d in shape)
-    try:
-        meta_shape, meta = json.loads(metadata["shape"]), json.loads(metadata["meta"])
-    except (ValueError, RecursionError) as exc:  # deep nesting is not a ValueError
-        raise CorruptValue(f"{key}: metadata shape/meta are not JSON: {exc}") from None
-    if not ok_shape or meta_shape != shape or not isinstance(meta, dict):
-        raise CorruptValue(f"{key}: shape {shape!r} (metadata {meta_shape!r}) is not a valid [N, D]")
-    size = math.prod(shape) * _DTYPES[code][1]
-    if offsets != [0, size] or len(blob) - 8 - n != size:
-        raise CorruptValue(f"{key}: data_offsets {offsets!r} / {len(blob) - 8 - n} data bytes, expected {size}")
-    return StoredEmbedding(key, mm_hash, fp, _DTYPES[code][0], tuple(shape), bytes(blob[8 + n :]), meta)
+    return replace(stored, key=key)
 
 
 class StoreReader:

@@ -21,8 +21,10 @@ class Recorder:
         self.delay = delay
         self.release = threading.Event()
         self.release.set()
+        self.entered = threading.Event()  # set once a forward pass has started
 
     def __call__(self, items: Sequence[int]) -> list[int]:
+        self.entered.set()
         self.release.wait(10)
         time.sleep(self.delay)
         self.batches.append(list(items))
@@ -31,6 +33,11 @@ class Recorder:
 
 def run(coro):  # type: ignore[no-untyped-def]
     return asyncio.run(asyncio.wait_for(coro, 20))
+
+
+async def in_forward_pass(rec: Recorder) -> None:
+    """Until a batch is inside the forward pass (an event, not a guess at how long that takes)."""
+    assert await asyncio.to_thread(rec.entered.wait, 10), "no forward pass started"
 
 
 def test_items_from_many_submitters_share_a_batch() -> None:
@@ -93,7 +100,7 @@ def test_full_queue_raises_overloaded_and_recovers() -> None:
         b: Batcher[int, int] = Batcher(rec, max_batch_size=1, max_batch_tokens=10, max_wait_s=0, max_queue=3)
         b.start()
         first = b.submit(0, 1)
-        await asyncio.sleep(0.05)  # the first item is now in the (blocked) forward pass
+        await in_forward_pass(rec)  # the first item is in the (blocked) forward pass
         queued = [b.submit(i, 1) for i in range(1, 4)]
         assert not b.has_room(1)
         with pytest.raises(Unavailable) as info:
@@ -137,7 +144,7 @@ def test_cancelled_items_are_not_run_and_observer_sees_each_batch() -> None:
         )
         b.start()
         blocker = b.submit(0, 1)
-        await asyncio.sleep(0.1)
+        await in_forward_pass(rec)
         doomed = b.submit(1, 1)
         kept = b.submit(2, 5)
         doomed.cancel()
@@ -159,7 +166,7 @@ def test_close_fails_queued_items_with_not_ready() -> None:
         b: Batcher[int, int] = Batcher(rec, max_batch_size=1, max_batch_tokens=10, max_wait_s=0, max_queue=10)
         b.start()
         b.submit(0, 1)
-        await asyncio.sleep(0.05)
+        await in_forward_pass(rec)
         queued = b.submit(1, 1)
         await b.close()
         rec.release.set()

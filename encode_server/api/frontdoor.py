@@ -1,0 +1,153 @@
+"""What the HTTP and gRPC front doors share, written once so that they cannot drift.
+
+- item rules: how many items a request may hold and what each must carry;
+- per-request accounting: ``requests_total``, ``request_seconds``, ``inflight_requests``,
+  ``response_bytes_total``, the in-flight count a drain waits on, and the one access-log line;
+- ``Retry-After``: the seconds a refused client should wait, as a header or as metadata;
+- result rendering: the fields of one resolved item, before either door's own encoding of them
+  (JSON with base64, safetensors, or protobuf).
+
+A door only parses its wire into these calls and renders what they return.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from encode_server.api.runtime import Runtime
+from encode_server.core.errors import InvalidRequest, TooLarge, Unavailable
+from encode_server.core.types import ItemResult, RequestItem, Return
+from encode_server.logs import ACCESS_LOGGER
+
+__all__ = [
+    "RequestRecord",
+    "check_count",
+    "item_fields",
+    "new_request_id",
+    "record_request",
+    "request_item",
+    "retry_after",
+]
+
+access_log = logging.getLogger(ACCESS_LOGGER)
+
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+# Probes and scrapes go to debug (every few seconds, they would drown the rest) unless they fail;
+# /ready's 503 while loading or draining is expected, so it is always quiet.
+_QUIET_WHEN_OK = frozenset({"/health", "/metrics"})
+_ALWAYS_QUIET = frozenset({"/ready"})
+
+
+# -- item rules ------------------------------------------------------------------------------------
+
+
+def check_count(count: int, limit: int, what: str = "items") -> None:
+    """At least one and at most ``limit`` entries of ``what`` (items, hashes, sizes)."""
+    if count > limit:
+        raise TooLarge(f"{count} {what} in one request, above the limit of {limit}", type="too_many_items")
+    if count == 0:
+        raise InvalidRequest(f"{what}: at least one is required")
+
+
+def request_item(index: int, mm_hash: str | None, data: bytes | None) -> RequestItem:
+    """One item: its bytes, its hash, or both (the service checks that they agree)."""
+    if mm_hash is None and data is None:
+        raise InvalidRequest("an item needs 'data', 'hash' or both", index=index)
+    return RequestItem(index=index, mm_hash=mm_hash, data=data)
+
+
+# -- Retry-After -----------------------------------------------------------------------------------
+
+
+def retry_after(exc: Exception) -> str | None:
+    """Whole seconds (at least 1) a client refused with ``exc`` should wait, or None."""
+    if isinstance(exc, Unavailable):
+        return str(max(1, round(exc.retry_after)))
+    return None
+
+
+# -- result rendering ------------------------------------------------------------------------------
+
+
+def item_fields(r: ItemResult, return_kind: Return) -> dict[str, Any]:
+    """The fields of one resolved item, without its tensor bytes: every door renders these.
+
+    ``key`` (the store key) is there exactly with ``Return.METADATA``: that is what a prefill
+    worker reads the shared tier with. ``num_tokens``, ``shape``, ``dtype`` and ``meta`` are there
+    for every resolved item (not for a miss)."""
+    out: dict[str, Any] = {"index": r.index, "hash": r.mm_hash, "status": r.status, "source": r.source}
+    if r.embedding is not None:
+        t = r.embedding.tensor
+        out.update(num_tokens=r.embedding.num_tokens, shape=list(t.shape), dtype=t.dtype, meta=r.embedding.meta)
+    if return_kind is Return.METADATA and r.key is not None:
+        out["key"] = str(r.key)
+    return out
+
+
+# -- per-request accounting ------------------------------------------------------------------------
+
+
+def new_request_id(client_value: str | None) -> str:
+    """The client's ``X-Request-ID`` when it is a plain token (safe in a log line), else a new one."""
+    if client_value is not None and _REQUEST_ID.fullmatch(client_value):
+        return client_value
+    return uuid.uuid4().hex
+
+
+@dataclass
+class RequestRecord:
+    """One request through either door: what its access-log line and its metrics say.
+
+    The door sets ``code`` (an HTTP status; gRPC uses its HTTP twin, so ``requests_total{code}``
+    means the same on both doors, and one error-ratio alert covers both) and ``sent`` (response
+    body bytes); a route sets ``items``, ``hits`` and ``tenant``. The log line holds no header
+    but the request id: an API key can never reach it."""
+
+    protocol: str  # "http" | "grpc"
+    method: str
+    route: str
+    request_id: str
+    code: int = 500
+    sent: int = 0
+    items: int = 0
+    hits: int = 0
+    tenant: str | None = None
+    started: float = field(default_factory=time.perf_counter)
+
+    def fields(self, elapsed: float) -> dict[str, Any]:
+        return {
+            "request_id": self.request_id, "protocol": self.protocol, "method": self.method,
+            "route": self.route, "code": self.code, "items": self.items, "hits": self.hits,
+            "bytes": self.sent, "duration_ms": round(elapsed * 1000, 2), "tenant": self.tenant,
+        }
+
+
+@contextmanager
+def record_request(runtime: Runtime, record: RequestRecord) -> Iterator[RequestRecord]:
+    """Account for one request for as long as the block runs, then log it once, whatever the
+    outcome. A drain waits for the block (``Runtime.serving``)."""
+    metrics = runtime.metrics
+    metrics.inflight_requests.inc()
+    try:
+        with runtime.serving():
+            yield record
+    finally:
+        elapsed = time.perf_counter() - record.started
+        metrics.inflight_requests.dec()
+        metrics.requests.labels(route=record.route, code=str(record.code)).inc()
+        metrics.request_seconds.labels(route=record.route).observe(elapsed)
+        metrics.response_bytes.inc(record.sent)
+        quiet = record.route in _ALWAYS_QUIET or (record.route in _QUIET_WHEN_OK and record.code < 400)
+        access_log.log(
+            logging.DEBUG if quiet else logging.INFO,
+            "%s %s %d items=%d hits=%d %.1fms id=%s",
+            record.method, record.route, record.code, record.items, record.hits, elapsed * 1000,
+            record.request_id, extra={"fields": record.fields(elapsed)},
+        )

@@ -1,0 +1,254 @@
+"""The composition root: the one place where a server is put together, run and taken apart.
+
+Everything concrete is built here and handed down (settings -> metrics -> runtime -> encoder ->
+tiers -> batcher -> service -> front doors), so each piece can be read, and tested, alone: the
+HTTP and gRPC front doors receive the ``Runtime``; neither starts the other, loads a model or
+builds a tier; the service receives its tiers and batcher; ``cli.py`` only parses flags.
+
+:meth:`EncodeServer.serve` is the whole lifecycle in one function, in this order, and the reverse
+on the way out. The front doors bind *before* the model loads, so that an orchestrator's probes
+get answers while a large model loads (``/health`` 200; ``/ready`` and gRPC health "not ready"):
+they serve no work until the service is handed to the runtime.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import Executor, ThreadPoolExecutor
+from functools import partial
+from types import FrameType
+
+import uvicorn
+
+from encode_server.api.connections import uvicorn_options
+from encode_server.api.grpc import start_grpc_server
+from encode_server.api.http import create_app
+from encode_server.api.runtime import Runtime
+from encode_server.cache.base import SharedTier
+from encode_server.cache.local import LocalTier
+from encode_server.cache.redis import create_redis_tier, redact_url
+from encode_server.config import Settings
+from encode_server.core.batcher import Batcher
+from encode_server.core.stored import ValueSpec
+from encode_server.core.types import EncodedTensor
+from encode_server.encoders import load_encoder
+from encode_server.encoders.base import PreparedImage, VisionEncoder
+from encode_server.metrics import Metrics
+from encode_server.service import EncodeService, model_fingerprint
+
+__all__ = ["DrainingServer", "EncodeServer", "EncoderLoader", "build_service", "run", "shared_tier"]
+
+log = logging.getLogger("encode_server")
+
+EncoderLoader = Callable[[], VisionEncoder]
+
+
+def encoder_loader(settings: Settings) -> EncoderLoader:
+    """``--model`` and its options, loaded when called (in a thread: it can take minutes)."""
+    return partial(
+        load_encoder,
+        settings.model,
+        device=settings.device,
+        dtype=settings.dtype,
+        output=settings.output,
+        revision=settings.revision,
+    )
+
+
+class EncodeServer:
+    """One server: its settings, the runtime both front doors share, and its lifecycle.
+
+    ``load_encoder`` defaults to ``--model``; a test can hand in its own (gated, or a small model).
+    ``shutdown()`` does what SIGTERM does, from any thread: drain, then stop.
+    """
+
+    def __init__(self, settings: Settings, *, load_encoder: EncoderLoader | None = None) -> None:
+        self.settings = settings
+        self.load_encoder = load_encoder or encoder_loader(settings)
+        self.metrics = Metrics()
+        self.runtime = Runtime(settings, self.metrics)
+        self.http = DrainingServer(_uvicorn_config(settings, self.runtime), self.runtime, settings.drain_seconds)
+        self.exit_code = 0
+
+    async def serve(self) -> int:
+        """The lifecycle: doors up, model in, serve, drain, doors down, everything closed."""
+        s = self.settings
+        grpc_server = await start_grpc_server(self.runtime) if s.grpc_port else None
+        http = asyncio.create_task(self.http.serve(), name="http")
+        forward = ThreadPoolExecutor(1, thread_name_prefix="forward")
+        service: EncodeService | None = None
+        try:
+            loading = asyncio.create_task(self._build_service(forward), name="load")
+            await asyncio.wait({http, loading}, return_when=asyncio.FIRST_COMPLETED)
+            if loading.done() and loading.exception() is None:
+                service = loading.result()
+                self.runtime.service = service  # ready: /ready 200, gRPC health SERVING
+            else:
+                self._stop_loading(loading)
+            await http  # until SIGTERM and its drain (DrainingServer), then uvicorn's shutdown
+        finally:
+            self.runtime.draining = True
+            if not http.done():
+                self.http.should_exit = True
+                await asyncio.gather(http, return_exceptions=True)
+            if grpc_server is not None:
+                await grpc_server.stop(grace=3)  # its calls were drained with HTTP's
+            if service is not None:
+                await service.close()  # the batcher, the shared tier's writer, the pools
+            forward.shutdown(wait=False, cancel_futures=True)
+        return self.exit_code
+
+    def shutdown(self) -> None:
+        """Drain and stop, as SIGTERM does; safe from any thread."""
+        self.http.request_drain()
+
+    # -- steps -------------------------------------------------------------------------------------
+
+    async def _build_service(self, forward: ThreadPoolExecutor) -> EncodeService:
+        """Encoder -> tiers -> batcher -> service, warmed up. A failure stops the server (exit 1)."""
+        s, metrics = self.settings, self.metrics
+        started = time.perf_counter()
+        encoder = await asyncio.to_thread(self.load_encoder)
+        service = build_service(encoder, s, metrics, forward, shared=shared_tier(s, metrics, encoder))
+        await service.start()
+        info = encoder.info
+        log.info(
+            "model %s loaded and warm in %.2f s: kind=%s device=%s dtype=%s fingerprint=%s",
+            info.model_id, time.perf_counter() - started, info.kind, info.device, info.dtype, service.fingerprint,
+        )
+        if info.meaningless:
+            log.warning(
+                "%s has random weights: its embeddings are deterministic but MEANINGLESS; "
+                "pass --model for a real encoder", info.model_id,
+            )
+        return service
+
+    def _stop_loading(self, loading: asyncio.Task[EncodeService]) -> None:
+        """The doors stopped first (SIGTERM while loading), or the load failed: stop the other."""
+        if not loading.done():
+            loading.cancel()  # the loader thread finishes on its own; nothing waits for it
+            return
+        exc = loading.exception()
+        log.error("model failed to load; shutting down", exc_info=exc)
+        self.runtime.load_error = exc
+        self.exit_code = 1
+        self.http.should_exit = True
+
+
+def build_service(
+    encoder: VisionEncoder,
+    settings: Settings,
+    metrics: Metrics,
+    forward: Executor,
+    *,
+    shared: SharedTier | None = None,
+) -> EncodeService:
+    """The service over its tiers: the local LRU, ``shared`` (or none), and the encoder's batcher,
+    whose forward passes run on ``forward`` (one thread: one pass at a time, as the model's own
+    threads use the cores)."""
+    batcher: Batcher[PreparedImage, EncodedTensor] = Batcher(
+        encoder.forward,
+        max_batch_size=settings.max_batch_size,
+        max_batch_tokens=settings.max_batch_tokens,
+        max_wait_s=settings.max_wait_ms / 1000.0,
+        max_queue=settings.max_queue,
+        executor=forward,
+        observer=metrics.observe_batch,
+    )
+    local = LocalTier(settings.cache_bytes, metrics)
+    return EncodeService(encoder, settings, metrics, local=local, batcher=batcher, shared=shared)
+
+
+def shared_tier(settings: Settings, metrics: Metrics, encoder: VisionEncoder) -> SharedTier | None:
+    """The Redis tier when ``--redis-url`` is set. It checks every value it reads against this
+    model's fingerprint, dtype and hidden size."""
+    if not settings.redis_url:
+        return None
+    info = encoder.info
+    spec = ValueSpec(model_fingerprint(info), info.dtype, info.hidden_size)
+    tier = create_redis_tier(settings, metrics, spec)
+    log.info("shared tier: %s (%s), ttl %d s", tier.name, redact_url(settings.redis_url), settings.redis_ttl)
+    return tier
+
+
+def _uvicorn_config(settings: Settings, runtime: Runtime) -> uvicorn.Config:
+    return uvicorn.Config(
+        create_app(runtime),
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        log_config=None,  # ours (configure_logging), text or JSON
+        access_log=False,  # the front doors write the one access line per request
+        # The drain already waited for requests; this only bounds closing idle connections.
+        timeout_graceful_shutdown=5,
+        **uvicorn_options(settings, runtime.metrics),  # header/body timeouts, connection cap
+    )
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn with a drain in front of its shutdown, as orchestrators expect.
+
+    The first SIGTERM sets ``runtime.draining`` at once (``/ready`` turns 503, ``/v1/*`` and gRPC
+    refuse new work with 503 ``not_ready``) while the server keeps accepting connections, so that
+    probes and late clients get a clear answer; once the requests in flight on both doors have
+    finished, or ``drain_seconds`` have passed, uvicorn's own graceful shutdown runs. A second
+    SIGTERM, or a SIGINT, skips the drain (uvicorn's behaviour: stop now).
+    """
+
+    def __init__(self, config: uvicorn.Config, runtime: Runtime, drain_seconds: float) -> None:
+        super().__init__(config)
+        self.runtime = runtime
+        self.drain_seconds = drain_seconds
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain: asyncio.Task[None] | None = None
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if sig == signal.SIGTERM and self.request_drain():
+            return
+        super().handle_exit(sig, frame)
+
+    def request_drain(self) -> bool:
+        """Start the drain (once, from any thread); False when it cannot start (not serving yet,
+        or already draining or stopping)."""
+        if self._loop is None or self.runtime.draining or self.should_exit:
+            return False
+        self.runtime.draining = True
+        self._loop.call_soon_threadsafe(self._start_drain)
+        return True
+
+    def _start_drain(self) -> None:
+        self._drain = asyncio.create_task(self._drain_then_exit())
+
+    async def _drain_then_exit(self) -> None:
+        inflight = self.runtime.inflight
+        log.info("SIGTERM: draining %d request(s) in flight, for at most %g s", inflight, self.drain_seconds)
+        if await self.runtime.drain(self.drain_seconds):
+            log.info("drained; shutting down")
+        else:
+            left = self.runtime.inflight
+            log.warning("drain time (%g s) is up with %d request(s) still in flight", self.drain_seconds, left)
+        self.should_exit = True
+
+
+def run(settings: Settings) -> int:
+    """Serve until SIGTERM (drained) or SIGINT; the exit code (1 when the model failed to load)."""
+    server = EncodeServer(settings)
+    # After a drain uvicorn re-raises SIGTERM to the handler that was there before it started;
+    # make that one a no-op so a clean drain exits 0.
+    signal.signal(signal.SIGTERM, lambda _sig, _frame: None)
+    loop_factory = server.http.config.get_loop_factory()  # uvloop where installed, as uvicorn.run
+    if loop_factory is None or sys.version_info < (3, 11):
+        return asyncio.run(server.serve())
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        return runner.run(server.serve())
+

@@ -221,7 +221,9 @@ async def _load(server: ServerProcess, duration: float, clients: int, pause_at: 
         redis_proc.resume()
         paused[0] = False
 
-    limits = httpx.Limits(max_connections=clients + 4)
+    # Pooled connections expire before the server's --keep-alive-timeout (5 s), as a well-behaved
+    # client's should: otherwise a reused connection can race the server closing it.
+    limits = httpx.Limits(max_connections=clients + 4, keepalive_expiry=2.0)
     async with httpx.AsyncClient(base_url=server.url, timeout=60, limits=limits) as client, \
             grpc.aio.insecure_channel(server.grpc_target) as channel:
         stub = pb_grpc.EncoderStub(channel)

@@ -1,4 +1,5 @@
-"""Servers the robustness tests share: started once per module that asks, ended by PID."""
+"""The server the robustness tests share: started once per session (each start loads a model,
+seconds on a busy 2-core box), ended by PID. Tests that need other flags start their own."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ def robust_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("robust-logs")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def robust_server(robust_logs: Path) -> Iterator[ServerProcess]:
     server = start_server(*ROBUST_ARGS, log_dir=robust_logs)
     yield server

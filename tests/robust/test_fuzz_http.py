@@ -35,14 +35,22 @@ CHECKS = [
 ]
 
 
-@pytest.fixture(scope="module", params=["open", "keyed"])
-def fuzz_server(request: pytest.FixtureRequest, robust_logs) -> Iterator[tuple[ServerProcess, dict[str, str]]]:
-    keyed = request.param == "keyed"
-    extra = ("--api-key", API_KEY) if keyed else ()
-    server = start_server(*ROBUST_ARGS, *extra, log_dir=robust_logs)
-    yield server, ({"Authorization": f"Bearer {API_KEY}"} if keyed else {})
+@pytest.fixture(scope="module")
+def keyed_server(robust_logs) -> Iterator[ServerProcess]:
+    server = start_server(*ROBUST_ARGS, "--api-key", API_KEY, log_dir=robust_logs)
+    yield server
     assert server_errors(server) == 0, server.log()[-4000:]
     assert server.stop() == 0, server.log()
+
+
+@pytest.fixture(params=["open", "keyed"])
+def fuzz_server(request: pytest.FixtureRequest) -> tuple[ServerProcess, dict[str, str]]:
+    """The shared server without keys, and one with an API key (requests then carry it)."""
+    if request.param == "keyed":
+        return request.getfixturevalue("keyed_server"), {"Authorization": f"Bearer {API_KEY}"}
+    return request.getfixturevalue("robust_server"), {}
+
+
 # Invalid data must be refused with a documented 4xx: 413 is one (too many items is checked before
 # the item shapes, as on gRPC); a 5xx never is.
 CONFIG = SchemathesisConfig.from_dict(
@@ -54,6 +62,7 @@ def test_every_route_keeps_the_documented_contract(fuzz_server: tuple[ServerProc
     """Each operation x {positive, negative} data, driven by hypothesis directly (schemathesis's
     pytest plugin does not run on pytest 9: it reads a private node attribute)."""
     server, headers = fuzz_server
+    assert server_errors(server) == 0
     api = schemathesis.openapi.from_url(server.url + "/openapi.json", config=CONFIG)
     operations = [result.ok() for result in api.get_all_operations()]
     labels = sorted(op.label for op in operations)
@@ -73,19 +82,16 @@ def test_every_route_keeps_the_documented_contract(fuzz_server: tuple[ServerProc
                 run()
             except Exception as exc:
                 raise AssertionError(f"{op.label} ({mode.value}): {exc}") from exc
+    assert server_errors(server) == 0, server.log()[-4000:]
 
 
-def test_without_the_key_every_v1_route_is_a_documented_401(robust_logs) -> None:
-    server = start_server(*ROBUST_ARGS, "--api-key", API_KEY, log_dir=robust_logs)
-    try:
-        doc = httpx.get(server.url + "/openapi.json").json()
-        for path, ops in doc["paths"].items():
-            if not path.startswith("/v1/"):
-                continue
-            for method, op in ops.items():
-                assert "401" in op["responses"], (method, path)
-                r = httpx.request(method, server.url + path, json={"items": [{"hash": "0" * 64}]})
-                assert r.status_code == 401 and r.json()["error"]["type"] == "unauthorized", (path, r.text)
-                assert r.headers["www-authenticate"] == "Bearer"
-    finally:
-        assert server.stop() == 0
+def test_without_the_key_every_v1_route_is_a_documented_401(keyed_server: ServerProcess) -> None:
+    doc = httpx.get(keyed_server.url + "/openapi.json").json()
+    for path, ops in doc["paths"].items():
+        if not path.startswith("/v1/"):
+            continue
+        for method, op in ops.items():
+            assert "401" in op["responses"], (method, path)
+            r = httpx.request(method, keyed_server.url + path, json={"items": [{"hash": "0" * 64}]})
+            assert r.status_code == 401 and r.json()["error"]["type"] == "unauthorized", (path, r.text)
+            assert r.headers["www-authenticate"] == "Bearer"

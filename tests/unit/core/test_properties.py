@@ -218,7 +218,7 @@ def test_batcher_answers_every_item_exactly_once_in_bounded_time(
                 cancelled.add(i)
         _done, pending = await asyncio.wait(futures.values(), timeout=5)
         assert not pending, "an item was never answered"
-        await b.close()
+        await asyncio.wait_for(b.close(), 5)
         for i, f in futures.items():
             if i in cancelled:
                 assert f.cancelled()
@@ -234,4 +234,4 @@ def test_batcher_answers_every_item_exactly_once_in_bounded_time(
             assert len(batch) == 1 or sum(c for _, c in batch) <= 256
         assert b.pending == 0
 
-    asyncio.run(scenario())
+    asyncio.run(asyncio.wait_for(scenario(), 30))  # a hang is a failure, not a stuck suite

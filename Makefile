@@ -4,20 +4,21 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-TORCH_PIN := torch==2.13.0
+# The torch release the project is tested with lives in deploy/torch.txt, which the Dockerfile reads too.
+TORCH_REQ := deploy/torch.txt
 PORT ?= 8000
 
-.PHONY: install tools serve test lint bench soak clean proto
+.PHONY: install tools serve test test-container lint bench soak clean proto openapi test-docs
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
 # Re-runs only when the project metadata changes; a second `make install` is a no-op.
-$(STAMP): $(BIN)/python pyproject.toml clients/python/pyproject.toml
+$(STAMP): $(BIN)/python pyproject.toml clients/python/pyproject.toml $(TORCH_REQ)
 	@if ! command -v nvidia-smi >/dev/null 2>&1 && ! $(BIN)/python -c 'import torch' 2>/dev/null; then \
-		echo "no GPU found: installing the CPU build $(TORCH_PIN) first"; \
-		$(BIN)/python -m pip install --quiet "$(TORCH_PIN)"; \
+		echo "no GPU found: installing the CPU build of $$(grep -v '^#' $(TORCH_REQ)) first"; \
+		$(BIN)/python -m pip install --quiet -r $(TORCH_REQ); \
 	fi
 	$(BIN)/python -m pip install --quiet -e '.[dev]' -e './clients/python[store]'
 	@touch $(STAMP)
@@ -30,9 +31,10 @@ serve: install
 # Binaries the tests run (never skipped silently): redis-server/redis-cli (fault and cluster tests
 # start their own), Debian's promtool and prometheus, docker-compose (validates deploy/), b3sum
 # (the client's `hash` must print what it prints). Installed here when missing (root with apt),
-# else make stops with the command to run.
-OPS_TOOLS := redis-server redis-cli promtool prometheus docker-compose b3sum
-OPS_PACKAGES := redis-server prometheus docker-compose b3sum
+# else make stops with the command to run. podman, runc and debootstrap build and run the image in
+# test-container (runc: crun refuses these hosts' hybrid cgroup layout).
+OPS_TOOLS := redis-server redis-cli promtool prometheus docker-compose b3sum podman runc debootstrap
+OPS_PACKAGES := redis-server prometheus docker-compose b3sum podman runc debootstrap
 
 tools:
 	@missing=$$(for t in $(OPS_TOOLS); do command -v $$t >/dev/null || echo $$t; done); \
@@ -45,9 +47,21 @@ tools:
 		fi; \
 	fi
 
-test: install tools
+test: install tools test-container
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --ignore=tests/container
+
+# Builds the CPU image with podman (layers and the stand-in base image cached under
+# ~/.cache/encode-server/podman; only the code layer is rebuilt when the code changes) and runs it:
+# /ready, an encode and a Redis hit, non-root, HEALTHCHECK on a non-default port, SIGTERM drain,
+# read-only root. See tests/container/.
+test-container: install tools
+	$(BIN)/python -m pytest -q tests/container
+
+# The docs against the code (part of `make test`, through pytest's testpaths): every link
+# resolves, every error type and metric is documented, docs/openapi.json is what a server serves.
+test-docs: install
+	$(BIN)/python -m pytest -q tests/docs
 
 lint: install
 	$(BIN)/ruff check .
@@ -58,9 +72,14 @@ lint: install
 proto: install
 	$(BIN)/python scripts/gen_proto.py
 
+# docs/openapi.json, from the app factory (a test fails when it differs from what the server serves).
+openapi: install
+	$(BIN)/python scripts/export_openapi.py
+
 bench: install tools
 	$(BIN)/python -m bench.batching
 	$(BIN)/python -m bench.tiers
+	$(BIN)/python -m bench.memory_burst
 
 # 10 minutes of mixed load with Redis paused once (the README's Robustness figures); the tests
 # run its 60-second form.

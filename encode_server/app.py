@@ -35,6 +35,7 @@ from encode_server.cache.local import LocalTier
 from encode_server.cache.redis import create_redis_tier, redact_url
 from encode_server.config import Settings
 from encode_server.core.batcher import Batcher
+from encode_server.core.budget import ByteBudget
 from encode_server.core.stored import ValueSpec
 from encode_server.core.types import EncodedTensor
 from encode_server.encoders import load_encoder
@@ -115,7 +116,9 @@ class EncodeServer:
         s, metrics = self.settings, self.metrics
         started = time.perf_counter()
         encoder = await asyncio.to_thread(self.load_encoder)
-        service = build_service(encoder, s, metrics, forward, shared=shared_tier(s, metrics, encoder))
+        service = build_service(
+            encoder, s, metrics, forward, shared=shared_tier(s, metrics, encoder), budget=self.runtime.budget
+        )
         await service.start()
         info = encoder.info
         log.info(
@@ -148,10 +151,11 @@ def build_service(
     forward: Executor,
     *,
     shared: SharedTier | None = None,
+    budget: ByteBudget | None = None,
 ) -> EncodeService:
     """The service over its tiers: the local LRU, ``shared`` (or none), and the encoder's batcher,
     whose forward passes run on ``forward`` (one thread: one pass at a time, as the model's own
-    threads use the cores)."""
+    threads use the cores); decoded pixels are charged to ``budget`` (the runtime's)."""
     batcher: Batcher[PreparedImage, EncodedTensor] = Batcher(
         encoder.forward,
         max_batch_size=settings.max_batch_size,
@@ -162,7 +166,7 @@ def build_service(
         observer=metrics.observe_batch,
     )
     local = LocalTier(settings.cache_bytes, metrics)
-    return EncodeService(encoder, settings, metrics, local=local, batcher=batcher, shared=shared)
+    return EncodeService(encoder, settings, metrics, local=local, batcher=batcher, shared=shared, budget=budget)
 
 
 def shared_tier(settings: Settings, metrics: Metrics, encoder: VisionEncoder) -> SharedTier | None:

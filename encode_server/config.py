@@ -17,6 +17,12 @@ from typing import Any
 __all__ = ["ENV_PREFIX", "Settings", "build_parser", "settings_from"]
 
 ENV_PREFIX = "ENCODE_SERVER_"
+# The most copies of one request held at once: a JSON body while its base64 is parsed and decoded
+# (body, parsed text, decoded bytes: about 2.75x), a gRPC message while it is received and parsed
+# (4x). The request-memory budget must fit that much for one largest request.
+REQUEST_COPIES = 4
+# Protobuf framing around a gRPC message's bytes (the receive limit adds it to --max-request-bytes).
+MESSAGE_FRAMING = 64 * 1024
 
 
 def _opt(default: Any, help: str, *, repr: bool = True, **extra: Any) -> Any:
@@ -55,6 +61,11 @@ class Settings:
     max_wait_ms: float = _opt(5.0, "longest a batch waits to fill, in milliseconds")
     max_queue: int = _opt(1024, "most items pending encode before 503 overloaded")
     max_request_bytes: int = _opt(64 * 1024 * 1024, "largest request body in bytes")
+    max_inflight_mb: float = _opt(
+        2048.0,
+        "request bytes held in memory at once, all requests together, in MiB (bodies, decoded base64, "
+        "multipart parts, decoded pixels); past it 503 overloaded; 0 turns the bound off",
+    )
     max_items: int = _opt(64, "most items in one request")
     max_image_pixels: int = _opt(40_000_000, "largest image (width x height), checked before decoding")
     request_timeout: float = _opt(60.0, "per-request timeout in seconds (504 past it)")
@@ -85,6 +96,11 @@ class Settings:
     @property
     def redis_replay_bytes(self) -> int:
         return int(self.redis_replay_mb * 1024 * 1024)
+
+    @property
+    def max_inflight_bytes(self) -> int | None:
+        """The request-memory budget in bytes; None when ``--max-inflight-mb 0`` turns it off."""
+        return int(self.max_inflight_mb * 1024 * 1024) or None
 
     @property
     def cache_bytes(self) -> int:
@@ -181,5 +197,15 @@ def _validate(s: Settings) -> None:
         raise SystemExit("--cache-mb and --max-wait-ms must be >= 0, --request-timeout > 0")
     if s.redis_replay_mb < 0:
         raise SystemExit(f"--redis-replay-mb must be >= 0, got {s.redis_replay_mb}")
+    if s.max_inflight_mb < 0:
+        raise SystemExit(f"--max-inflight-mb must be >= 0 (0: no bound), got {s.max_inflight_mb}")
+    budget = s.max_inflight_bytes
+    floor = REQUEST_COPIES * (s.max_request_bytes + MESSAGE_FRAMING)
+    if budget is not None and budget < floor:
+        raise SystemExit(
+            f"--max-inflight-mb ({s.max_inflight_mb:g} MiB) must hold one largest request with its copies "
+            f"({REQUEST_COPIES} x (--max-request-bytes + 64 KiB) = {floor / 2**20:.2f} MiB), or such a request "
+            "could never be served"
+        )
     if s.drain_seconds < 0:
         raise SystemExit(f"--drain-seconds must be >= 0, got {s.drain_seconds}")

@@ -13,7 +13,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 from encode_server.core.errors import BadInput, TooLarge
 
-__all__ = ["ACCEPTED_FORMATS", "decode_image", "oriented_size", "probe_size", "to_rgb"]
+__all__ = ["ACCEPTED_FORMATS", "decode_image", "decoded_nbytes", "oriented_size", "probe_size", "to_rgb"]
 
 # 16-bit grayscale (PNG, TIFF): Pillow's convert("RGB") clips each sample at 255, so all but the
 # darkest 1/256 of the range turns white. Scale to 8 bits first, as every viewer does.
@@ -63,6 +63,25 @@ def probe_size(data: bytes, *, max_pixels: int, index: int | None = None) -> tup
     return _open(data, index, max_pixels).size
 
 
+def _pixel_bytes(mode: str) -> int:
+    """Bytes per pixel as Pillow stores a decoded frame (RGB takes 4: it is stored as RGBX)."""
+    if mode in ("1", "L", "P"):
+        return 1
+    return 2 if mode.startswith("I;16") else 4
+
+
+def decoded_nbytes(data: bytes, *, max_pixels: int, index: int | None = None) -> int:
+    """Memory that decoding and preprocessing ``data`` will hold at once, from the header alone:
+    the decoded frame, its RGB conversion (unless it already is RGB), and the full-size uint8
+    arrays an image processor makes of it before resizing (HWC, then CHW: measured, about 6 bytes
+    a pixel). Raises as ``decode_image`` does for a bad header."""
+    image = _open(data, index, max_pixels)
+    width, height = image.size
+    pixels = width * height
+    converted = 0 if image.mode == "RGB" else 4 * pixels
+    return pixels * _pixel_bytes(image.mode) + converted + 6 * pixels
+
+
 # EXIF orientations 5-8 rotate by 90 or 270 degrees: exif_transpose swaps width and height.
 _EXIF_ORIENTATION = 0x0112
 _SWAPS_AXES = frozenset({5, 6, 7, 8})
@@ -97,8 +116,10 @@ def decode_image(data: bytes, *, max_pixels: int, index: int | None = None) -> I
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             image.seek(0)
             image.load()
-            image = ImageOps.exif_transpose(image) or image
-            return to_rgb(image)
+            # In place, and no conversion of an RGB image: neither makes a full-size copy of the
+            # frame (the request-memory budget charges the frame, not copies of it).
+            ImageOps.exif_transpose(image, in_place=True)
+            return image if image.mode == "RGB" else to_rgb(image)
     except Image.DecompressionBombError as exc:
         raise TooLarge(f"image too large: {exc}", type="image_too_large", index=index) from exc
     except (OSError, ValueError, SyntaxError, EOFError) as exc:

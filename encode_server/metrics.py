@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from encode_server.core.batcher import BatchStats
+from encode_server.core.budget import ByteBudget
 
 __all__ = ["CONTENT_TYPE_LATEST", "Metrics"]
 
@@ -88,6 +89,13 @@ class Metrics:
             "HTTP connections closed by the server's limits: header_timeout, body_timeout, max_connections.",
             ("reason",),
         )
+        self.inflight_bytes = gauge(
+            "inflight_bytes",
+            "Request bytes held in memory now (bodies, decoded base64, multipart parts, decoded pixels).",
+        )
+        self.inflight_bytes_limit = gauge(
+            "inflight_bytes_limit", "The --max-inflight-mb budget in bytes (0: no bound)."
+        )
         self.model_info = gauge(
             "model_info", "The loaded model; always 1.", ("model", "fingerprint", "dtype", "device")
         )
@@ -98,6 +106,11 @@ class Metrics:
         self.forward.observe(stats.forward_seconds)
         for wait in stats.queue_waits:
             self.queue_wait.observe(wait)
+
+    def watch_budget(self, budget: ByteBudget) -> None:
+        """Read the request-memory budget at scrape time: never a stale copy."""
+        self.inflight_bytes.set_function(lambda: budget.used)
+        self.inflight_bytes_limit.set(budget.capacity or 0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

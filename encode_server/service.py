@@ -10,8 +10,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -21,6 +22,7 @@ from encode_server.cache.base import SharedTier
 from encode_server.cache.local import LocalTier
 from encode_server.config import Settings
 from encode_server.core.batcher import Batcher
+from encode_server.core.budget import ByteBudget
 from encode_server.core.errors import (
     BadInput,
     Conflict,
@@ -33,7 +35,7 @@ from encode_server.core.errors import (
 from encode_server.core.hashing import CacheKey, fingerprint, mm_hash, parse_mm_hash
 from encode_server.core.types import ENCODER, Embedding, EncodedTensor, Hit, ItemResult, RequestItem, Return
 from encode_server.encoders.base import EncoderInfo, PreparedImage, VisionEncoder
-from encode_server.imaging import decode_image, oriented_size
+from encode_server.imaging import decode_image, decoded_nbytes, oriented_size
 from encode_server.metrics import Metrics
 
 __all__ = ["EncodeService", "LookupResult", "TokenCount", "model_fingerprint"]
@@ -103,8 +105,10 @@ class EncodeService:
         local: LocalTier,
         batcher: Batcher[PreparedImage, EncodedTensor],
         shared: SharedTier | None = None,
+        budget: ByteBudget | None = None,
     ) -> None:
         self.encoder = encoder
+        self.budget = budget  # the request-memory budget: decoded pixels are charged to it
         self.settings = settings
         self.metrics = metrics
         self.shared = shared
@@ -387,7 +391,12 @@ class EncodeService:
                 if self.local.pin_if_present(key):
                     pinned.append(key)
         if errors:
-            raise min(errors, key=lambda e: e.index if e.index is not None else -1)
+            error = min(errors, key=lambda e: e.index if e.index is not None else -1)
+            del errors, outcomes  # a frame in the traceback must not hold the error: a cycle keeps the
+            try:  # request's bytes alive until the garbage collector runs (uncounted memory)
+                raise error
+            finally:
+                del error
 
     def _start_encode(self, key: CacheKey, ident: _Identified) -> asyncio.Future[Embedding]:
         assert ident.data is not None and key not in self._inflight
@@ -415,19 +424,41 @@ class EncodeService:
             future.set_exception(Unavailable("server is shutting down", type="not_ready"))
             raise
         except BaseException as exc:
+            if isinstance(exc, EncodeServerError):  # expected: no traceback, whose frames would hold
+                exc.__traceback__ = None  # the image bytes in a cycle through ``future``
             future.set_exception(exc)
         finally:
             self._inflight.pop(key, None)
 
     def _prepare(self, data: bytes, index: int) -> PreparedImage:
         started = time.perf_counter()
-        image = decode_image(data, max_pixels=self.settings.max_image_pixels, index=index)
-        try:
-            prepared = self.encoder.preprocess(image)
-        except ValueError as exc:  # e.g. an aspect ratio the processor refuses
-            raise BadInput(f"image cannot be preprocessed: {exc}", type="unsupported_image", index=index) from exc
+        with self._pixels_charged(data, index):
+            image = decode_image(data, max_pixels=self.settings.max_image_pixels, index=index)
+            try:
+                prepared = self.encoder.preprocess(image)
+            except ValueError as exc:  # e.g. an aspect ratio the processor refuses
+                raise BadInput(f"image cannot be preprocessed: {exc}", type="unsupported_image", index=index) from exc
+            del image
         self.metrics.preprocess.observe(time.perf_counter() - started)
         return prepared
+
+    @contextmanager
+    def _pixels_charged(self, data: bytes, index: int) -> Iterator[None]:
+        """Decoded pixels (size from the header) are charged to the budget while they live."""
+        if self.budget is None:
+            yield
+            return
+        nbytes = decoded_nbytes(data, max_pixels=self.settings.max_image_pixels, index=index)
+        if not self.budget.try_acquire(nbytes):
+            self.metrics.rejected.labels(reason="memory").inc()
+            raise Unavailable(
+                f"request memory budget is full: decoding this image takes {nbytes / 2**20:.1f} MiB; retry later",
+                type="overloaded", index=index, retry_after=1.0,
+            )
+        try:
+            yield
+        finally:
+            self.budget.release(nbytes)
 
     def _result(self, ident: _Identified, hit: Hit | None) -> ItemResult:
         if hit is None:

@@ -1,5 +1,10 @@
 """Request bodies to ``RequestItem``s: JSON, multipart, or one raw image. Pure parsing, no I/O
-beyond reading the body under its size limit."""
+beyond reading the body under its size limit.
+
+Every copy of the request that parsing makes is charged to the request's budget hold
+(``api/budget.py``) before it is made: the parsed JSON text, decoded base64, multipart parts;
+once parsed, the hold is settled to the bytes the items still hold. A charge that does not fit
+raises ``OverBudget``, which the budget middleware answers with 503 ``overloaded``."""
 
 from __future__ import annotations
 
@@ -8,6 +13,8 @@ import base64
 import binascii
 import json
 import re
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,8 +25,10 @@ from starlette.formparsers import MultiPartException
 from starlette.requests import Request
 from starlette.types import Message
 
+from encode_server.api.budget import body_hold
 from encode_server.api.frontdoor import check_count, request_item
 from encode_server.api.schemas import EncodeItemIn, EncodeRequestIn, LookupRequestIn, TokensRequestIn
+from encode_server.core.budget import Hold
 from encode_server.core.errors import BadInput, InvalidRequest, TooLarge, UnsupportedMediaType
 from encode_server.core.types import RequestItem, Return
 
@@ -57,6 +66,17 @@ def media_type(request: Request) -> str:
     return raw.split(";", 1)[0].strip().lower()
 
 
+def _transient(hold: Hold | None, nbytes: int) -> AbstractContextManager[None]:
+    return hold.transient(nbytes) if hold is not None else nullcontext()
+
+
+def _settle(hold: Hold | None, items: list[RequestItem]) -> None:
+    """From now on the request holds only its items' bytes (the body and parsed text are gone)."""
+    if hold is not None:
+        held = sum(len(item.data) for item in items if item.data is not None)
+        hold.settle(min(held, hold.held))  # only gives back: every byte was charged before it was made
+
+
 async def read_body(request: Request, max_bytes: int) -> bytes:
     """The whole body, refusing (413) past ``max_bytes`` before reading it all."""
     declared = request.headers.get("content-length")
@@ -69,7 +89,12 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
         if size > max_bytes:
             raise TooLarge(f"request body is above the limit of {max_bytes} bytes")
         chunks.append(chunk)
-    return b"".join(chunks)
+    if len(chunks) == 1:
+        return chunks[0]
+    with _transient(body_hold(request.scope), size):  # the chunks and their join, for a moment
+        body = b"".join(chunks)
+        chunks.clear()
+    return body
 
 
 def _load_json(body: bytes) -> Any:
@@ -96,35 +121,59 @@ def _check_count(obj: Any, field: str, limit: int) -> None:
         check_count(len(obj[field]), limit, field)
 
 
-def decode_base64(text: str, index: int) -> bytes:
-    """Standard base64, or a ``data:image/...;base64,`` URL; whitespace (line wrapping) ignored."""
+def decode_base64(text: str, index: int, hold: Hold | None = None) -> bytes:
+    """Standard base64, or a ``data:image/...;base64,`` URL; whitespace (line wrapping) ignored.
+
+    With a ``hold``, the decoded bytes (kept) and any working copy (given back) are charged to it
+    before they are made. Plain unwrapped base64 is decoded straight from the string, no copy."""
+    if hold is not None:
+        hold.grow_or_raise(len(text) * 3 // 4 + 3)
     match = _DATA_URL.match(text)
     if match:
-        text = text[match.end():]
-    elif text.startswith("data:"):
+        with _transient(hold, len(text)):  # the slice is a copy
+            return _decode_base64_copying(text[match.end():], index, hold)
+    if text.startswith("data:"):
         raise BadInput("only data:image/...;base64, URLs are accepted", type="invalid_base64", index=index)
     try:
-        raw = _WHITESPACE.sub(b"", text.encode("ascii"))
-        return base64.b64decode(raw, validate=True)
+        return binascii.a2b_base64(text, strict_mode=True)
+    except (binascii.Error, ValueError):
+        return _decode_base64_copying(text, index, hold)
+
+
+def _decode_base64_copying(text: str, index: int, hold: Hold | None) -> bytes:
+    try:
+        with _transient(hold, 2 * len(text)):  # ASCII bytes, then without whitespace
+            raw = _WHITESPACE.sub(b"", text.encode("ascii"))
+            return base64.b64decode(raw, validate=True)
     except (UnicodeEncodeError, binascii.Error, ValueError) as exc:
         raise BadInput(f"data is not valid base64: {exc}", type="invalid_base64", index=index) from exc
 
 
-def _json_items(body: bytes, max_items: int) -> EncodeBody:
-    obj = _load_json(body)
-    _check_count(obj, "items", max_items)
-    try:
-        parsed = EncodeRequestIn.model_validate(obj)
-    except ValidationError as exc:
-        raise _validation_error(exc) from None
-    return EncodeBody(_decode_items(parsed.items), Return(parsed.return_))
+@contextmanager
+def _parsed_text(hold: Hold | None, body: bytes) -> Iterator[None]:
+    """While JSON is parsed and decoded, its strings are about the body's size again."""
+    with _transient(hold, len(body)):
+        yield
 
 
-def _decode_items(parsed: list[EncodeItemIn]) -> list[RequestItem]:
-    return [
-        request_item(index, item.hash, decode_base64(item.data, index) if item.data is not None else None)
-        for index, item in enumerate(parsed)
-    ]
+def _json_items(body: bytes, max_items: int, hold: Hold | None = None) -> EncodeBody:
+    with _parsed_text(hold, body):
+        obj = _load_json(body)
+        _check_count(obj, "items", max_items)
+        try:
+            parsed = EncodeRequestIn.model_validate(obj)
+        except ValidationError as exc:
+            raise _validation_error(exc) from None
+        del obj
+        return EncodeBody(_decode_items(parsed.items, hold), Return(parsed.return_))
+
+
+def _decode_items(parsed: list[EncodeItemIn], hold: Hold | None = None) -> list[RequestItem]:
+    items = []
+    for index, item in enumerate(parsed):
+        data = decode_base64(item.data, index, hold) if item.data is not None else None
+        items.append(request_item(index, item.hash, data))
+    return items
 
 
 async def _multipart_items(request: Request, max_items: int, max_bytes: int) -> EncodeBody:
@@ -145,7 +194,12 @@ async def _multipart_items(request: Request, max_items: int, max_bytes: int) -> 
             raise TooLarge(f"more than {max_items} files in one request", type="too_many_items")
         if not files:
             raise InvalidRequest("multipart body has no file parts")
-        items = [RequestItem(index=i, data=await f.read()) for i, f in enumerate(files)]
+        hold = body_hold(request.scope)
+        items = []
+        for i, f in enumerate(files):
+            if hold is not None:
+                hold.grow_or_raise(f.size or 0)  # the part, read out of its spool file
+            items.append(RequestItem(index=i, data=await f.read()))
         ret = form.get("return", "embeddings")
         if ret not in ("embeddings", "metadata"):
             raise InvalidRequest('"return" must be "embeddings" or "metadata"')
@@ -155,6 +209,13 @@ async def _multipart_items(request: Request, max_items: int, max_bytes: int) -> 
 
 
 async def parse_encode_body(request: Request, *, max_items: int, max_bytes: int) -> EncodeBody:
+    """The items of an upload body; the request's budget hold then holds what they hold."""
+    parsed = await _parse_encode_body(request, max_items=max_items, max_bytes=max_bytes)
+    _settle(body_hold(request.scope), parsed.items)
+    return parsed
+
+
+async def _parse_encode_body(request: Request, *, max_items: int, max_bytes: int) -> EncodeBody:
     kind = media_type(request)
     if kind == "multipart/form-data":
         # Read under the limit first, then let Starlette parse the bytes we hold: its own limits
@@ -164,7 +225,9 @@ async def parse_encode_body(request: Request, *, max_items: int, max_bytes: int)
         async def replay() -> Message:
             return {"type": "http.request", "body": body, "more_body": False}
 
-        return await _multipart_items(Request(request.scope, replay), max_items, max_bytes)
+        # The parser hands each part on as one slice of the body: a copy, while it is parsed.
+        with _transient(body_hold(request.scope), len(body)):
+            return await _multipart_items(Request(request.scope, replay), max_items, max_bytes)
     if kind not in ("application/json", "application/octet-stream") and not kind.startswith("image/"):
         raise UnsupportedMediaType(
             f"unsupported content type {kind!r}: use application/json, multipart/form-data, "
@@ -172,9 +235,10 @@ async def parse_encode_body(request: Request, *, max_items: int, max_bytes: int)
         )
     body = await read_body(request, max_bytes)
     if kind == "application/json":
+        hold = body_hold(request.scope)
         if len(body) > _DECODE_OFF_LOOP_BYTES:  # base64 of many MiB would stall the event loop
-            return await asyncio.to_thread(_json_items, body, max_items)
-        return _json_items(body, max_items)
+            return await asyncio.to_thread(_json_items, body, max_items, hold)
+        return _json_items(body, max_items, hold)
     if not body:
         raise BadInput("empty body: expected the bytes of one image", type="invalid_image", index=0)
     return EncodeBody([RequestItem(index=0, data=body)], Return.EMBEDDINGS)
@@ -195,11 +259,16 @@ async def parse_tokens_body(request: Request, *, max_items: int, max_sizes: int,
     """``{"sizes": [[w, h], ...]}``, ``{"items": [...]}``, or any upload body /v1/encode takes."""
     if media_type(request) != "application/json":
         return TokensBody((await parse_encode_body(request, max_items=max_items, max_bytes=max_bytes)).items, [])
-    obj = _load_json(await read_body(request, max_bytes))
-    _check_count(obj, "items", max_items)
-    _check_count(obj, "sizes", max_sizes)
-    try:
-        parsed = TokensRequestIn.model_validate(obj)
-    except ValidationError as exc:
-        raise _validation_error(exc) from None
-    return TokensBody(_decode_items(parsed.items or []), parsed.sizes or [])
+    body = await read_body(request, max_bytes)
+    hold = body_hold(request.scope)
+    with _parsed_text(hold, body):
+        obj = _load_json(body)
+        _check_count(obj, "items", max_items)
+        _check_count(obj, "sizes", max_sizes)
+        try:
+            parsed = TokensRequestIn.model_validate(obj)
+        except ValidationError as exc:
+            raise _validation_error(exc) from None
+        items = _decode_items(parsed.items or [], hold)
+    _settle(hold, items)
+    return TokensBody(items, parsed.sizes or [])

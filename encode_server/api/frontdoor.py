@@ -79,15 +79,15 @@ def retry_after(exc: Exception) -> str | None:
 def item_fields(r: ItemResult, return_kind: Return) -> dict[str, Any]:
     """The fields of one resolved item, without its tensor bytes: every door renders these.
 
-    ``key`` (the store key) is there exactly with ``Return.METADATA``: that is what a prefill
-    worker reads the shared tier with. ``num_tokens``, ``shape``, ``dtype`` and ``meta`` are there
-    for every resolved item (not for a miss)."""
+    ``num_tokens``, ``shape``, ``dtype`` and ``meta`` are there for every resolved item; with
+    ``Return.METADATA`` so is ``key``, the store key a prefill worker reads the embedding with. A
+    miss has none of them: nothing is stored under its key, so it is not handed out."""
     out: dict[str, Any] = {"index": r.index, "hash": r.mm_hash, "status": r.status, "source": r.source}
     if r.embedding is not None:
         t = r.embedding.tensor
         out.update(num_tokens=r.embedding.num_tokens, shape=list(t.shape), dtype=t.dtype, meta=r.embedding.meta)
-    if return_kind is Return.METADATA and r.key is not None:
-        out["key"] = str(r.key)
+        if return_kind is Return.METADATA and r.key is not None:
+            out["key"] = str(r.key)
     return out
 
 

@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from encode_server.api.budget import GRPC_BUDGET_OPTIONS, GrpcBudgetInterceptor
 from encode_server.api.frontdoor import (
     RequestRecord,
     check_count,
@@ -178,7 +179,8 @@ class GrpcApi(pb_grpc.EncoderServicer):
             except Exception:
                 log.exception("unexpected error in gRPC %s", name)
                 await context.abort(
-                    grpc.StatusCode.INTERNAL, "internal server error", trailing_metadata=(("error-type", "internal"),)
+                    grpc.StatusCode.INTERNAL, "internal server error",
+                    trailing_metadata=(("error-type", "internal"), ("x-request-id", record.request_id)),
                 )
                 raise
             record.code = 200
@@ -295,9 +297,11 @@ async def start_grpc_server(runtime: Runtime) -> grpc.aio.Server:
     Health says NOT_SERVING until the model is ready. Messages up to ``--max-request-bytes``."""
     s = runtime.settings
     server = grpc.aio.server(
+        interceptors=[GrpcBudgetInterceptor(runtime)],
         options=[
             ("grpc.max_receive_message_length", s.max_request_bytes + _FRAMING_SLACK),
             ("grpc.max_send_message_length", -1),
+            *GRPC_BUDGET_OPTIONS,
         ]
     )
     add_encoder_servicer(GrpcApi(runtime), server)

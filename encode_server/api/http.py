@@ -22,6 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from encode_server import __version__
 from encode_server.api.bodies import parse_encode_body, parse_lookup_body, parse_tokens_body
+from encode_server.api.budget import BodyBudgetMiddleware
 from encode_server.api.frontdoor import RequestRecord, item_fields, new_request_id, record_request, retry_after
 from encode_server.api.openapi import request_body_doc
 from encode_server.api.runtime import Runtime
@@ -230,6 +231,7 @@ def create_app(runtime: Runtime) -> FastAPI:
     api = HttpApi(runtime)
     app = FastAPI(title="encode-server", version=__version__)
     routes = frozenset({"/v1/encode", "/v1/lookup", "/v1/tokens", "/v1/model", "/health", "/ready", "/metrics"})
+    app.add_middleware(BodyBudgetMiddleware, runtime=runtime)  # inside MetricsMiddleware: its 503s are counted
     app.add_middleware(MetricsMiddleware, runtime=runtime, routes=routes)
     common: dict[int | str, dict[str, Any]] = {503: _error_doc("not_ready")}
     app.add_api_route(

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from encode_server.auth import ApiKeys
 from encode_server.config import Settings
+from encode_server.core.budget import ByteBudget
 from encode_server.core.errors import Unauthorized, Unavailable
 from encode_server.metrics import Metrics
 from encode_server.service import EncodeService
@@ -33,10 +34,13 @@ class Runtime:
     inflight: int = 0
     _idle: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
     keys: ApiKeys | None = field(init=False, repr=False)
+    budget: ByteBudget = field(init=False, repr=False)  # request bytes in flight, both doors
 
     def __post_init__(self) -> None:
         self._idle.set()
         self.keys = ApiKeys.from_settings(self.settings)
+        self.budget = ByteBudget(self.settings.max_inflight_bytes)
+        self.metrics.watch_budget(self.budget)
 
     def authenticate(self, authorization: str | None) -> str | None:
         """The caller's tenant (None: no keys configured, or a key without one), for HTTP and gRPC

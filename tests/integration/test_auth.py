@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -87,6 +88,10 @@ def test_one_json_access_line_per_request_with_its_id_and_no_key(keyed_server: S
     assert encode(keyed_server, [{"hash": blake3(data).hexdigest()}], ACME_KEY).status_code == 200
     generated = httpx.get(keyed_server.url + "/v1/model", headers={**bearer(ACME_KEY), "X-Request-ID": "bad id; drop"})
     assert generated.headers["X-Request-ID"] != "bad id; drop" and len(generated.headers["X-Request-ID"]) == 32
+    # The access line is written once the response has gone out: wait for it, don't race it.
+    deadline = time.monotonic() + 10
+    while generated.headers["X-Request-ID"] not in keyed_server.log() and time.monotonic() < deadline:
+        time.sleep(0.05)
     log = keyed_server.log()
     assert not any(k in log for k in ALL_KEYS), "an API key reached the log"
     lines = [json.loads(line) for line in log.splitlines() if line.startswith("{")]

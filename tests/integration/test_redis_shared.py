@@ -86,6 +86,8 @@ def test_metadata_hand_off_is_read_back_by_the_store_reader_as_the_same_tensor(p
     items = r.json()["items"]
     assert [i["status"] for i in items] == ["encoded", "hit", "encoded"]
     assert all("embedding" not in i and i["key"] == pair.key(i["hash"]) for i in items)
+    missed = encode(pair.a, [{"hash": "ee" * 32}], **{"return": "metadata"}).json()["items"][0]
+    assert missed["status"] == "miss" and "key" not in missed  # nothing is stored under it
     full = encode(pair.a, [{"hash": h(fresh)}, {"hash": h(known)}]).json()["items"]
     with StoreReader(pair.url, fingerprint=pair.fingerprint) as store:
         stored = store.get_many([items[0]["key"], items[1]["key"]])  # in Redis already: no waiting

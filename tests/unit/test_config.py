@@ -32,3 +32,15 @@ def test_settings_are_frozen() -> None:
 def test_bad_settings_exit_with_a_message(argv: list[str], env: dict[str, str]) -> None:
     with pytest.raises(SystemExit):
         settings_from(argv, env)
+
+
+def test_the_memory_budget_flag_env_and_its_floor() -> None:
+    assert settings_from([]).max_inflight_bytes == 2048 * 1024 * 1024
+    assert settings_from([], {"ENCODE_SERVER_MAX_INFLIGHT_MB": "512"}).max_inflight_bytes == 512 * 1024 * 1024
+    assert settings_from(["--max-inflight-mb", "0"]).max_inflight_bytes is None  # 0: no bound
+    # One largest request with its copies must fit, or it could never be served: refused at start.
+    small = ["--max-request-bytes", str(32 * 1024 * 1024)]
+    assert settings_from([*small, "--max-inflight-mb", "129"]).max_inflight_bytes == 129 * 1024 * 1024
+    for bad in (["--max-inflight-mb", "-1"], [*small, "--max-inflight-mb", "128"], ["--max-inflight-mb", "200"]):
+        with pytest.raises(SystemExit):
+            settings_from(bad)

@@ -15,6 +15,7 @@ MODULES = [
     "encode_server.core.lru",
     "encode_server.core.breaker",
     "encode_server.core.stored",
+    "encode_server.core.budget",
 ]
 FORBIDDEN = ["torch", "transformers", "fastapi", "starlette", "redis", "PIL", "safetensors", "grpc"]
 

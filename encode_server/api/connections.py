@@ -45,8 +45,8 @@ class ConnectionLimits:
         return cls(s.header_timeout, s.body_timeout, s.max_connections, s.keep_alive_timeout)
 
 
-def _error(status: int, reason: str, type_: str, message: str, extra: tuple[str, ...] = ()) -> bytes:
-    body = json.dumps({"error": {"type": type_, "message": message, "index": None}}).encode()
+def _error(status: int, reason: str, error: dict[str, Any], extra: tuple[str, ...] = ()) -> bytes:
+    body = json.dumps(error).encode()
     head = [
         f"HTTP/1.1 {status} {reason}",
         "content-type: application/json",
@@ -63,18 +63,18 @@ def guarded_protocol(base: type[asyncio.Protocol], limits: ConnectionLimits, met
     It relies only on what both uvicorn implementations share: ``transport``, ``connections``,
     ``flow.read_paused`` and ``cycle`` (``more_body``, ``response_started``, ``response_complete``).
     """
-    header_408 = _error(
-        408, "Request Timeout", "request_timeout",
-        f"request headers not complete within {limits.header_timeout:g} s (--header-timeout)",
-    )
-    body_408 = _error(
-        408, "Request Timeout", "request_timeout",
-        f"no request body bytes for {limits.body_timeout:g} s (--body-timeout)",
-    )
-    over_cap = _error(
-        503, "Service Unavailable", "overloaded",
-        f"too many open connections (--max-connections {limits.max_connections})", ("retry-after: 1",),
-    )
+    header_408 = _error(408, "Request Timeout", {"error": {
+        "type": "request_timeout", "index": None,
+        "message": f"request headers not complete within {limits.header_timeout:g} s (--header-timeout)",
+    }})
+    body_408 = _error(408, "Request Timeout", {"error": {
+        "type": "request_timeout", "index": None,
+        "message": f"no request body bytes for {limits.body_timeout:g} s (--body-timeout)",
+    }})
+    over_cap = _error(503, "Service Unavailable", {"error": {
+        "type": "overloaded", "index": None,
+        "message": f"too many open connections (--max-connections {limits.max_connections})",
+    }}, ("retry-after: 1",))
     closed = (
         {r: metrics.connections_closed.labels(reason=r) for r in ("header_timeout", "body_timeout", "max_connections")}
         if metrics is not None else {}

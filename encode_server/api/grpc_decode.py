@@ -39,6 +39,10 @@ class Undecodable:
     reason: str
     size: int
 
+    def ByteSize(self) -> int:
+        """The size of the bytes that did not decode (the request-memory budget charges it)."""
+        return self.size
+
 
 def _tolerant(message: type[Any]) -> Callable[[bytes], Any]:
     def deserialize(raw: bytes) -> Any:

@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 TORCH_REQ := deploy/torch.txt
 PORT ?= 8000
 
-.PHONY: install tools serve test test-container lint bench soak clean proto openapi test-docs
+.PHONY: install tools serve test test-container test-vllm vllm-env lint bench soak clean proto openapi test-docs
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -47,9 +47,16 @@ tools:
 		fi; \
 	fi
 
+# The vLLM environment (minutes on a fresh machine, mostly downloads) builds in the background
+# while the server's suite runs; the vLLM tests run once both are done.
+VLLM_BUILD_LOG := $(HOME)/.cache/encode-server/vllm-env-build.log
+
 test: install tools test-container
-	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q --ignore=tests/container
+	@mkdir -p $(dir $(VLLM_BUILD_LOG)); scripts/vllm_env.sh >/dev/null 2>$(VLLM_BUILD_LOG) & build=$$!; \
+	$(BIN)/ruff check . && $(BIN)/python -m pytest -q --ignore=tests/container; rc=$$?; \
+	if ! wait $$build; then cat $(VLLM_BUILD_LOG) >&2; echo "building the vLLM test environment failed" >&2; exit 1; fi; \
+	exit $$rc
+	$(MAKE) test-vllm
 
 # Builds the CPU image with podman (layers and the stand-in base image cached under
 # ~/.cache/encode-server/podman; only the code layer is rebuilt when the code changes) and runs it:
@@ -57,6 +64,17 @@ test: install tools test-container
 # read-only root. See tests/container/.
 test-container: install tools
 	$(BIN)/python -m pytest -q tests/container
+
+# vLLM's CPU build in its own venv, cached outside the repo under ~/.cache/encode-server and keyed by
+# a hash of tests/vllm/env (built once, in a few minutes; see scripts/vllm_env.sh). The tests run a
+# real vLLM engine in-process against a real encode-server (from .venv) and a real Redis.
+vllm-env:
+	@scripts/vllm_env.sh >/dev/null
+
+test-vllm: install tools
+	@env=$$(scripts/vllm_env.sh) && \
+	ENCODE_SERVER_PYTHON=$(abspath $(BIN))/python PYTHONPATH=$(CURDIR)/clients/python:$(CURDIR) \
+	"$$env/bin/python" -m pytest -q -p no:cacheprovider tests/vllm
 
 # The docs against the code (part of `make test`, through pytest's testpaths): every link
 # resolves, every error type and metric is documented, docs/openapi.json is what a server serves.
@@ -76,9 +94,11 @@ proto: install
 openapi: install
 	$(BIN)/python scripts/export_openapi.py
 
+# The side-by-side figures of issue 9 (bench/results/latest.json and PNGs; S4 reuses bench/tiers.py),
+# then the request-memory burst. The older benches run alone: python -m bench.batching,
+# python -m bench.tiers. A GPU: bench/gpu_check.sh.
 bench: install tools
-	$(BIN)/python -m bench.batching
-	$(BIN)/python -m bench.tiers
+	$(BIN)/python -m bench.serving
 	$(BIN)/python -m bench.memory_burst
 
 # 10 minutes of mixed load with Redis paused once (the README's Robustness figures); the tests

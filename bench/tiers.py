@@ -34,6 +34,7 @@ from blake3 import blake3
 from encode_server.cache.local import LocalTier
 from encode_server.cache.redis import create_redis_tier
 from encode_server.config import Settings
+from encode_server.core.hashing import CacheKey
 from encode_server.core.stored import ValueSpec
 from encode_server.core.types import Embedding, EncodedTensor
 from encode_server.metrics import Metrics
@@ -89,12 +90,12 @@ def http_tiers(local: ServerProcess, remote: ServerProcess, redis: RedisProcess,
 async def tier_only(redis: RedisProcess, n: int) -> dict[str, list[float]]:
     metrics = Metrics()
     fp, mm = "f" * 64, "e" * 64
-    key = f"bench-{uuid.uuid4().hex[:8]}:v1:{fp}:{mm}"
+    key = CacheKey(fp, mm, prefix=f"bench-{uuid.uuid4().hex[:8]}")
     rng = np.random.default_rng(0)
     value = Embedding(EncodedTensor(rng.standard_normal((2048, 128), dtype=np.float32).tobytes(), (2048, 128),
                                     "float32"), {"image_grid_thw": [1, 64, 128]})
     local = LocalTier(64 << 20, metrics)
-    local.lru.put(key, value, value.nbytes)
+    local.put(key, value)
     tier = create_redis_tier(Settings(redis_url=redis.url), metrics, ValueSpec(fp, "float32", 128))
     await tier.start()
     try:

@@ -31,6 +31,7 @@ from encode_server.api.grpc import start_grpc_server
 from encode_server.api.http import create_app
 from encode_server.api.runtime import Runtime
 from encode_server.cache.base import SharedTier
+from encode_server.cache.export import FileExporter
 from encode_server.cache.local import LocalTier
 from encode_server.cache.redis import create_redis_tier, redact_url
 from encode_server.config import Settings
@@ -43,7 +44,7 @@ from encode_server.encoders.base import PreparedImage, VisionEncoder
 from encode_server.metrics import Metrics
 from encode_server.service import EncodeService, model_fingerprint
 
-__all__ = ["DrainingServer", "EncodeServer", "EncoderLoader", "build_service", "run", "shared_tier"]
+__all__ = ["DrainingServer", "EncodeServer", "EncoderLoader", "build_service", "file_exporter", "run", "shared_tier"]
 
 log = logging.getLogger("encode_server")
 
@@ -117,7 +118,8 @@ class EncodeServer:
         started = time.perf_counter()
         encoder = await asyncio.to_thread(self.load_encoder)
         service = build_service(
-            encoder, s, metrics, forward, shared=shared_tier(s, metrics, encoder), budget=self.runtime.budget
+            encoder, s, metrics, forward, shared=shared_tier(s, metrics, encoder), budget=self.runtime.budget,
+            exporter=file_exporter(s, encoder),
         )
         await service.start()
         info = encoder.info
@@ -152,6 +154,7 @@ def build_service(
     *,
     shared: SharedTier | None = None,
     budget: ByteBudget | None = None,
+    exporter: FileExporter | None = None,
 ) -> EncodeService:
     """The service over its tiers: the local LRU, ``shared`` (or none), and the encoder's batcher,
     whose forward passes run on ``forward`` (one thread: one pass at a time, as the model's own
@@ -166,7 +169,9 @@ def build_service(
         observer=metrics.observe_batch,
     )
     local = LocalTier(settings.cache_bytes, metrics)
-    return EncodeService(encoder, settings, metrics, local=local, batcher=batcher, shared=shared, budget=budget)
+    return EncodeService(
+        encoder, settings, metrics, local=local, batcher=batcher, shared=shared, budget=budget, exporter=exporter
+    )
 
 
 def shared_tier(settings: Settings, metrics: Metrics, encoder: VisionEncoder) -> SharedTier | None:
@@ -179,6 +184,16 @@ def shared_tier(settings: Settings, metrics: Metrics, encoder: VisionEncoder) ->
     tier = create_redis_tier(settings, metrics, spec)
     log.info("shared tier: %s (%s), ttl %d s", tier.name, redact_url(settings.redis_url), settings.redis_ttl)
     return tier
+
+
+def file_exporter(settings: Settings, encoder: VisionEncoder) -> FileExporter | None:
+    """``--export-dir``: vLLM's stock EC file layout, for deployments without our connector."""
+    if settings.export_dir is None:
+        return None
+    exporter = FileExporter(settings.export_dir, settings.export_max_bytes, model_fingerprint(encoder.info))
+    log.info("exporting embeddings to %s (%d files, budget %.0f MiB)", settings.export_dir, len(exporter),
+             settings.export_max_mb)
+    return exporter
 
 
 def _uvicorn_config(settings: Settings, runtime: Runtime) -> uvicorn.Config:

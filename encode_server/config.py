@@ -58,7 +58,9 @@ class Settings:
     )
     max_batch_size: int = _opt(32, "most images in one forward pass")
     max_batch_tokens: int = _opt(65536, "most patch tokens in one forward pass")
-    max_wait_ms: float = _opt(5.0, "longest a batch waits to fill, in milliseconds")
+    max_wait_ms: float = _opt(
+        5.0, "an idle model starts at once; it waits at most this long (ms) only for images still being decoded"
+    )
     max_queue: int = _opt(1024, "most items pending encode before 503 overloaded")
     max_request_bytes: int = _opt(64 * 1024 * 1024, "largest request body in bytes")
     max_inflight_mb: float = _opt(
@@ -83,6 +85,10 @@ class Settings:
     )
     api_keys: str | None = _opt(None, "comma-separated API keys, each key or tenant:key", repr=False)
     tenant_isolation: bool = _opt(False, "make the tenant of the API key part of every cache key")
+    export_dir: str | None = _opt(
+        None, "also write each embedding to DIR/<mm_hash>/encoder_cache.safetensors (vLLM's ECExampleConnector)"
+    )
+    export_max_mb: float = _opt(10240.0, "disk budget of --export-dir in MiB; the oldest files go first")
 
     @property
     def redis_max_value_bytes(self) -> int:
@@ -96,6 +102,10 @@ class Settings:
     @property
     def redis_replay_bytes(self) -> int:
         return int(self.redis_replay_mb * 1024 * 1024)
+
+    @property
+    def export_max_bytes(self) -> int:
+        return int(self.export_max_mb * 1024 * 1024)
 
     @property
     def max_inflight_bytes(self) -> int | None:
@@ -197,6 +207,10 @@ def _validate(s: Settings) -> None:
         raise SystemExit("--cache-mb and --max-wait-ms must be >= 0, --request-timeout > 0")
     if s.redis_replay_mb < 0:
         raise SystemExit(f"--redis-replay-mb must be >= 0, got {s.redis_replay_mb}")
+    if s.export_dir is not None and s.tenant_isolation:
+        raise SystemExit("--export-dir cannot be used with --tenant-isolation: vLLM's file layout has no tenant")
+    if s.export_max_mb <= 0:
+        raise SystemExit(f"--export-max-mb must be positive, got {s.export_max_mb}")
     if s.max_inflight_mb < 0:
         raise SystemExit(f"--max-inflight-mb must be >= 0 (0: no bound), got {s.max_inflight_mb}")
     budget = s.max_inflight_bytes

@@ -19,6 +19,7 @@ from typing import Any, cast
 from PIL import Image
 
 from encode_server.cache.base import SharedTier
+from encode_server.cache.export import FileExporter
 from encode_server.cache.local import LocalTier
 from encode_server.config import Settings
 from encode_server.core.batcher import Batcher
@@ -105,6 +106,7 @@ class EncodeService:
         local: LocalTier,
         batcher: Batcher[PreparedImage, EncodedTensor],
         shared: SharedTier | None = None,
+        exporter: FileExporter | None = None,
         budget: ByteBudget | None = None,
     ) -> None:
         self.encoder = encoder
@@ -112,6 +114,7 @@ class EncodeService:
         self.settings = settings
         self.metrics = metrics
         self.shared = shared
+        self.exporter = exporter  # --export-dir: vLLM's stock EC file layout (cache/export.py)
         self.fingerprint = model_fingerprint(encoder.info)
         self.local = local
         self.batcher = batcher
@@ -150,6 +153,8 @@ class EncodeService:
         self._preprocess_pool.shutdown(wait=False, cancel_futures=True)
         if self.shared is not None:
             await self.shared.close()
+        if self.exporter is not None:
+            self.exporter.close()
 
     def key_for(self, h: str, tenant: str | None = None) -> CacheKey:
         """The cache key of ``h``; with a ``tenant`` (tenant isolation) a key no other tenant shares."""
@@ -177,9 +182,9 @@ class EncodeService:
     async def _resolve(
         self, items: Sequence[RequestItem], return_kind: Return, tenant: str | None
     ) -> list[ItemResult]:
-        if return_kind is Return.METADATA and self.shared is None:
+        if return_kind is Return.METADATA and self.shared is None and self.exporter is None:
             raise Conflict(
-                '"return": "metadata" needs a shared tier (start the server with --redis-url)',
+                '"return": "metadata" needs a shared tier (start the server with --redis-url or --export-dir)',
                 type="no_shared_tier",
             )
         idents = await self._identify(items, tenant)
@@ -189,8 +194,14 @@ class EncodeService:
             await self._lookup_shared(idents, found, pinned)
             await self._encode_missing(idents, found, pinned)
             results = [self._result(ident, found.get(ident.key)) for ident in idents]
-            if return_kind is Return.METADATA:
+            if return_kind is Return.METADATA and self.shared is not None:
                 await self._hand_off(results)
+            if self.exporter is not None:
+                files = [(r.mm_hash, r.embedding) for r in results if r.embedding is not None]
+                if return_kind is Return.METADATA:
+                    await self.exporter.export(files)  # the hand-off: on disk before the answer
+                else:
+                    self.exporter.export_behind(files)
             return results
         finally:
             for key in pinned:
@@ -413,7 +424,10 @@ class EncodeService:
         assert ident.data is not None
         try:
             loop = asyncio.get_running_loop()
-            prepared = await loop.run_in_executor(self._preprocess_pool, self._prepare, ident.data, ident.index)
+            # Announced while it decodes: an idle model waits (at most --max-wait-ms) for it to join
+            # the batch of the images decoding beside it, and never waits for images not coming.
+            with self.batcher.arriving():
+                prepared = await loop.run_in_executor(self._preprocess_pool, self._prepare, ident.data, ident.index)
             tensor = await self.batcher.submit(prepared, prepared.cost_tokens)
             value = Embedding(tensor, prepared.meta)
             self.local.put(key, value)

@@ -9,7 +9,7 @@ import zlib
 import numpy as np
 from PIL import Image
 
-__all__ = ["bomb_png_header", "image_bytes", "rgb_image", "truncated_jpeg"]
+__all__ = ["bomb_png_header", "image_bytes", "rgb_image", "slow_png", "truncated_jpeg"]
 
 
 def rgb_image(width: int = 64, height: int = 48, seed: int = 0) -> Image.Image:
@@ -38,3 +38,14 @@ def bomb_png_header(width: int = 60000, height: int = 60000) -> bytes:
     ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
     idat = zlib.compress(b"\x00" * 16)
     return b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", ihdr) + _chunk(b"IDAT", idat) + _chunk(b"IEND", b"")
+
+
+def slow_png(seed: int = 0, side: int = 4000) -> bytes:
+    """A PNG of one colour, ``side`` x ``side``: tens of KB on the wire, but every one of its
+    pixels (16 M by default) is inflated, unfiltered and resized before the model sees it, which
+    takes well over 50 ms on any machine. Tests use it to hold an encode in flight without a
+    batching window (an idle model runs a lone item at once)."""
+    colour = (seed * 37 % 256, seed * 91 % 256, seed * 53 % 256)
+    buf = io.BytesIO()
+    Image.new("RGB", (side, side), colour).save(buf, format="PNG")
+    return buf.getvalue()

@@ -47,12 +47,17 @@ class ServerProcess:
         return self.proc.returncode
 
 
-def start_server(*args: str, log_dir: Path, env: dict[str, str] | None = None, timeout: float = 120.0) -> ServerProcess:
+def start_server(
+    *args: str, log_dir: Path, env: dict[str, str] | None = None, timeout: float = 120.0, python: str | None = None
+) -> ServerProcess:
+    """``python``: the interpreter with the server installed (default: this one, or
+    ``ENCODE_SERVER_PYTHON``, which the vLLM tests set since their venv has no server)."""
     port = free_port()
     log_path = log_dir / f"server-{port}.log"
     # A free gRPC port too (unless the test picks one): never the shared default 50051.
     grpc_port = 0 if "--grpc-port" in args else free_port()
-    cmd = [sys.executable, "-m", "encode_server", "--host", "127.0.0.1", "--port", str(port), *args]
+    python = python or os.environ.get("ENCODE_SERVER_PYTHON") or sys.executable
+    cmd = [python, "-m", "encode_server", "--host", "127.0.0.1", "--port", str(port), *args]
     if grpc_port:
         cmd += ["--grpc-port", str(grpc_port)]
     elif "--grpc-port" in args:

@@ -8,8 +8,6 @@ raises ``OverBudget``, which the budget middleware answers with 503 ``overloaded
 
 from __future__ import annotations
 
-import asyncio
-import base64
 import binascii
 import json
 import re
@@ -18,6 +16,8 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+import pybase64
 from pydantic import ValidationError
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException
@@ -42,9 +42,9 @@ __all__ = [
     "read_body",
 ]
 
-_DATA_URL = re.compile(r"^data:image/[\w.+-]+(;[\w.+-]+=[\w.+-]+)*;base64,", re.IGNORECASE)
-_WHITESPACE = re.compile(rb"\s+")
-_DECODE_OFF_LOOP_BYTES = 256 << 10
+_DATA_URL = re.compile(r"data:image/[\w.+-]+(;[\w.+-]+=[\w.+-]+)*;base64,", re.IGNORECASE)
+# Line wrapping (MIME, PEM) that some encoders insert; removed with bytes.translate, not a regex.
+_WHITESPACE = b" \t\n\r\v\f"
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,7 @@ def _load_json(body: bytes) -> Any:
     if not body.strip():
         raise BadInput("empty body: expected a JSON object", type="invalid_json")
     try:
-        return json.loads(body)
+        return orjson.loads(body)  # a third of json.loads' time on a body of base64
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise BadInput(f"body is not valid JSON: {exc}", type="invalid_json") from exc
 
@@ -125,17 +125,20 @@ def decode_base64(text: str, index: int, hold: Hold | None = None) -> bytes:
     """Standard base64, or a ``data:image/...;base64,`` URL; whitespace (line wrapping) ignored.
 
     With a ``hold``, the decoded bytes (kept) and any working copy (given back) are charged to it
-    before they are made. Plain unwrapped base64 is decoded straight from the string, no copy."""
+    before they are made. Plain unwrapped base64 is decoded straight from the string, no copy, in
+    one SIMD pass (pybase64) that checks the alphabet and the padding as it decodes; whitespace is
+    only looked for when that pass refuses the input. No regex ever runs over the payload: only
+    over a data URL's short prefix."""
     if hold is not None:
         hold.grow_or_raise(len(text) * 3 // 4 + 3)
-    match = _DATA_URL.match(text)
-    if match:
+    if text[:5].lower() == "data:":
+        match = _DATA_URL.match(text, 0, 256)
+        if match is None:
+            raise BadInput("only data:image/...;base64, URLs are accepted", type="invalid_base64", index=index)
         with _transient(hold, len(text)):  # the slice is a copy
             return _decode_base64_copying(text[match.end():], index, hold)
-    if text.startswith("data:"):
-        raise BadInput("only data:image/...;base64, URLs are accepted", type="invalid_base64", index=index)
     try:
-        return binascii.a2b_base64(text, strict_mode=True)
+        return pybase64.b64decode(text, validate=True)
     except (binascii.Error, ValueError):
         return _decode_base64_copying(text, index, hold)
 
@@ -143,8 +146,8 @@ def decode_base64(text: str, index: int, hold: Hold | None = None) -> bytes:
 def _decode_base64_copying(text: str, index: int, hold: Hold | None) -> bytes:
     try:
         with _transient(hold, 2 * len(text)):  # ASCII bytes, then without whitespace
-            raw = _WHITESPACE.sub(b"", text.encode("ascii"))
-            return base64.b64decode(raw, validate=True)
+            raw = text.encode("ascii").translate(None, _WHITESPACE)
+            return pybase64.b64decode(raw, validate=True)
     except (UnicodeEncodeError, binascii.Error, ValueError) as exc:
         raise BadInput(f"data is not valid base64: {exc}", type="invalid_base64", index=index) from exc
 
@@ -235,10 +238,9 @@ async def _parse_encode_body(request: Request, *, max_items: int, max_bytes: int
         )
     body = await read_body(request, max_bytes)
     if kind == "application/json":
-        hold = body_hold(request.scope)
-        if len(body) > _DECODE_OFF_LOOP_BYTES:  # base64 of many MiB would stall the event loop
-            return await asyncio.to_thread(_json_items, body, max_items, hold)
-        return _json_items(body, max_items, hold)
+        # Parsed on the loop whatever the size: orjson and SIMD base64 take well under 1 ms per MiB
+        # holding the GIL, so a thread would only add a hop and a GIL hand-off, not overlap.
+        return _json_items(body, max_items, body_hold(request.scope))
     if not body:
         raise BadInput("empty body: expected the bytes of one image", type="invalid_image", index=0)
     return EncodeBody([RequestItem(index=0, data=body)], Return.EMBEDDINGS)

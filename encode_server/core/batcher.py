@@ -3,11 +3,18 @@
 Items from any number of requests queue here; one loop forms a batch from the head of the
 queue and runs it in an executor (the forward pass never blocks the event loop).
 
+Batching as infinity does it: the window is a cap, not a toll. A lone item on an idle model
+runs at once; items that arrive while a forward pass runs queue up, and the next batch takes
+them all the moment that pass ends. Waiting to fill a batch only happens while callers have
+announced items on their way (``with batcher.arriving():`` around decoding an image), and then
+for at most ``max_wait_s``.
+
 Invariants:
 - A batch holds at most ``max_batch_size`` items and at most ``max_batch_tokens`` cost tokens,
   except that an item costing more than ``max_batch_tokens`` alone runs alone (never starved).
-- A batch starts when it is full, or when its oldest item has waited ``max_wait_s`` (the
-  deadline is monotonic and counts from that item's arrival, as LitServe's loop does).
+- When the model is idle, a batch starts at once, unless it is not full and items are announced
+  as arriving; then it starts when it is full, when no announced item is left, or when its oldest
+  item has waited ``max_wait_s`` (monotonic, from that item's arrival, as LitServe's loop does).
 - At most ``max_queue`` items wait; ``submit`` past that raises ``Unavailable("overloaded")``
   instead of growing memory without bound.
 - Items whose future was cancelled before their batch formed are dropped, not run.
@@ -20,7 +27,7 @@ import asyncio
 import contextlib
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
@@ -73,6 +80,7 @@ class Batcher(Generic[T, R]):
         self.max_queue = max_queue
         self._executor = executor
         self._observer = observer
+        self._arriving = 0
         self._queue: deque[_Pending[T, R]] = deque()
         self._queued_cost = 0
         self._wakeup = asyncio.Event()
@@ -127,14 +135,31 @@ class Batcher(Generic[T, R]):
     def _full(self) -> bool:
         return len(self._queue) >= self.max_batch_size or self._queued_cost >= self.max_batch_tokens
 
+    @contextlib.contextmanager
+    def arriving(self) -> Iterator[None]:
+        """Announce one item on its way (an image being decoded): an idle model waits for it, up
+        to ``max_wait_s``, rather than start a batch without it. Submit right after the block."""
+        self._arriving += 1
+        try:
+            yield
+        finally:
+            self._arriving -= 1
+            self._wakeup.set()
+
+    def _more_arriving(self) -> bool:
+        return self._arriving > 0
+
     async def _loop(self) -> None:
         while True:
             if not self._queue:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
+            # Idle model: go now, unless more items are known to be on their way (then wait for
+            # them, at most until the oldest item has waited max_wait_s). Items that came while
+            # the last pass ran are all here already: no wait for them.
             deadline = self._queue[0].enqueued_at + self.max_wait_s
-            while not self._full():
+            while not self._full() and self._more_arriving():
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break

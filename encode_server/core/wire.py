@@ -13,6 +13,7 @@ from encode_client.safetensors import (
     dump_safetensors,
     from_numpy,
     load_safetensors,
+    safetensors_parts,
     to_numpy,
 )
 
@@ -27,5 +28,6 @@ __all__ = [
     "dump_safetensors",
     "from_numpy",
     "load_safetensors",
+    "safetensors_parts",
     "to_numpy",
 ]

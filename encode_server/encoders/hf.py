@@ -144,6 +144,13 @@ class HFEncoder(VisionEncoder):
         return dict(self.processor(images=image, return_tensors="pt"))
 
     def _to_device(self, tensors: Sequence[torch.Tensor], *, cast: bool = True) -> torch.Tensor:
-        """Concatenate per-image inputs along dim 0 on the device; pixels cast to the compute dtype."""
+        """Concatenate per-image inputs along dim 0 on the device; pixels cast to the compute dtype.
+
+        On CUDA the batch goes through pinned host memory with a non-blocking copy: the copy is
+        queued on the stream ahead of the forward pass, and the host thread goes on queueing the
+        pass instead of waiting for the transfer (the same stream orders them)."""
         joined = torch.cat(list(tensors)) if len(tensors) > 1 else tensors[0]
-        return joined.to(self.device, dtype=self.dtype if cast else None)
+        dtype = self.dtype if cast else None
+        if self.device.type == "cuda":
+            return joined.pin_memory().to(self.device, dtype=dtype, non_blocking=True)
+        return joined.to(self.device, dtype=dtype)

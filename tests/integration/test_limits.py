@@ -11,18 +11,17 @@ import httpx
 import pytest
 from blake3 import blake3
 
-from tests.images import image_bytes
+from tests.images import image_bytes, slow_png
 from tests.server import ServerProcess, start_server
 
 
 @pytest.fixture(scope="module")
 def tight_server(server_logs: Path) -> Iterator[ServerProcess]:
-    # A queue of 2. A batch waits 300 ms to fill, longer than the 100 ms request timeout, so
-    # every encode times out its first requester.
+    # A queue of 2 and a 50 ms request timeout: an encode of slow_png (16 M pixels to decode and
+    # resize) outlasts it, so its first requester times out; a hit does not.
     server = start_server(
         "--max-queue", "2",
-        "--max-wait-ms", "300",
-        "--request-timeout", "0.1",
+        "--request-timeout", "0.05",
         log_dir=server_logs,
     )
     yield server
@@ -43,7 +42,7 @@ def test_more_new_items_than_the_queue_holds_is_503_with_retry_after(tight_serve
 
 
 def test_timeout_is_504_and_the_work_is_not_lost(tight_server: ServerProcess) -> None:
-    data = image_bytes("PNG", 24, 24, seed=7)
+    data = slow_png(seed=7)
     started = time.monotonic()
     r = httpx.post(tight_server.url + "/v1/encode", json=_items(data), timeout=30)
     assert r.status_code == 504, r.text
@@ -83,7 +82,7 @@ def test_overloaded_and_timeout_have_their_grpc_twins(tight_server: ServerProces
         assert overloaded.value.code() == grpc.StatusCode.UNAVAILABLE
         md = dict(overloaded.value.trailing_metadata())
         assert md["error-type"] == "overloaded" and float(md["retry-after"]) >= 1
-        data = image_bytes("PNG", 24, 24, seed=201)
+        data = slow_png(seed=201)
         with pytest.raises(grpc.RpcError) as late:
             stub.Encode(pb.EncodeRequest(items=[pb.Item(data=data)]), timeout=30)
         assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED

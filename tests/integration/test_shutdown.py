@@ -11,15 +11,16 @@ from pathlib import Path
 import httpx
 
 from tests.calls import metric
-from tests.images import image_bytes
+from tests.images import slow_png
 from tests.server import start_server
 
 
 def test_sigterm_finishes_in_flight_requests_then_exits_0(server_logs: Path) -> None:
-    # Each batch waits 5 s to fill, so the requests below are surely in flight at SIGTERM.
-    server = start_server("--max-wait-ms", "5000", "--drain-seconds", "20", log_dir=server_logs)
+    # Each image has 16 M pixels to decode and resize, so the requests below are still in flight
+    # when all four are admitted and SIGTERM goes out.
+    server = start_server("--drain-seconds", "20", log_dir=server_logs)
     try:
-        images = [image_bytes("PNG", 24, 24, seed=300 + i) for i in range(4)]
+        images = [slow_png(seed=300 + i) for i in range(4)]
         results: list[httpx.Response] = []
         answered_at: list[float] = []
 

@@ -1,4 +1,5 @@
-"""encode-server's client: hash locally, send hash-only first, upload only the misses.
+"""encode-server's client: hash locally, send hash-only first, upload only the misses (adaptive:
+when recent images were rarely cached, it sends the bytes at once; ``client.stats`` says which).
 
 Needs neither torch nor the server package (torch optional: ``encode-client[torch]``; gRPC
 optional: ``encode-client[grpc]``).
@@ -14,7 +15,7 @@ from encode_client._client import AsyncClient, Client
 from encode_client._errors import EncodeClientError, PrefixKeyError, ReplicaUnavailable, ServerError
 from encode_client._images import mm_hash
 from encode_client._retry import Backoff, Limits, RetryPolicy
-from encode_client._types import LookupItem, Result, TokenCount, WarmItem, to_numpy, to_torch
+from encode_client._types import LookupItem, Result, TokenCount, UploadStats, WarmItem, to_numpy, to_torch
 from encode_client.prefix_key import image_aware_ids, pad_ids
 
 __version__ = "0.2.0"
@@ -32,6 +33,7 @@ __all__ = [
     "RetryPolicy",
     "ServerError",
     "TokenCount",
+    "UploadStats",
     "WarmItem",
     "__version__",
     "image_aware_ids",

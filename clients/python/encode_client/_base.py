@@ -1,6 +1,12 @@
 """Everything the sync and async clients share, with no I/O (httpx's habit): replica choice,
 request planning, hash-first-then-upload, retries and failover, written once as generators.
 
+Uploads (``upload=``): "adaptive" (default) asks by hash first while recent images were often
+cached, and sends the bytes at once when hits have been rare (below ``min_hit_rate`` over the last
+``HitWindow.size`` images), so all-miss traffic pays no extra round trip. An upload's answer says
+whether the replica already held the image, so the estimate stays current in both modes.
+"hash-first" always asks first; "always" never does.
+
 A flow yields either a list of ``Call``s (the client sends them, concurrently where it can, and
 sends back one outcome per call: a parsed answer or the exception it raised) or a ``Sleep``.
 ``Client`` and ``AsyncClient`` only drive flows; they hold no logic of their own.
@@ -16,6 +22,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections import deque
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -25,11 +32,44 @@ from blake3 import blake3
 from encode_client._errors import ReplicaUnavailable
 from encode_client._images import ImageInput, image_bytes, mm_hash
 from encode_client._retry import Limits, RetryPolicy
-from encode_client._types import LookupItem, Result, TokenCount, WarmItem
+from encode_client._types import LookupItem, Result, TokenCount, UploadStats, WarmItem
 
-__all__ = ["BaseClient", "Call", "Flow", "Sleep", "rank_replicas"]
+__all__ = ["UPLOAD_MODES", "BaseClient", "Call", "Flow", "HitWindow", "Sleep", "rank_replicas"]
 
 T = TypeVar("T")
+
+UPLOAD_MODES = ("adaptive", "hash-first", "always")
+
+
+class HitWindow:
+    """Hit or miss of the last ``size`` images, and the adaptive decision drawn from it.
+
+    Invariants: holds at most ``size`` outcomes; with fewer than ``min_samples`` it says
+    "hash-first" (nothing known yet: the cheap-on-bytes choice); after that, "hash-first" exactly
+    when the hit rate is at least ``min_hit_rate``.
+    """
+
+    def __init__(self, size: int = 64, min_hit_rate: float = 0.2, min_samples: int = 8) -> None:
+        assert size >= min_samples > 0 and 0.0 <= min_hit_rate <= 1.0
+        self.size = size
+        self.min_hit_rate = min_hit_rate
+        self.min_samples = min_samples
+        self._outcomes: deque[bool] = deque(maxlen=size)
+        self._hits = 0
+
+    def record(self, hit: bool) -> None:
+        if len(self._outcomes) == self.size:
+            self._hits -= self._outcomes[0]
+        self._outcomes.append(hit)
+        self._hits += hit
+
+    @property
+    def hit_rate(self) -> float | None:
+        return self._hits / len(self._outcomes) if self._outcomes else None
+
+    def hash_first(self) -> bool:
+        rate = self.hit_rate
+        return rate is None or len(self._outcomes) < self.min_samples or rate >= self.min_hit_rate
 
 
 @dataclass(frozen=True)
@@ -78,12 +118,20 @@ class BaseClient:
         limits: Limits | None = None,
         timeout: float = 60.0,
         seed: int | None = None,
+        upload: str = "adaptive",
+        min_hit_rate: float = 0.2,
     ) -> None:
         replicas = [urls] if isinstance(urls, str) else list(urls)
         if not replicas:
             raise ValueError("at least one replica URL is required")
         if response not in ("safetensors", "json"):
             raise ValueError('response must be "safetensors" or "json"')
+        if upload not in UPLOAD_MODES:
+            raise ValueError(f"upload must be one of {UPLOAD_MODES}, not {upload!r}")
+        self.upload = upload
+        self._window = HitWindow(min_hit_rate=min_hit_rate)
+        self._counts = {"hash_first": 0, "direct": 0, "hits": 0, "misses": 0, "bytes": 0, "switches": 0}
+        self._last_mode = self._mode()
         self.replicas = [_normalize(u) for u in replicas]
         self.api_key = api_key
         self.response = response
@@ -92,6 +140,30 @@ class BaseClient:
         self.timeout = timeout
         self._rng = random.Random(seed)
         self._down: dict[str, float] = {}
+
+    # -- upload mode -------------------------------------------------------------------------------
+
+    def _mode(self) -> str:
+        if self.upload == "always" or (self.upload == "adaptive" and not self._window.hash_first()):
+            return "upload"
+        return "hash-first"
+
+    @property
+    def stats(self) -> UploadStats:
+        c = self._counts
+        return UploadStats(
+            mode=self._mode(), recent_hit_rate=self._window.hit_rate, hash_first_items=c["hash_first"],
+            direct_items=c["direct"], hits=c["hits"], misses=c["misses"], uploaded_bytes=c["bytes"],
+            switches=c["switches"],
+        )
+
+    def _observe(self, hit: bool) -> None:
+        self._counts["hits" if hit else "misses"] += 1
+        self._window.record(hit)
+        mode = self._mode()
+        if mode != self._last_mode:
+            self._counts["switches"] += 1
+            self._last_mode = mode
 
     # -- replica choice --------------------------------------------------------------------------
 
@@ -181,23 +253,36 @@ class BaseClient:
 
     # -- flows -----------------------------------------------------------------------------------
 
-    def _encode_flow(self, images: Sequence[ImageInput]) -> Flow[list[Result]]:
-        """Hash locally; ask for every distinct hash without bytes; upload only the misses, once,
-        to the replica that missed (its local tier then holds them)."""
+    def _encode_flow(self, images: Sequence[ImageInput], op: str = "encode") -> Flow[list[Result]]:
+        """Hash locally; ask for every distinct hash without bytes (unless the upload mode says
+        to send them at once); upload only the misses, once, to the replica that missed (its
+        local tier then holds them). ``op="handoff"``: the same, with ``"return": "metadata"``
+        (into the shared tier; metadata and store keys back)."""
         blobs = [image_bytes(i) for i in images]
         hashes = [mm_hash(b) for b in blobs]
         unique = list(dict.fromkeys(hashes))
         data = {h: b for h, b in zip(hashes, blobs, strict=True)}
-        found = yield from self._rounds("encode", unique, lambda ix: [(unique[i], None) for i in ix], self._by_count)
-        missed = [h for i, h in enumerate(unique) if found[i].status == "miss"]
+        found: dict[int, Any]
+        if self._mode() == "upload":
+            found = {}
+            self._counts["direct"] += len(unique)
+        else:
+            self._counts["hash_first"] += len(unique)
+            found = yield from self._rounds(op, unique, lambda ix: [(unique[i], None) for i in ix], self._by_count)
+            for i in range(len(unique)):
+                if found[i].status != "miss":
+                    self._observe(True)
+        missed = [h for i, h in enumerate(unique) if i not in found or found[i].status == "miss"]
         if missed:
             missed_blobs = [data[h] for h in missed]
             uploaded = yield from self._rounds(
-                "encode", missed, lambda ix: [(missed[i], missed_blobs[i]) for i in ix], self._by_bytes(missed_blobs)
+                op, missed, lambda ix: [(missed[i], missed_blobs[i]) for i in ix], self._by_bytes(missed_blobs)
             )
+            self._counts["bytes"] += sum(len(b) for b in missed_blobs)
             position = {h: i for i, h in enumerate(unique)}
             for j, h in enumerate(missed):
                 found[position[h]] = uploaded[j]
+                self._observe(uploaded[j].status == "hit")
         by_hash = {h: found[i] for i, h in enumerate(unique)}
         return [_reindex(by_hash[h], index) for index, h in enumerate(hashes)]
 

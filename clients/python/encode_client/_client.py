@@ -54,6 +54,12 @@ class Client(BaseClient):
         images that no replica tier holds, once per distinct image."""
         return self._run(self._encode_flow(images))
 
+    def hand_off(self, images: Sequence[ImageInput]) -> list[Result]:
+        """The EPD hand-off: make sure each image is in the server's shared tier (hash first,
+        upload only the misses) and get its metadata and store ``key`` back, no embedding bytes.
+        Needs a server with ``--redis-url`` (else ``ServerError`` 409 ``no_shared_tier``)."""
+        return self._run(self._encode_flow(images, "handoff"))
+
     def lookup(self, hashes: Sequence[str]) -> list[LookupItem]:
         return self._run(self._lookup_flow(hashes))
 
@@ -88,7 +94,9 @@ class Client(BaseClient):
                 return self._send_grpc(call)
             req = _http.build(call.replica, call.op, call.payload, response=self.response, api_key=self.api_key)
             try:
-                r = self._http.request(req.method, req.url, json=req.json, headers=req.headers)
+                r = self._http.request(
+                    req.method, req.url, json=req.json, content=req.content, files=req.files, headers=req.headers
+                )
             except httpx.TransportError as exc:
                 raise ReplicaUnavailable(call.replica, repr(exc)) from exc
             return _http.parse(call.op, r.status_code, r.headers, r.content, call.replica)
@@ -139,6 +147,10 @@ class AsyncClient(BaseClient):
         """See ``Client.encode``."""
         return await self._run(self._encode_flow(images))
 
+    async def hand_off(self, images: Sequence[ImageInput]) -> list[Result]:
+        """See ``Client.hand_off``."""
+        return await self._run(self._encode_flow(images, "handoff"))
+
     async def lookup(self, hashes: Sequence[str]) -> list[LookupItem]:
         return await self._run(self._lookup_flow(hashes))
 
@@ -173,7 +185,9 @@ class AsyncClient(BaseClient):
                 return await self._send_grpc(call)
             req = _http.build(call.replica, call.op, call.payload, response=self.response, api_key=self.api_key)
             try:
-                r = await self._http.request(req.method, req.url, json=req.json, headers=req.headers)
+                r = await self._http.request(
+                    req.method, req.url, json=req.json, content=req.content, files=req.files, headers=req.headers
+                )
             except httpx.TransportError as exc:
                 raise ReplicaUnavailable(call.replica, repr(exc)) from exc
             return _http.parse(call.op, r.status_code, r.headers, r.content, call.replica)

@@ -15,7 +15,7 @@ from encode_client._types import LookupItem, Result, TokenCount
 
 __all__ = ["METHODS", "build", "error", "parse"]
 
-METHODS = {"encode": "Encode", "lookup": "Lookup", "tokens": "Tokens", "model": "Model"}
+METHODS = {"encode": "Encode", "handoff": "Encode", "lookup": "Lookup", "tokens": "Tokens", "model": "Model"}
 
 _HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
@@ -40,6 +40,8 @@ def _item(hash_: str | None, data: bytes | None) -> Any:
 def build(op: str, payload: Any) -> Any:
     if op == "encode":
         return pb.EncodeRequest(items=[_item(h, d) for h, d in payload])
+    if op == "handoff":
+        return pb.EncodeRequest(items=[_item(h, d) for h, d in payload], return_kind=pb.RETURN_METADATA)
     if op == "lookup":
         return pb.LookupRequest(hashes=list(payload))
     if op == "tokens":
@@ -53,7 +55,7 @@ def build(op: str, payload: Any) -> Any:
 
 
 def parse(op: str, response: Any, replica: str) -> list[Any]:
-    if op == "encode":
+    if op in ("encode", "handoff"):
         return [
             Result(
                 index=i.index,

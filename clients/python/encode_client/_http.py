@@ -20,10 +20,14 @@ SAFETENSORS = "application/vnd.safetensors"
 
 @dataclass(frozen=True)
 class HttpRequest:
+    """One request; at most one of ``json``, ``content`` (a raw body) and ``files`` (multipart)."""
+
     method: str
     url: str
     json: Any = None
     headers: dict[str, str] = field(default_factory=dict)
+    content: bytes | None = None
+    files: list[tuple[str, tuple[str, bytes, str]]] | None = None
 
 
 def _item(hash_: str | None, data: bytes | None) -> dict[str, str]:
@@ -35,12 +39,27 @@ def _item(hash_: str | None, data: bytes | None) -> dict[str, str]:
     return out
 
 
+def _upload(url: str, blobs: list[bytes], headers: dict[str, str]) -> HttpRequest:
+    """Image bytes as they are, never base64 in JSON (a third bigger, and decoded on the server):
+    one image is the whole body, several are the files of a multipart body."""
+    if len(blobs) == 1:
+        return HttpRequest("POST", url, headers={**headers, "Content-Type": "application/octet-stream"},
+                           content=blobs[0])
+    files = [("file", (f"{i}", blob, "application/octet-stream")) for i, blob in enumerate(blobs)]
+    return HttpRequest("POST", url, headers=headers, files=files)
+
+
 def build(base_url: str, op: str, payload: Any, *, response: str, api_key: str | None) -> HttpRequest:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     base = base_url.rstrip("/")
     if op == "encode":
         headers["Accept"] = SAFETENSORS if response == "safetensors" else "application/json"
+        if payload and all(d is not None for _, d in payload):
+            return _upload(base + "/v1/encode", [d for _, d in payload], headers)
         return HttpRequest("POST", base + "/v1/encode", {"items": [_item(h, d) for h, d in payload]}, headers)
+    if op == "handoff":  # the EPD hand-off: into the shared tier, metadata and keys back
+        handoff = {"items": [_item(h, d) for h, d in payload], "return": "metadata"}
+        return HttpRequest("POST", base + "/v1/encode", handoff, {**headers, "Accept": "application/json"})
     if op == "lookup":
         return HttpRequest("POST", base + "/v1/lookup", {"hashes": list(payload)}, headers)
     if op == "tokens":
@@ -74,7 +93,7 @@ def parse(op: str, status: int, headers: Mapping[str, str], content: bytes, repl
     """The answer as a list aligned with the request's items (``model``: a one-item list)."""
     if status != 200:
         raise _error(status, headers, content, replica)
-    if op == "encode":
+    if op in ("encode", "handoff"):
         if headers.get("content-type", "").startswith(SAFETENSORS):
             return _encode_safetensors(content, replica)
         items = json.loads(content)["items"]

@@ -15,7 +15,7 @@ from encode_client.safetensors import DTYPES
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["LookupItem", "Result", "TokenCount", "WarmItem", "to_numpy", "to_torch"]
+__all__ = ["LookupItem", "Result", "TokenCount", "UploadStats", "WarmItem", "to_numpy", "to_torch"]
 
 def to_numpy(raw: bytes, dtype: str, shape: Sequence[int]) -> np.ndarray:
     """Raw little-endian tensor bytes to numpy; bfloat16 widens exactly to float32."""
@@ -89,3 +89,23 @@ class WarmItem:
     hash: str
     status: str
     replica: str | None = None
+
+
+@dataclass(frozen=True)
+class UploadStats:
+    """How the client has sent images so far (``Client.stats``).
+
+    ``mode`` is what the next ``encode`` will do: "hash-first" (ask by hash, upload the misses)
+    or "upload" (send the bytes at once, because recent hits were too rare to pay for the extra
+    round trip: the adaptive default). ``recent_hit_rate`` is over the last ``window`` images;
+    None before any.
+    """
+
+    mode: str
+    recent_hit_rate: float | None
+    hash_first_items: int  # images asked for by hash first
+    direct_items: int  # images uploaded without asking first
+    hits: int  # images a replica already held (asked by hash, or uploaded and found)
+    misses: int  # images a replica had to encode
+    uploaded_bytes: int  # image bytes sent
+    switches: int  # times the adaptive mode changed its mind

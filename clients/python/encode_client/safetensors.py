@@ -39,6 +39,7 @@ __all__ = [
     "dump_safetensors",
     "from_numpy",
     "load_safetensors",
+    "safetensors_parts",
     "to_numpy",
 ]
 
@@ -141,6 +142,12 @@ def dump_safetensors(tensors: Sequence[WireTensor], metadata: Mapping[str, str] 
     ``metadata=None`` writes no ``__metadata__`` entry; an empty mapping writes an empty one.
     Raises ``ValueError`` on duplicate or reserved names and non-str metadata.
     """
+    return b"".join(safetensors_parts(tensors, metadata))
+
+
+def safetensors_parts(tensors: Sequence[WireTensor], metadata: Mapping[str, str] | None = None) -> list[bytes]:
+    """The blob ``dump_safetensors`` returns, as the parts it is made of: the length and header,
+    then each tensor's own bytes object, uncopied (a server writes them to the socket one by one)."""
     names = [t.name for t in tensors]
     if len(set(names)) != len(names):
         dupes = sorted({n for n in names if names.count(n) > 1})
@@ -169,7 +176,7 @@ def dump_safetensors(tensors: Sequence[WireTensor], metadata: Mapping[str, str] 
     except UnicodeEncodeError as exc:
         raise ValueError(f"tensor names and metadata must be valid Unicode text: {exc}") from None
     header_bytes += b" " * (-len(header_bytes) % 8)
-    return b"".join([len(header_bytes).to_bytes(8, "little"), header_bytes, *(t.data for t in ordered)])
+    return [len(header_bytes).to_bytes(8, "little") + header_bytes, *(t.data for t in ordered)]
 
 
 def load_safetensors(blob: bytes | bytearray | memoryview) -> tuple[dict[str, WireTensor], dict[str, str]]:

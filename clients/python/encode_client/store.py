@@ -162,6 +162,20 @@ class StoreReader:
             for key, blob in zip(keys, blobs, strict=True)
         ]
 
+    def read_many(self, keys: Sequence[str]) -> list[StoredEmbedding | CorruptValue | None]:
+        """Like :meth:`get_many`, one round trip, but a bad value comes back as its
+        :class:`CorruptValue` in place instead of raising, so one bad key cannot hide the others."""
+        if not keys:
+            return []
+        blobs = self._client.mget_nonatomic(list(keys)) if self._cluster else self._client.mget(list(keys))
+        out: list[StoredEmbedding | CorruptValue | None] = []
+        for key, blob in zip(keys, blobs, strict=True):
+            try:
+                out.append(None if blob is None else parse_value(key, blob, fingerprint=self.fingerprint))
+            except CorruptValue as exc:
+                out.append(exc)
+        return out
+
     def close(self) -> None:
         self._client.close()
 

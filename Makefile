@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 TORCH_REQ := deploy/torch.txt
 PORT ?= 8000
 
-.PHONY: install tools serve test test-container test-vllm vllm-env lint bench clean proto openapi test-docs
+.PHONY: install tools serve test test-container test-vllm vllm-env lint bench soak clean proto openapi test-docs
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -100,6 +100,11 @@ openapi: install
 bench: install tools
 	$(BIN)/python -m bench.serving
 	$(BIN)/python -m bench.memory_burst
+
+# 10 minutes of mixed load with Redis paused once (the README's Robustness figures); the tests
+# run its 60-second form.
+soak: install tools
+	$(BIN)/python -m bench.soak --duration 600
 
 clean:
 	rm -rf $(VENV) build *.egg-info

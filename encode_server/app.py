@@ -26,6 +26,7 @@ from types import FrameType
 
 import uvicorn
 
+from encode_server.api.connections import uvicorn_options
 from encode_server.api.grpc import start_grpc_server
 from encode_server.api.http import create_app
 from encode_server.api.runtime import Runtime
@@ -205,6 +206,7 @@ def _uvicorn_config(settings: Settings, runtime: Runtime) -> uvicorn.Config:
         access_log=False,  # the front doors write the one access line per request
         # The drain already waited for requests; this only bounds closing idle connections.
         timeout_graceful_shutdown=5,
+        **uvicorn_options(settings, runtime.metrics),  # header/body timeouts, connection cap
     )
 
 

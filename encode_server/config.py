@@ -53,6 +53,9 @@ class Settings:
     redis_timeout_ms: float = _opt(150.0, "Redis connect and socket timeout in milliseconds")
     redis_max_value_mb: float = _opt(64.0, "largest value written to Redis in MiB; larger ones are skipped")
     redis_write_queue: int = _opt(512, "writes waiting to go to Redis; beyond it new writes are dropped")
+    redis_replay_mb: float = _opt(
+        64.0, "MiB of shared-tier writes kept while Redis is unavailable, replayed when it is back (0: none)"
+    )
     max_batch_size: int = _opt(32, "most images in one forward pass")
     max_batch_tokens: int = _opt(65536, "most patch tokens in one forward pass")
     max_wait_ms: float = _opt(
@@ -71,6 +74,10 @@ class Settings:
     preprocess_workers: int = _opt(4, "threads that decode and preprocess images")
     log_level: str = _opt("info", "log level", choices=("debug", "info", "warning", "error"))
     log_format: str = _opt("text", "log lines as text, or one JSON object per line", choices=("text", "json"))
+    header_timeout: float = _opt(10.0, "seconds a client has to send a request's headers (408 past it)")
+    body_timeout: float = _opt(30.0, "seconds a request body may go without a byte before 408 and close")
+    keep_alive_timeout: float = _opt(5.0, "seconds an idle keep-alive HTTP connection stays open")
+    max_connections: int = _opt(1024, "open HTTP connections; one more gets 503 overloaded and is closed")
     drain_seconds: float = _opt(30.0, "on SIGTERM, how long in-flight requests may take to finish before exit")
     # Secrets: kept out of repr() so that logging the settings can never print a key.
     api_key: str | None = _opt(
@@ -91,6 +98,10 @@ class Settings:
     def max_light_items(self) -> int:
         """Most hashes in a lookup, or sizes in a token count: no image bytes, so a wider limit."""
         return max(1024, self.max_items)
+
+    @property
+    def redis_replay_bytes(self) -> int:
+        return int(self.redis_replay_mb * 1024 * 1024)
 
     @property
     def export_max_bytes(self) -> int:
@@ -181,7 +192,10 @@ def settings_from(argv: Sequence[str] | None = None, environ: Mapping[str, str] 
 
 
 def _validate(s: Settings) -> None:
-    positive = ("max_batch_size", "max_batch_tokens", "max_queue", "max_request_bytes", "max_items")
+    positive = (
+        "max_batch_size", "max_batch_tokens", "max_queue", "max_request_bytes", "max_items", "max_connections",
+        "header_timeout", "body_timeout", "keep_alive_timeout",
+    )
     for name in positive:
         if getattr(s, name) <= 0:
             raise SystemExit(f"{_flag(name)} must be positive, got {getattr(s, name)}")
@@ -191,6 +205,8 @@ def _validate(s: Settings) -> None:
         raise SystemExit("--redis-ttl must be >= 0; --redis-timeout-ms, --redis-max-value-mb, --redis-write-queue > 0")
     if s.cache_mb < 0 or s.max_wait_ms < 0 or s.request_timeout <= 0:
         raise SystemExit("--cache-mb and --max-wait-ms must be >= 0, --request-timeout > 0")
+    if s.redis_replay_mb < 0:
+        raise SystemExit(f"--redis-replay-mb must be >= 0, got {s.redis_replay_mb}")
     if s.export_dir is not None and s.tenant_isolation:
         raise SystemExit("--export-dir cannot be used with --tenant-isolation: vLLM's file layout has no tenant")
     if s.export_max_mb <= 0:

@@ -13,7 +13,11 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 from encode_server.core.errors import BadInput, TooLarge
 
-__all__ = ["ACCEPTED_FORMATS", "decode_image", "decoded_nbytes", "oriented_size", "probe_size"]
+__all__ = ["ACCEPTED_FORMATS", "decode_image", "decoded_nbytes", "oriented_size", "probe_size", "to_rgb"]
+
+# 16-bit grayscale (PNG, TIFF): Pillow's convert("RGB") clips each sample at 255, so all but the
+# darkest 1/256 of the range turns white. Scale to 8 bits first, as every viewer does.
+_SIXTEEN_BIT = frozenset({"I;16", "I;16L", "I;16B", "I;16N"})
 
 # Our own --max-image-pixels check does the work; Pillow's warning is silenced and its hard
 # error (above twice its default limit, ~179 MP) is mapped to ``image_too_large``.
@@ -115,8 +119,16 @@ def decode_image(data: bytes, *, max_pixels: int, index: int | None = None) -> I
             # In place, and no conversion of an RGB image: neither makes a full-size copy of the
             # frame (the request-memory budget charges the frame, not copies of it).
             ImageOps.exif_transpose(image, in_place=True)
-            return image if image.mode == "RGB" else image.convert("RGB")
+            return image if image.mode == "RGB" else to_rgb(image)
     except Image.DecompressionBombError as exc:
         raise TooLarge(f"image too large: {exc}", type="image_too_large", index=index) from exc
     except (OSError, ValueError, SyntaxError, EOFError) as exc:
         raise BadInput(f"cannot decode image: {exc}", type="invalid_image", index=index) from exc
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """RGB, as the encoders take it. Alpha is dropped (colour kept as stored), palettes expanded,
+    CMYK/YCCK converted, 16-bit grayscale scaled to 8 bits (not clipped)."""
+    if image.mode in _SIXTEEN_BIT:
+        image = image.convert("I").point(lambda v: v * (1 / 257) + 0.5).convert("L")  # rounded
+    return image.convert("RGB")

@@ -69,13 +69,26 @@ class Metrics:
         self.redis_errors = counter("redis_errors", "Redis errors by operation.", ("op",))
         self.redis_writes = counter(
             "redis_writes",
-            "Shared-tier writes by result: written, queue_full, too_large, breaker_open, error.",
+            "Shared-tier writes by result: written, queue_full, too_large, breaker_open, error; "
+            "deferred (held for replay), replayed, replay_dropped (replay buffer full).",
             ("result",),
+        )
+        self.redis_replay_bytes = gauge(
+            "redis_replay_bytes", "Bytes of shared-tier writes held while Redis is unavailable, to replay."
         )
         self.redis_up = gauge("redis_up", "1 when the shared Redis tier is reachable, else 0.")
         self.upload_bytes = counter("upload_bytes", "Image bytes received.")
         self.response_bytes = counter("response_bytes", "Response body bytes sent.")
         self.rejected = counter("rejected", "Requests or items refused, by reason.", ("reason",))
+        self.cache_pinned_bytes = gauge(
+            "cache_pinned_bytes", "Bytes of a cache tier pinned by requests in flight.", ("tier",)
+        )
+        self.http_connections = gauge("http_connections", "Open HTTP connections.")
+        self.connections_closed = counter(
+            "connections_closed",
+            "HTTP connections closed by the server's limits: header_timeout, body_timeout, max_connections.",
+            ("reason",),
+        )
         self.inflight_bytes = gauge(
             "inflight_bytes",
             "Request bytes held in memory now (bodies, decoded base64, multipart parts, decoded pixels).",

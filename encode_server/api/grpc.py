@@ -32,6 +32,7 @@ from encode_server.api.frontdoor import (
     request_item,
     retry_after,
 )
+from encode_server.api.grpc_decode import add_encoder_servicer, check_decoded
 from encode_server.api.proto.encode_server.v1 import encoder_pb2 as pb
 from encode_server.api.proto.encode_server.v1 import encoder_pb2_grpc as pb_grpc
 from encode_server.api.runtime import Runtime
@@ -162,6 +163,7 @@ class GrpcApi(pb_grpc.EncoderServicer):
         with record_request(self.runtime, record):  # a drain waits for gRPC calls too
             try:
                 tenant = self._authorize(context, record)
+                check_decoded(request)  # bytes that were not a protobuf: INVALID_ARGUMENT, not UNKNOWN
                 response = await handler(self.runtime.require_service(), request, record, tenant)
             except EncodeServerError as exc:
                 details = f"{exc.type}: {exc.message}"  # the type leads, for clients that read no metadata
@@ -302,7 +304,7 @@ async def start_grpc_server(runtime: Runtime) -> grpc.aio.Server:
             *GRPC_BUDGET_OPTIONS,
         ]
     )
-    pb_grpc.add_EncoderServicer_to_server(GrpcApi(runtime), server)
+    add_encoder_servicer(GrpcApi(runtime), server)
     health_pb2_grpc.add_HealthServicer_to_server(HealthApi(runtime), server)
     host = f"[{s.host}]" if ":" in s.host else s.host
     server.add_insecure_port(f"{host}:{s.grpc_port}")

@@ -18,14 +18,15 @@ import pybase64
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from encode_server import __version__
 from encode_server.api.bodies import parse_encode_body, parse_lookup_body, parse_tokens_body
 from encode_server.api.budget import BodyBudgetMiddleware
 from encode_server.api.frontdoor import RequestRecord, item_fields, new_request_id, record_request, retry_after
+from encode_server.api.openapi import request_body_doc
 from encode_server.api.runtime import Runtime
 from encode_server.api.schemas import (
     EncodeRequestIn,
@@ -247,13 +248,6 @@ class MetricsMiddleware:
             await self.app(scope, receive, send_wrapper)
 
 
-def _request_body_doc(model: type[BaseModel], *extra_media: str) -> dict[str, Any]:
-    content: dict[str, Any] = {"application/json": {"schema": model.model_json_schema(by_alias=True)}}
-    for media in extra_media:
-        content[media] = {"schema": {"type": "string", "format": "binary"}}
-    return {"requestBody": {"required": True, "content": content}}
-
-
 def create_app(runtime: Runtime) -> FastAPI:
     """The HTTP front door over ``runtime``: it serves whatever service the composition root
     (``encode_server.app``) hands the runtime, and says 503 ``not_ready`` until then."""
@@ -269,7 +263,7 @@ def create_app(runtime: Runtime) -> FastAPI:
         methods=["POST"],
         response_model=EncodeResponseOut,
         responses={200: {"content": {SAFETENSORS: {}}}, **_ENCODE_ERRORS},
-        openapi_extra=_request_body_doc(
+        openapi_extra=request_body_doc(
             EncodeRequestIn, "multipart/form-data", "image/*", "application/octet-stream"
         ),
     )
@@ -279,7 +273,7 @@ def create_app(runtime: Runtime) -> FastAPI:
         methods=["POST"],
         response_model=LookupResponseOut,
         responses={k: v for k, v in _ENCODE_ERRORS.items() if k in (400, 401, 413, 415, 422, 503)},
-        openapi_extra=_request_body_doc(LookupRequestIn),
+        openapi_extra=request_body_doc(LookupRequestIn),
     )
     app.add_api_route(
         "/v1/tokens",
@@ -287,7 +281,7 @@ def create_app(runtime: Runtime) -> FastAPI:
         methods=["POST"],
         response_model=TokensResponseOut,
         responses={k: v for k, v in _ENCODE_ERRORS.items() if k != 409},
-        openapi_extra=_request_body_doc(
+        openapi_extra=request_body_doc(
             TokensRequestIn, "multipart/form-data", "image/*", "application/octet-stream"
         ),
     )
@@ -313,6 +307,11 @@ def _install_error_handlers(app: FastAPI) -> None:
         body = {"error": {"type": kind, "message": str(exc.detail), "index": None}}
         return JSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
+    async def on_disconnect(request: Request, exc: Exception) -> Response:
+        # The client went away mid-body (or a body timeout closed it): nobody reads this answer;
+        # 499 (nginx's "client closed request") keeps it out of the 5xx that alerts count.
+        return Response(status_code=499)
+
     async def on_unexpected(request: Request, exc: Exception) -> Response:
         log.exception("unexpected error on %s", request.url.path)
         body = {"error": {"type": "internal", "message": "internal server error", "index": None}}
@@ -321,4 +320,5 @@ def _install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(EncodeServerError, on_domain_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(StarletteHTTPException, on_http_error)
+    app.add_exception_handler(ClientDisconnect, on_disconnect)
     app.add_exception_handler(Exception, on_unexpected)

@@ -24,6 +24,7 @@ class LocalTier:
         self._lookups_miss = metrics.cache_lookups.labels(tier=self.name, result="miss")
         metrics.cache_bytes.labels(tier=self.name).set_function(lambda: self._lru.used_bytes)
         metrics.cache_entries.labels(tier=self.name).set_function(lambda: len(self._lru))
+        metrics.cache_pinned_bytes.labels(tier=self.name).set_function(lambda: self._lru.pinned_bytes)
 
     @property
     def lru(self) -> ByteLRU[CacheKey, Embedding]:

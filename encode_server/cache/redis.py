@@ -9,7 +9,11 @@ Redis is an accelerator, never a dependency (docs/cache.md):
 - reads are one pipelined multi-key read per request (MGET; ``mget_nonatomic`` on a cluster, which
   groups keys by slot and pipelines one round trip per node);
 - writes go behind the response through a bounded queue drained by one task that pipelines them;
-  a full queue drops the write and counts it, it never blocks a response.
+  a full queue drops the write and counts it, it never blocks a response;
+- writes that could not happen because Redis was unavailable (breaker open, or the write failed)
+  are kept in a replay buffer bounded in bytes (``--redis-replay-mb``, oldest dropped first, each
+  counted) and written once the breaker closes again: an image first encoded during an outage
+  still reaches the other replicas afterwards, instead of being encoded again by each of them.
 
 A stored value that fails :func:`decode_value` is a miss counted as
 ``cache_lookups_total{tier="redis",result="corrupt"}``, never served; the re-encode overwrites it.
@@ -21,6 +25,7 @@ import asyncio
 import contextlib
 import logging
 import re
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -38,7 +43,7 @@ from encode_server.core.stored import CorruptValue, ValueSpec, decode_value, enc
 from encode_server.core.types import Embedding
 from encode_server.metrics import Metrics
 
-__all__ = ["RedisTier", "TierUnavailable", "create_redis_tier", "is_cluster_url", "redact_url"]
+__all__ = ["RedisTier", "TierRefused", "TierUnavailable", "create_redis_tier", "is_cluster_url", "redact_url"]
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +65,10 @@ _OUTAGES: tuple[type[BaseException], ...] = (RedisError, RedisClusterException, 
 
 class TierUnavailable(Exception):
     """The call did not happen or did not complete: breaker open, timeout, connection error."""
+
+
+class TierRefused(TierUnavailable):
+    """Redis answered with an error (OOM under noeviction, a wrong type): up, but it said no."""
 
 
 def is_cluster_url(url: str) -> bool:
@@ -103,6 +112,7 @@ def create_redis_tier(settings: Settings, metrics: Metrics, spec: ValueSpec) -> 
         timeout=timeout,
         max_value_bytes=settings.redis_max_value_bytes,
         write_queue=settings.redis_write_queue,
+        replay_bytes=settings.redis_replay_bytes,
     )
 
 
@@ -123,6 +133,7 @@ class RedisTier:
         write_queue: int,
         breaker: CircuitBreaker | None = None,
         probe_interval: float = 2.0,
+        replay_bytes: int = 0,
     ) -> None:
         self._client = client
         self._spec = spec
@@ -137,6 +148,13 @@ class RedisTier:
         self._queued_bytes = 0
         self._max_queued_bytes = max(_WRITE_QUEUE_BYTES, max_value_bytes)
         self._tasks: list[asyncio.Task[None]] = []
+        # Writes Redis missed while unavailable, oldest first; replayed when the breaker closes.
+        self._replay: OrderedDict[CacheKey, Embedding] = OrderedDict()
+        self._replay_bytes = 0
+        self._max_replay_bytes = replay_bytes
+        self._replay_task: asyncio.Task[None] | None = None
+        self._replay_gauge = metrics.redis_replay_bytes
+        self._replay_gauge.set(0)
         self._up = metrics.redis_up
         self._errors = metrics.redis_errors
         self._lookups = {
@@ -145,7 +163,9 @@ class RedisTier:
         }
         self._writes = {
             result: metrics.redis_writes.labels(result=result)
-            for result in ("written", "queue_full", "too_large", "breaker_open", "error")
+            for result in (
+                "written", "queue_full", "too_large", "breaker_open", "error", "deferred", "replayed", "replay_dropped"
+            )
         }
         self._up.set(0)
 
@@ -160,9 +180,10 @@ class RedisTier:
 
     async def close(self) -> None:
         """Stop the writer and the probe; writes still queued are dropped (Redis is a cache)."""
-        for task in self._tasks:
+        tasks = [*self._tasks, *([self._replay_task] if self._replay_task is not None else [])]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         await self._client.aclose()
 
     # -- reads ---------------------------------------------------------------------------------
@@ -228,7 +249,7 @@ class RedisTier:
         if value.nbytes > self._max_value_bytes:
             self._writes["too_large"].inc()
         elif self._breaker.state is BreakerState.OPEN:
-            self._writes["breaker_open"].inc()
+            self._defer([(key, value)], "breaker_open")
         elif self._queued_bytes + value.nbytes > self._max_queued_bytes:
             self._writes["queue_full"].inc()
         else:
@@ -265,20 +286,20 @@ class RedisTier:
                 retry_after=max(1.0, self._breaker.retry_in()),
             ) from None
 
-    async def _set_many(self, entries: Sequence[tuple[CacheKey, Embedding]]) -> None:
+    async def _set_many(self, entries: Sequence[tuple[CacheKey, Embedding]], result: str = "written") -> None:
         """SET every entry, one pipeline per bounded chunk (items and bytes)."""
         for start in range(0, len(entries), _WRITE_BATCH_ITEMS):
             chunk: list[tuple[CacheKey, Embedding]] = []
             size = 0
             for key, value in entries[start : start + _WRITE_BATCH_ITEMS]:
                 if chunk and size + value.nbytes > _WRITE_BATCH_BYTES:
-                    await self._set_chunk(chunk, size)
+                    await self._set_chunk(chunk, size, result)
                     chunk, size = [], 0
                 chunk.append((key, value))
                 size += value.nbytes
-            await self._set_chunk(chunk, size)
+            await self._set_chunk(chunk, size, result)
 
-    async def _set_chunk(self, entries: Sequence[tuple[CacheKey, Embedding]], nbytes: int) -> None:
+    async def _set_chunk(self, entries: Sequence[tuple[CacheKey, Embedding]], nbytes: int, result: str) -> None:
         blobs = [(key.text, encode_value(self._spec.fingerprint, key.mm_hash, value)) for key, value in entries]
 
         async def write() -> None:
@@ -292,7 +313,7 @@ class RedisTier:
         except TierUnavailable:
             self._writes["error"].inc(len(entries))
             raise
-        self._writes["written"].inc(len(entries))
+        self._writes[result].inc(len(entries))
 
     async def _drain_writes(self) -> None:
         """The write-behind loop: take what is queued (bounded per batch), pipeline it, repeat."""
@@ -304,15 +325,74 @@ class RedisTier:
                 size += batch[-1][1].nbytes
             self._queued_bytes -= size
             if self._breaker.state is BreakerState.OPEN:
-                self._writes["breaker_open"].inc(len(batch))
+                self._defer(batch, "breaker_open")
                 continue
             try:
                 await self._set_many(batch)
+                self._schedule_replay()  # a failure that did not open the breaker left some behind
+            except TierRefused:
+                pass  # counted; Redis is up and said no: replaying would only be refused again
             except TierUnavailable:
-                pass  # counted; the breaker decides when to try again
+                self._defer(batch)  # counted as errors; replayed once the breaker closes
             except Exception:  # this task must outlive any one bad batch, or every later write is lost
                 log.exception("write-behind batch of %d failed", len(batch))
                 self._writes["error"].inc(len(batch))
+
+    # -- replay ----------------------------------------------------------------------------------
+
+    @property
+    def replay_bytes(self) -> int:
+        """Bytes of writes held for replay now."""
+        return self._replay_bytes
+
+    def _defer(self, entries: Sequence[tuple[CacheKey, Embedding]], missed: str | None = None) -> None:
+        """Keep writes Redis missed, for :meth:`_replay_writes`; oldest out first past the budget.
+
+        Keys are content-addressed: a key already held is not held twice. ``missed`` also counts
+        the entries under that result (``breaker_open``) for continuity of the existing series."""
+        for key, value in entries:
+            if missed is not None:
+                self._writes[missed].inc()
+            if key in self._replay:
+                continue
+            if value.nbytes > self._max_replay_bytes:
+                self._writes["replay_dropped"].inc()
+                continue
+            while self._replay and self._replay_bytes + value.nbytes > self._max_replay_bytes:
+                _old, dropped = self._replay.popitem(last=False)
+                self._replay_bytes -= dropped.nbytes
+                self._writes["replay_dropped"].inc()
+            self._replay[key] = value
+            self._replay_bytes += value.nbytes
+            self._writes["deferred"].inc()
+        self._replay_gauge.set(self._replay_bytes)
+
+    def _schedule_replay(self) -> None:
+        if self._replay and (self._replay_task is None or self._replay_task.done()):
+            self._replay_task = asyncio.create_task(self._replay_writes(), name="redis-replay")
+
+    async def _replay_writes(self) -> None:
+        """Write what was held, oldest first, a bounded chunk at a time, while Redis answers."""
+        while self._replay and self._breaker.state is BreakerState.CLOSED:
+            chunk: list[tuple[CacheKey, Embedding]] = []
+            size = 0
+            while self._replay and len(chunk) < _WRITE_BATCH_ITEMS and size < _WRITE_BATCH_BYTES:
+                key, value = self._replay.popitem(last=False)
+                chunk.append((key, value))
+                size += value.nbytes
+            self._replay_bytes -= size
+            self._replay_gauge.set(self._replay_bytes)
+            try:
+                await self._set_many(chunk, "replayed")
+            except TierRefused:
+                log.warning("Redis refused %d replayed write(s); dropped", len(chunk))
+                self._writes["replay_dropped"].inc(len(chunk))
+            except TierUnavailable:
+                self._defer(chunk)  # down again: keep them for the next recovery
+                return
+            except Exception:
+                log.exception("replay of %d write(s) failed; dropped", len(chunk))
+                self._writes["replay_dropped"].inc(len(chunk))
 
     # -- faults --------------------------------------------------------------------------------
 
@@ -339,7 +419,7 @@ class RedisTier:
         except ResponseError as exc:
             self._errors.labels(op=op).inc()
             self._breaker.record_success()  # Redis answered; it is up, only this command failed
-            raise TierUnavailable(f"Redis refused {op}: {exc}") from exc
+            raise TierRefused(f"Redis refused {op}: {exc}") from exc
         except _OUTAGES as exc:
             self._errors.labels(op=op).inc()
             self._breaker.record_failure()
@@ -349,7 +429,9 @@ class RedisTier:
                     log.warning("Redis unreachable (%s: %s): shared tier off until it answers", op, exc or type(exc))
             raise TierUnavailable(f"{type(exc).__name__} on {op}: {exc}") from exc
         if was is not BreakerState.CLOSED:
-            log.info("Redis answers again: shared tier back on")
+            log.info("Redis answers again: shared tier back on (%d byte(s) of writes to replay)", self._replay_bytes)
         self._breaker.record_success()
         self._up.set(1)
+        if was is not BreakerState.CLOSED:
+            self._schedule_replay()
         return result

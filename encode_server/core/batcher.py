@@ -117,10 +117,15 @@ class Batcher(Generic[T, R]):
     async def close(self) -> None:
         """Stop the loop; items still queued fail with ``Unavailable("not_ready")``."""
         if self._task is not None:
-            self._task.cancel()
+            task, self._task = self._task, None
+            # Python 3.11's wait_for can swallow a cancel that lands as its inner wait completes
+            # (the loop then waits for a wakeup that never comes, and close() hung): cancel until
+            # the task is really done.
+            while not task.done():
+                task.cancel()
+                await asyncio.wait({task}, timeout=0.5)
             with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+                await task
         while self._queue:
             p = self._queue.popleft()
             if not p.future.done():

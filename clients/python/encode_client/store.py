@@ -101,7 +101,7 @@ def read_value(blob: bytes, *, where: str = "value") -> StoredEmbedding:
         raise CorruptValue(f"{where}: dtype {tensor.dtype!r} does not match metadata {metadata['dtype']!r}")
     try:
         meta_shape, meta = json.loads(metadata["shape"]), json.loads(metadata["meta"])
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # deep nesting is not a ValueError
         raise CorruptValue(f"{where}: metadata shape/meta are not JSON: {exc}") from None
     shape = list(tensor.shape)
     if len(shape) != 2 or min(shape) < 1 or meta_shape != shape:

@@ -30,26 +30,10 @@ from tests.uploads import (
     MIB,
     Payload,
     RssSampler,
-    json_payload,
-    multipart_payload,
-    noise_png,
-    random_bytes,
-    raw_payload,
+    mixed_payloads,
     rss_bytes,
     upload,
 )
-
-
-def payloads(size: int) -> list[Payload]:
-    noise = random_bytes(size)
-    return [
-        raw_payload(noise),
-        json_payload(noise[: size * 3 // 4 - 64]),
-        multipart_payload(noise),
-        raw_payload(noise_png(size, seed=1), "png"),
-        json_payload(noise_png(size * 3 // 4 - 64, seed=2), "png-json"),
-        multipart_payload(noise_png(size, seed=3), "png-multipart"),
-    ]
 
 
 def burst(budget_mb: int, bodies: list[Payload], uploads: int, log_dir: Path) -> dict[str, object]:
@@ -108,7 +92,7 @@ def main() -> None:
     parser.add_argument("--mb", type=float, default=60.0, help="size of each upload in MiB")
     parser.add_argument("--unbounded", action="store_true", help="also run with the budget off (needs GBs)")
     args = parser.parse_args()
-    bodies = payloads(int(args.mb * MIB))
+    bodies = mixed_payloads(int(args.mb * MIB))
     budgets = [int(b) for b in args.budgets.split(",")] + ([0] if args.unbounded else [])
     print(f"{args.uploads} concurrent uploads of {args.mb:g} MiB ({', '.join(sorted({p.kind for p in bodies}))})")
     with tempfile.TemporaryDirectory() as tmp:

@@ -28,6 +28,7 @@ __all__ = [
     "Upload",
     "chunked",
     "json_payload",
+    "mixed_payloads",
     "multipart_payload",
     "noise_png",
     "random_bytes",
@@ -218,3 +219,16 @@ class RssSampler:
 def random_bytes(nbytes: int, seed: int = 0) -> bytes:
     return np.random.default_rng(seed).bytes(nbytes)
 
+
+def mixed_payloads(size: int) -> list[Payload]:
+    """Raw, JSON base64 and multipart bodies of about ``size`` bytes: random bytes (refused 400
+    from the image header) and real noise PNGs (decoded: their pixels are charged too)."""
+    noise = random_bytes(size)
+    return [
+        raw_payload(noise),
+        json_payload(noise[: size * 3 // 4 - 64]),
+        multipart_payload(noise),
+        raw_payload(noise_png(size, seed=1), "png"),
+        json_payload(noise_png(size * 3 // 4 - 64, seed=2), "png-json"),
+        multipart_payload(noise_png(size, seed=3), "png-multipart"),
+    ]

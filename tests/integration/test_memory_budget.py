@@ -34,11 +34,9 @@ from tests.uploads import (
     RssSampler,
     Upload,
     chunked,
-    json_payload,
-    multipart_payload,
+    mixed_payloads,
     noise_png,
     random_bytes,
-    raw_payload,
     read_response,
     rss_bytes,
     upload,
@@ -74,17 +72,7 @@ def port_of(server: ServerProcess) -> int:
 
 @pytest.fixture(scope="module")
 def payloads() -> list[Payload]:
-    """Raw, JSON base64 and multipart bodies of about SIZE bytes: random bytes (refused 400 from
-    the image header) and real noise PNGs (decoded: their pixels are charged too)."""
-    noise = random_bytes(SIZE)
-    return [
-        raw_payload(noise),
-        json_payload(noise[: SIZE * 3 // 4 - 64]),
-        multipart_payload(noise),
-        raw_payload(noise_png(SIZE, seed=1), "png"),
-        json_payload(noise_png(SIZE * 3 // 4 - 64, seed=2), "png-json"),
-        multipart_payload(noise_png(SIZE, seed=3), "png-multipart"),
-    ]
+    return mixed_payloads(SIZE)
 
 
 def inflight(server: ServerProcess) -> float:

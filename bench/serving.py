@@ -54,11 +54,13 @@ from pathlib import Path
 from typing import Any
 
 # First, before anything loads torch: the bare pipeline must run in the process state the server
-# runs in (encode_server.encoders sets OMP_WAIT_POLICY before torch loads its OpenMP runtime).
+# runs in (encode_server.encoders sets OMP_WAIT_POLICY before torch loads its OpenMP runtime;
+# main() tunes glibc's allocator as the server's first step does).
 import encode_server.encoders  # noqa: F401
 from bench import models
 from bench.rawhttp import Conn, Request, post_many
 from bench.workload import photos, zipf_sequence
+from encode_server.malloc import tune_allocator
 from tests.redis_procs import start_redis
 from tests.server import ServerProcess, free_port, start_server
 
@@ -618,6 +620,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="an earlier result to print side by side (ignored when missing)")
     parser.add_argument("--no-plots", action="store_true")
     args = parser.parse_args(argv)
+    tune_allocator()  # the server's first step, before the bare pipeline's threads start
     result = run(QUICK if args.quick else Plan(), args.quick)
     missing = [k for k, v in flat(result).items() if not math.isfinite(v)]
     args.out.parent.mkdir(parents=True, exist_ok=True)

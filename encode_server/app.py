@@ -41,10 +41,14 @@ from encode_server.core.stored import ValueSpec
 from encode_server.core.types import EncodedTensor
 from encode_server.encoders import load_encoder
 from encode_server.encoders.base import PreparedImage, VisionEncoder
+from encode_server.malloc import release_free_memory
 from encode_server.metrics import Metrics
 from encode_server.service import EncodeService, model_fingerprint
 
-__all__ = ["DrainingServer", "EncodeServer", "EncoderLoader", "build_service", "file_exporter", "run", "shared_tier"]
+__all__ = [
+    "DrainingServer", "EncodeServer", "EncoderLoader", "build_service", "file_exporter", "give_back_memory", "run",
+    "shared_tier",
+]
 
 log = logging.getLogger("encode_server")
 
@@ -84,6 +88,7 @@ class EncodeServer:
         grpc_server = await start_grpc_server(self.runtime) if s.grpc_port else None
         http = asyncio.create_task(self.http.serve(), name="http")
         forward = ThreadPoolExecutor(1, thread_name_prefix="forward")
+        trimmer = asyncio.create_task(give_back_memory(self.runtime.budget), name="give-back-memory")
         service: EncodeService | None = None
         try:
             loading = asyncio.create_task(self._build_service(forward), name="load")
@@ -104,6 +109,7 @@ class EncodeServer:
             if service is not None:
                 await service.close()  # the batcher, the shared tier's writer, the pools
             forward.shutdown(wait=False, cancel_futures=True)
+            trimmer.cancel()
         return self.exit_code
 
     def shutdown(self) -> None:
@@ -144,6 +150,23 @@ class EncodeServer:
         self.runtime.load_error = exc
         self.exit_code = 1
         self.http.should_exit = True
+
+
+async def give_back_memory(budget: ByteBudget, quiet_s: float = 1.0, busy_s: float = 30.0) -> None:
+    """What the heap kept of finished requests goes back to the OS (``malloc.release_free_memory``)
+    once requests have stopped for ``quiet_s``, and every ``busy_s`` under steady load; never per
+    request, which would make each one fault its working set in again. The budget's byte counter
+    says whether requests came since the last look."""
+    seen = trimmed = budget.acquired_total
+    last_trim = time.monotonic()
+    while True:
+        await asyncio.sleep(quiet_s)
+        now = budget.acquired_total
+        quiet = now == seen and budget.used == 0
+        seen = now
+        if now != trimmed and (quiet or time.monotonic() - last_trim >= busy_s):
+            await asyncio.to_thread(release_free_memory)
+            trimmed, last_trim = now, time.monotonic()
 
 
 def build_service(

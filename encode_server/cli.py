@@ -12,7 +12,7 @@ from encode_server.app import run
 from encode_server.auth import ApiKeys
 from encode_server.config import settings_from
 from encode_server.logs import configure_logging
-from encode_server.malloc import return_freed_memory
+from encode_server.malloc import tune_allocator
 
 __all__ = ["main"]
 
@@ -22,7 +22,7 @@ log = logging.getLogger("encode_server")
 def main(argv: Sequence[str] | None = None) -> int:
     settings = settings_from(sys.argv[1:] if argv is None else argv, os.environ)
     configure_logging(settings.log_level, settings.log_format)
-    return_freed_memory()  # before any thread starts: freed request buffers leave the process
+    tune_allocator()  # before any thread starts: arenas are made per thread
     try:
         keys = ApiKeys.from_settings(settings)
     except ValueError as exc:

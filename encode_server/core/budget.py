@@ -37,7 +37,8 @@ class ByteBudget:
         changes nothing (all or nothing), so the budget is never overdrawn;
     (b) ``used`` is the sum of what was acquired and not yet released: releasing more than is
         held is an error, never a silent clamp to zero;
-    (c) ``peak`` is the most ``used`` has been since the budget was made (for reports).
+    (c) ``peak`` is the most ``used`` has been since the budget was made (for reports);
+    (d) ``acquired_total`` (bytes ever acquired) never decreases: a change says requests came.
 
     A charge larger than the whole capacity never fits, even when nothing else is held: the
     caller turns that into "too large" rather than "try again later" (see :meth:`could_ever_fit`).
@@ -51,6 +52,7 @@ class ByteBudget:
         self._capacity = capacity
         self._used = 0
         self._peak = 0
+        self._acquired_total = 0
         self._lock = threading.Lock()
 
     @property
@@ -64,6 +66,10 @@ class ByteBudget:
     @property
     def peak(self) -> int:
         return self._peak
+
+    @property
+    def acquired_total(self) -> int:
+        return self._acquired_total
 
     @property
     def available(self) -> int | None:
@@ -85,6 +91,7 @@ class ByteBudget:
             if self._capacity is not None and self._used + nbytes > self._capacity:
                 return False
             self._used += nbytes
+            self._acquired_total += nbytes
             self._peak = max(self._peak, self._used)
             return True
 
@@ -118,6 +125,7 @@ class ByteBudget:
         assert self._used >= 0, self._used
         assert self._capacity is None or self._used <= self._capacity, (self._used, self._capacity)
         assert self._peak >= self._used, (self._peak, self._used)
+        assert self._acquired_total >= self._peak, (self._acquired_total, self._peak)
 
 
 class Hold:

@@ -99,6 +99,20 @@ class Metrics:
         self.model_info = gauge(
             "model_info", "The loaded model; always 1.", ("model", "fingerprint", "dtype", "device")
         )
+        self._request_series: dict[tuple[str, int], tuple[Counter, Histogram]] = {}
+
+    def request_done(self, route: str, code: int, seconds: float, sent: int) -> None:
+        """One finished request (either door). The labelled series are looked up once per
+        (route, code) and kept: ``labels()`` takes a lock and builds a key on every call."""
+        series = self._request_series.get((route, code))
+        if series is None:
+            series = self._request_series[(route, code)] = (
+                self.requests.labels(route=route, code=str(code)), self.request_seconds.labels(route=route)
+            )
+        self.inflight_requests.dec()
+        series[0].inc()
+        series[1].observe(seconds)
+        self.response_bytes.inc(sent)
 
     def observe_batch(self, stats: BatchStats) -> None:
         self.batch_size.observe(stats.size)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -45,6 +46,9 @@ log = logging.getLogger(__name__)
 
 # Hashing a large upload takes a few ms per MiB; above this it leaves the event loop.
 _HASH_OFF_LOOP_BYTES = 1 << 20
+# asyncio.timeout (3.11+) times the current task; wait_for runs the work as a task of its own,
+# ~20 us of a cached hit's ~60 us in the server.
+_IN_TASK_TIMEOUT = sys.version_info >= (3, 11)
 
 
 def model_fingerprint(info: EncoderInfo) -> str:
@@ -174,6 +178,9 @@ class EncodeService:
         """
         timeout = self.settings.request_timeout
         try:
+            if _IN_TASK_TIMEOUT:  # no task of its own: a request of local hits never leaves this one
+                async with asyncio.timeout(timeout):  # type: ignore[attr-defined,unused-ignore]
+                    return await self._resolve(items, return_kind, tenant)
             return await asyncio.wait_for(self._resolve(items, return_kind, tenant), timeout)
         except asyncio.TimeoutError:
             self.metrics.rejected.labels(reason="timeout").inc()

@@ -13,9 +13,9 @@ A door only parses its wire into these calls and renders what they return.
 from __future__ import annotations
 
 import logging
+import os
 import re
 import time
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -98,7 +98,7 @@ def new_request_id(client_value: str | None) -> str:
     """The client's ``X-Request-ID`` when it is a plain token (safe in a log line), else a new one."""
     if client_value is not None and _REQUEST_ID.fullmatch(client_value):
         return client_value
-    return uuid.uuid4().hex
+    return os.urandom(16).hex()  # what uuid4().hex carries (random 128 bits), at a third of the cost
 
 
 @dataclass
@@ -140,10 +140,7 @@ def record_request(runtime: Runtime, record: RequestRecord) -> Iterator[RequestR
             yield record
     finally:
         elapsed = time.perf_counter() - record.started
-        metrics.inflight_requests.dec()
-        metrics.requests.labels(route=record.route, code=str(record.code)).inc()
-        metrics.request_seconds.labels(route=record.route).observe(elapsed)
-        metrics.response_bytes.inc(record.sent)
+        metrics.request_done(record.route, record.code, elapsed, record.sent)
         quiet = record.route in _ALWAYS_QUIET or (record.route in _QUIET_WHEN_OK and record.code < 400)
         access_log.log(
             logging.DEBUG if quiet else logging.INFO,

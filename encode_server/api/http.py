@@ -7,9 +7,8 @@ app state, no globals.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from functools import partial
 from typing import Any
 
@@ -44,7 +43,7 @@ from encode_server.core.wire import WireTensor, safetensors_parts
 from encode_server.metrics import CONTENT_TYPE_LATEST
 from encode_server.service import EncodeService
 
-__all__ = ["HttpApi", "create_app"]
+__all__ = ["HotRoutes", "HttpApi", "create_app", "response_for"]
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +153,7 @@ class HttpApi:
         metadata = {
             "model": service.encoder.info.model_id,
             "fingerprint": service.fingerprint,
-            "items": json.dumps([item_fields(r, Return.EMBEDDINGS) for r in results]),
+            "items": orjson.dumps([item_fields(r, Return.EMBEDDINGS) for r in results]).decode(),
         }
         return PartsResponse(safetensors_parts(tensors, metadata), SAFETENSORS)
 
@@ -254,6 +253,7 @@ def create_app(runtime: Runtime) -> FastAPI:
     api = HttpApi(runtime)
     app = FastAPI(title="encode-server", version=__version__)
     routes = frozenset({"/v1/encode", "/v1/lookup", "/v1/tokens", "/v1/model", "/health", "/ready", "/metrics"})
+    app.add_middleware(HotRoutes, handlers={"/v1/encode": api.encode, "/v1/lookup": api.lookup})
     app.add_middleware(BodyBudgetMiddleware, runtime=runtime)  # inside MetricsMiddleware: its 503s are counted
     app.add_middleware(MetricsMiddleware, runtime=runtime, routes=routes)
     common: dict[int | str, dict[str, Any]] = {503: _error_doc("not_ready")}
@@ -293,32 +293,62 @@ def create_app(runtime: Runtime) -> FastAPI:
     return app
 
 
-def _install_error_handlers(app: FastAPI) -> None:
-    async def on_domain_error(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, EncodeServerError)
+def _http_error(exc: StarletteHTTPException) -> Response:
+    kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+    body = {"error": {"type": kind, "message": str(exc.detail), "index": None}}
+    return JSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+
+def response_for(request: Request, exc: Exception) -> Response:
+    """The answer to a route's exception: what the FastAPI handlers and ``HotRoutes`` both send."""
+    if isinstance(exc, EncodeServerError):
         return error_response(exc)
-
-    async def on_validation_error(request: Request, exc: Exception) -> Response:
+    if isinstance(exc, RequestValidationError):
         return error_response(InvalidRequest(str(exc)))
-
-    async def on_http_error(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, StarletteHTTPException)
-        kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        body = {"error": {"type": kind, "message": str(exc.detail), "index": None}}
-        return JSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
-
-    async def on_disconnect(request: Request, exc: Exception) -> Response:
+    if isinstance(exc, StarletteHTTPException):
+        return _http_error(exc)
+    if isinstance(exc, ClientDisconnect):
         # The client went away mid-body (or a body timeout closed it): nobody reads this answer;
         # 499 (nginx's "client closed request") keeps it out of the 5xx that alerts count.
         return Response(status_code=499)
+    log.error("unexpected error on %s", request.url.path, exc_info=exc)
+    body = {"error": {"type": "internal", "message": "internal server error", "index": None}}
+    return JSONResponse(body, status_code=500)
 
-    async def on_unexpected(request: Request, exc: Exception) -> Response:
-        log.exception("unexpected error on %s", request.url.path)
-        body = {"error": {"type": "internal", "message": "internal server error", "index": None}}
-        return JSONResponse(body, status_code=500)
 
-    app.add_exception_handler(EncodeServerError, on_domain_error)
-    app.add_exception_handler(RequestValidationError, on_validation_error)
-    app.add_exception_handler(StarletteHTTPException, on_http_error)
-    app.add_exception_handler(ClientDisconnect, on_disconnect)
-    app.add_exception_handler(Exception, on_unexpected)
+class HotRoutes:
+    """``POST`` to the hot routes (/v1/encode, /v1/lookup) straight to their handlers, past
+    FastAPI's router and dependency machinery: about a third of a cached hit's time in the server.
+    The same handlers and the same error answers (``response_for``) as the FastAPI routes, which
+    stay registered for the OpenAPI document and for every other method."""
+
+    def __init__(self, app: ASGIApp, handlers: Mapping[str, Callable[[Request], Awaitable[Response]]]) -> None:
+        self.app = app
+        self.handlers = handlers
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        handler = self.handlers.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
+        if handler is None:
+            await self.app(scope, receive, send)
+            return
+        request = Request(scope, receive, send)
+        try:
+            response = await handler(request)
+        except _ROUTE_ERRORS as exc:
+            response = response_for(request, exc)
+        # Anything else goes up as from a FastAPI route: the budget middleware answers OverBudget,
+        # and Starlette's outermost error middleware the unexpected (500, logged).
+        await response(scope, receive, send)
+
+
+# What a route's own exception handlers answer (FastAPI's ExceptionMiddleware, inside ours);
+# ``Exception`` is answered by Starlette's outermost middleware, outside ours.
+_ROUTE_ERRORS = (EncodeServerError, RequestValidationError, StarletteHTTPException, ClientDisconnect)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    async def handle(request: Request, exc: Exception) -> Response:
+        return response_for(request, exc)
+
+    for kind in (*_ROUTE_ERRORS, Exception):
+        app.add_exception_handler(kind, handle)

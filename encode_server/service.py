@@ -123,7 +123,7 @@ class EncodeService:
         self.local = local
         self.batcher = batcher
         self._preprocess_pool = ThreadPoolExecutor(
-            max(1, settings.preprocess_workers), thread_name_prefix="preprocess"
+            settings.preprocess_threads, thread_name_prefix="preprocess"
         )
         # Pending = admitted and not yet encoded (decoding, queued or in a forward pass): what
         # --max-queue bounds, so that memory stays bounded however fast requests arrive.

@@ -152,7 +152,9 @@ class EncodeServer:
         self.http.should_exit = True
 
 
-async def give_back_memory(budget: ByteBudget, quiet_s: float = 1.0, busy_s: float = 30.0) -> None:
+async def give_back_memory(
+    budget: ByteBudget, quiet_s: float = 1.0, busy_s: float = 30.0, release: Callable[[], object] = release_free_memory
+) -> None:
     """What the heap kept of finished requests goes back to the OS (``malloc.release_free_memory``)
     once requests have stopped for ``quiet_s``, and every ``busy_s`` under steady load; never per
     request, which would make each one fault its working set in again. The budget's byte counter
@@ -165,7 +167,7 @@ async def give_back_memory(budget: ByteBudget, quiet_s: float = 1.0, busy_s: flo
         quiet = now == seen and budget.used == 0
         seen = now
         if now != trimmed and (quiet or time.monotonic() - last_trim >= busy_s):
-            await asyncio.to_thread(release_free_memory)
+            await asyncio.to_thread(release)
             trimmed, last_trim = now, time.monotonic()
 
 

@@ -22,8 +22,9 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
+from io import BufferedReader
 from pathlib import Path
-from typing import BinaryIO, TypeVar
+from typing import TypeVar
 
 import blake3
 import torch
@@ -147,15 +148,10 @@ def _entries(path: Path, keys: Sequence[str]) -> dict[str, _Entry]:
     return out
 
 
-def _bytes_of(tensor: torch.Tensor) -> memoryview:
-    """A writable view of a contiguous CPU tensor's bytes."""
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B")
-
-
-def _read_into(f: BinaryIO, entry: _Entry, target: torch.Tensor) -> None:
+def _read_into(f: BufferedReader, entry: _Entry, target: torch.Tensor) -> None:
+    """The tensor's bytes from the file into ``target`` (contiguous, on the CPU), no copy between."""
     f.seek(entry.offset)
-    view = _bytes_of(target)
-    if f.readinto(view) != entry.nbytes:
+    if f.readinto(target.reshape(-1).view(torch.uint8).numpy().data) != entry.nbytes:
         raise ValueError(f"{entry.file} ends inside a tensor: a truncated checkpoint?")
 
 

@@ -55,6 +55,18 @@ def test_an_unbounded_budget_counts_but_never_refuses() -> None:
     assert budget.used == 0 and budget.peak == 1 << 50
 
 
+def test_acquired_total_counts_every_charge_and_never_falls() -> None:
+    """What tells the idle memory trimmer that requests came (encode_server.app.give_back_memory)."""
+    budget = ByteBudget(100)
+    budget.acquire(60)
+    assert not budget.try_acquire(41)  # refused: not counted
+    budget.release(60)
+    with budget.charged(30):
+        pass
+    assert budget.used == 0 and budget.acquired_total == 90
+    budget.check_invariants()
+
+
 def test_a_hold_grows_settles_and_releases_once() -> None:
     budget = ByteBudget(100)
     hold = budget.hold()

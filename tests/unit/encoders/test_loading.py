@@ -141,6 +141,56 @@ def test_a_checkpoint_without_vision_tensors_says_so(qwen_dir: Path, tmp_path: P
         load_encoder(str(text_only), device="cpu")
 
 
+def _vision_state(encoder: VisionEncoder) -> dict[str, torch.Tensor]:
+    return encoder.module.state_dict()  # type: ignore[attr-defined]
+
+
+def test_every_tensor_lands_in_the_module_as_stored(clip_dir: Path) -> None:
+    """Read from the file straight into the parameters: each equals the checkpoint's tensor."""
+    stored = {k.removeprefix("vision_model."): v for k, v in load_file(clip_dir / "model.safetensors").items()}
+    state = _vision_state(load_encoder(str(clip_dir), device="cpu", output="hidden"))
+    assert state.keys() <= stored.keys()
+    for key, tensor in state.items():
+        assert torch.equal(tensor, stored[key]), key
+
+
+def test_a_checkpoint_in_another_dtype_is_cast_and_keeps_its_digest(clip_dir: Path, tmp_path: Path) -> None:
+    """bfloat16 on disk, float32 in the module (the buffered path): the values are the stored ones,
+    and the digest is of the checkpoint as stored, not of the cast."""
+    half = tmp_path / "bf16"
+    shutil.copytree(clip_dir, half)
+    stored = {k: v.to(torch.bfloat16) if v.is_floating_point() else v
+              for k, v in load_file(clip_dir / "model.safetensors").items()}
+    save_file(stored, half / "model.safetensors", metadata={"format": "pt"})
+    as_float = load_encoder(str(half), device="cpu", dtype="float32", output="hidden")
+    as_bf16 = load_encoder(str(half), device="cpu", dtype="bfloat16", output="hidden")
+    assert as_float.info.weights_digest == as_bf16.info.weights_digest
+    for key, tensor in _vision_state(as_float).items():
+        assert tensor.dtype == torch.float32 or not tensor.is_floating_point()
+        assert torch.equal(tensor, stored["vision_model." + key].to(tensor.dtype)), key
+
+
+def test_a_truncated_shard_fails_loudly(clip_dir: Path, tmp_path: Path) -> None:
+    """Sharded, the index (not the shard) lists the keys: the read itself finds the cut."""
+    cut = rewrite_checkpoint(
+        clip_dir, tmp_path / "cut", shard_of=lambda key: "a.safetensors" if "encoder" in key else "b.safetensors"
+    )
+    shard = cut / "a.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-4096])
+    with pytest.raises(ValueError, match="truncated"):
+        load_encoder(str(cut), device="cpu", output="hidden")
+
+
+def test_a_tensor_of_the_wrong_shape_is_named(clip_dir: Path, tmp_path: Path) -> None:
+    key = "vision_model.post_layernorm.weight"
+    wrong = rewrite_checkpoint(clip_dir, tmp_path / "wrong")
+    tensors = load_file(wrong / "model.safetensors")
+    tensors[key] = torch.cat([tensors[key], tensors[key]])
+    save_file(tensors, wrong / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"post_layernorm\.weight has shape"):
+        load_encoder(str(wrong), device="cpu", output="hidden")
+
+
 def test_unknown_model_type_is_named_in_the_error(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
     with pytest.raises(ValueError, match="model_type 'bert' is not supported"):

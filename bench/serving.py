@@ -77,13 +77,13 @@ class Plan:
 
     s1_images: int = 128
     s1_vit_images: int = 64
-    sequential: int = 40
+    sequential: int = 60
     sequential_vit: int = 24
     s2_requests: tuple[int, int, int] = (300, 100, 30)
     s3_images: int = 2000
     s3_requests: int = 10_000
     s3_off_requests: int = 800
-    allmiss_images: int = 160
+    allmiss_images: int = 192
     s4_rounds: int = 10
 
 
@@ -235,16 +235,18 @@ def checked(conn: Conn, req: Request) -> float:
 
 def allmiss(server: ServerProcess, n: int, seed: int) -> dict[str, float]:
     """All-miss traffic through ``encode_client.AsyncClient``: its default mode against ``always``,
-    in alternating rounds (each mode keeps its client, so the default mode's window carries over)."""
+    in rounds that alternate which goes first, so that neither side always runs right after the
+    other's tail (each mode keeps its client, so the default mode's window carries over)."""
     from encode_client import AsyncClient
 
     async def run() -> dict[str, float]:
-        rounds = 4
+        rounds = max(2, min(6, n // CONCURRENCY))
         per_round = max(CONCURRENCY, n // rounds)
         took = {"default": 0.0, "always": 0.0}
         async with AsyncClient(server.url) as default, AsyncClient(server.url, upload="always") as always:
             for r in range(rounds):
-                for name, client in (("default", default), ("always", always)):
+                order = (("default", default), ("always", always))
+                for name, client in order if r % 2 == 0 else order[::-1]:
                     queue = photos(seed + 10_000 * r + (name == "always") * 5_000, per_round)
 
                     async def worker(client: AsyncClient = client, queue: list[bytes] = queue) -> None:
@@ -616,7 +618,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny counts and a shrunken ViT: checks the code runs")
     parser.add_argument("--out", type=Path, default=RESULTS / "latest.json")
-    parser.add_argument("--before", type=Path, default=RESULTS / "before.json",
+    parser.add_argument("--before", type=Path, default=RESULTS / "c68780e.json",
                         help="an earlier result to print side by side (ignored when missing)")
     parser.add_argument("--no-plots", action="store_true")
     args = parser.parse_args(argv)

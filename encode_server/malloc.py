@@ -9,7 +9,7 @@ measured, 8-10 ms of a 32 ms tiny-model encode on 2 cores, a quarter of the mode
 
 So: buffers under 32 MiB (an encode's working set) are reused from the heap, never mapped anew;
 larger ones (burst-sized uploads and decoded frames) are their own mappings, unmapped on free;
-the heap is not shrunk on every free (64 MiB trim threshold) and two arenas bound the rest. What
+the heap is not shrunk on every free (16 MiB trim threshold) and two arenas bound the rest. What
 the heap keeps after work goes back to the OS by :func:`release_free_memory`, which the server
 calls once it is idle (``encode_server.app``): memory falls back after a burst without any
 request paying page faults for it. Operators' own ``MALLOC_*`` environment variables win; other
@@ -32,7 +32,7 @@ _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _M_ARENA_MAX = -8
 MMAP_THRESHOLD = 16 << 20
-TRIM_THRESHOLD = 64 << 20
+TRIM_THRESHOLD = 16 << 20
 ARENA_MAX = 2
 
 

@@ -25,7 +25,7 @@ import asyncio
 import contextlib
 import logging
 import re
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -146,6 +146,10 @@ class RedisTier:
         self._probe_interval = probe_interval
         self._queue: asyncio.Queue[tuple[CacheKey, Embedding]] = asyncio.Queue(maxsize=write_queue)
         self._queued_bytes = 0
+        # Writes waiting in the queue, per key; and how many of those a hand-off has made since
+        # (the queue is FIFO: they are the oldest ones), which are skipped, not sent a second time.
+        self._queued_keys: Counter[CacheKey] = Counter()
+        self._superseded: Counter[CacheKey] = Counter()
         self._max_queued_bytes = max(_WRITE_QUEUE_BYTES, max_value_bytes)
         self._tasks: list[asyncio.Task[None]] = []
         # Writes Redis missed while unavailable, oldest first; replayed when the breaker closes.
@@ -164,7 +168,8 @@ class RedisTier:
         self._writes = {
             result: metrics.redis_writes.labels(result=result)
             for result in (
-                "written", "queue_full", "too_large", "breaker_open", "error", "deferred", "replayed", "replay_dropped"
+                "written", "queue_full", "too_large", "breaker_open", "error", "deferred", "replayed",
+                "replay_dropped", "superseded",
             )
         }
         self._up.set(0)
@@ -259,6 +264,7 @@ class RedisTier:
                 self._writes["queue_full"].inc()
             else:
                 self._queued_bytes += value.nbytes
+                self._queued_keys[key] += 1
 
     async def put_now(self, entries: Sequence[tuple[CacheKey, Embedding]]) -> None:
         """Write every entry before returning (the metadata hand-off). Always SET, even when the
@@ -285,6 +291,10 @@ class RedisTier:
                 type="shared_tier_unavailable",
                 retry_after=max(1.0, self._breaker.retry_in()),
             ) from None
+        # What this request encoded was also queued behind its response: that write is done now.
+        for key, _ in entries:
+            if key in self._queued_keys:
+                self._superseded[key] = self._queued_keys[key]
 
     async def _set_many(self, entries: Sequence[tuple[CacheKey, Embedding]], result: str = "written") -> None:
         """SET every entry, one pipeline per bounded chunk (items and bytes)."""
@@ -324,6 +334,9 @@ class RedisTier:
                 batch.append(self._queue.get_nowait())
                 size += batch[-1][1].nbytes
             self._queued_bytes -= size
+            batch = self._not_superseded(batch)
+            if not batch:
+                continue
             if self._breaker.state is BreakerState.OPEN:
                 self._defer(batch, "breaker_open")
                 continue
@@ -337,6 +350,17 @@ class RedisTier:
             except Exception:  # this task must outlive any one bad batch, or every later write is lost
                 log.exception("write-behind batch of %d failed", len(batch))
                 self._writes["error"].inc(len(batch))
+
+    def _not_superseded(self, batch: list[tuple[CacheKey, Embedding]]) -> list[tuple[CacheKey, Embedding]]:
+        """The dequeued writes that no hand-off has made since they were queued."""
+        kept = []
+        for key, value in batch:
+            _take(self._queued_keys, key)
+            if _take(self._superseded, key):
+                self._writes["superseded"].inc()
+            else:
+                kept.append((key, value))
+        return kept
 
     # -- replay ----------------------------------------------------------------------------------
 
@@ -435,3 +459,13 @@ class RedisTier:
         if was is not BreakerState.CLOSED:
             self._schedule_replay()
         return result
+
+
+def _take(counts: Counter[CacheKey], key: CacheKey) -> bool:
+    """One less of ``key`` (none left: no entry); whether there was one."""
+    n = counts.get(key, 0)
+    if n > 1:
+        counts[key] = n - 1
+    elif n == 1:
+        del counts[key]
+    return n > 0

@@ -26,8 +26,10 @@ _PROBE = textwrap.dedent("""
                 return int(line.split()[1]) // 1024
 
     assert tune_allocator()
-    blocks = [bytearray(1 << 20) for _ in range(96)]  # under the 16 MiB threshold: from the heap
-    pin = bytearray(4096)  # above them: the heap's top cannot shrink past it on free
+    blocks, pins = [], []
+    for _ in range(96):
+        blocks.append(bytearray(1 << 20))  # under the 16 MiB threshold: from the heap
+        pins.append(bytearray(4096))  # kept between them: freed blocks cannot merge into the top
     grown = rss_mib()
     del blocks
     kept = rss_mib()

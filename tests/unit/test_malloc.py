@@ -53,7 +53,7 @@ def test_memory_is_given_back_once_requests_stop_and_every_busy_period_under_loa
     async def scenario() -> None:
         loop = asyncio.get_running_loop()
         task = asyncio.create_task(
-            give_back_memory(budget, quiet_s=0.02, busy_s=0.3, release=lambda: calls.append(loop.time()))
+            give_back_memory(budget, quiet_s=0.02, busy_s=1.0, release=lambda: calls.append(loop.time()))
         )
         await asyncio.sleep(0.15)
         assert not calls, "nothing happened: nothing to give back"
@@ -65,10 +65,10 @@ def test_memory_is_given_back_once_requests_stop_and_every_busy_period_under_loa
         await asyncio.sleep(0.15)
         assert len(calls) == 1, "and not again while nothing comes"
         started = loop.time()
-        while loop.time() - started < 0.8:  # steady load: a request every 5 ms, never quiet
+        while loop.time() - started < 2.3:  # steady load: a request every 5 ms, never quiet
             with budget.charged(1):
                 await asyncio.sleep(0.005)
-        assert 2 <= len(calls) <= 5, calls  # every busy_s under load
+        assert 2 <= len(calls) - 1 <= 3, calls  # every busy_s under load
         task.cancel()
 
     asyncio.run(scenario())

@@ -132,19 +132,19 @@ class _Entry:
     shape: tuple[int, ...]
 
 
-def _entries(path: Path, keys: Sequence[str]) -> dict[str, _Entry]:
-    """Where ``keys`` lie in one safetensors file, from its header (the format: an 8-byte
-    little-endian header length, the JSON header, then the data)."""
-    with open(path, "rb") as f:
-        length = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(length))
+def _entries(f: BufferedReader, name: str, keys: Sequence[str]) -> dict[str, _Entry]:
+    """Where ``keys`` lie in the safetensors file ``name``, open as ``f``, from its header (the
+    format: an 8-byte little-endian header length, the JSON header, then the data)."""
+    f.seek(0)
+    length = int.from_bytes(f.read(8), "little")
+    header = json.loads(f.read(length))
     out = {}
     for key in keys:
         info = header[key]
         if info["dtype"] not in _DTYPES:
-            raise ValueError(f"{path.name}: tensor {key} has dtype {info['dtype']}, which is not read")
+            raise ValueError(f"{name}: tensor {key} has dtype {info['dtype']}, which is not read")
         begin, end = info["data_offsets"]
-        out[key] = _Entry(path.name, 8 + length + begin, end - begin, _DTYPES[info["dtype"]], tuple(info["shape"]))
+        out[key] = _Entry(name, 8 + length + begin, end - begin, _DTYPES[info["dtype"]], tuple(info["shape"]))
     return out
 
 
@@ -176,12 +176,12 @@ def load_vision_weights(module: torch.nn.Module, files: CheckpointFiles, layouts
     by_file: dict[str, list[str]] = defaultdict(list)
     for key in selected:
         by_file[weight_map[key]].append(key)
-    entries: dict[str, _Entry] = {}
-    for filename, keys in by_file.items():
-        entries.update(_entries(files.path(filename), keys))
     hasher = _digest_start(len(targets))
     with ExitStack() as stack, torch.no_grad():
         handles = {name: stack.enter_context(open(files.path(name), "rb")) for name in by_file}
+        entries: dict[str, _Entry] = {}
+        for name, keys in by_file.items():
+            entries.update(_entries(handles[name], name, keys))
         for module_key in sorted(targets):
             entry, target = entries[wanted[module_key]], targets[module_key]
             if entry.shape != tuple(target.shape):

@@ -109,7 +109,6 @@ class Metrics:
             series = self._request_series[(route, code)] = (
                 self.requests.labels(route=route, code=str(code)), self.request_seconds.labels(route=route)
             )
-        self.inflight_requests.dec()
         series[0].inc()
         series[1].observe(seconds)
         self.response_bytes.inc(sent)

@@ -140,6 +140,7 @@ def record_request(runtime: Runtime, record: RequestRecord) -> Iterator[RequestR
             yield record
     finally:
         elapsed = time.perf_counter() - record.started
+        metrics.inflight_requests.dec()
         metrics.request_done(record.route, record.code, elapsed, record.sent)
         quiet = record.route in _ALWAYS_QUIET or (record.route in _QUIET_WHEN_OK and record.code < 400)
         access_log.log(

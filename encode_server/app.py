@@ -24,11 +24,13 @@ from concurrent.futures import Executor, ThreadPoolExecutor
 from functools import partial
 from types import FrameType
 
+import grpc
 import uvicorn
 
 from encode_server.api.connections import uvicorn_options
 from encode_server.api.grpc import start_grpc_server
 from encode_server.api.http import create_app
+from encode_server.api.ports import PortUnavailable, bind_listener
 from encode_server.api.runtime import Runtime
 from encode_server.cache.base import SharedTier
 from encode_server.cache.export import FileExporter
@@ -39,20 +41,24 @@ from encode_server.core.batcher import Batcher
 from encode_server.core.budget import ByteBudget
 from encode_server.core.stored import ValueSpec
 from encode_server.core.types import EncodedTensor
-from encode_server.encoders import load_encoder
+from encode_server.encoders import check_local_model, load_encoder
 from encode_server.encoders.base import PreparedImage, VisionEncoder
 from encode_server.malloc import release_free_memory
 from encode_server.metrics import Metrics
 from encode_server.service import EncodeService, model_fingerprint
 
 __all__ = [
-    "DrainingServer", "EncodeServer", "EncoderLoader", "build_service", "file_exporter", "give_back_memory", "run",
-    "shared_tier",
+    "DrainingServer", "EncodeServer", "EncoderLoader", "StartFailed", "build_service", "file_exporter",
+    "give_back_memory", "run", "shared_tier",
 ]
 
 log = logging.getLogger("encode_server")
 
 EncoderLoader = Callable[[], VisionEncoder]
+
+
+class StartFailed(Exception):
+    """The server could not start (a taken port, a missing ``--model`` directory): one line, exit 1."""
 
 
 def encoder_loader(settings: Settings) -> EncoderLoader:
@@ -83,10 +89,16 @@ class EncodeServer:
         self.exit_code = 0
 
     async def serve(self) -> int:
-        """The lifecycle: doors up, model in, serve, drain, doors down, everything closed."""
-        s = self.settings
-        grpc_server = await start_grpc_server(self.runtime) if s.grpc_port else None
-        http = asyncio.create_task(self.http.serve(), name="http")
+        """The lifecycle: doors up, model in, serve, drain, doors down, everything closed.
+
+        Both doors bind before either says it listens; a start that fails (a taken port, a
+        ``--model`` directory that is not there) logs one line and returns 1 with nothing open."""
+        try:
+            http_socket, grpc_server = await self._open_doors()
+        except StartFailed as exc:
+            log.error("not started: %s", exc)
+            return 1
+        http = asyncio.create_task(self.http.serve([http_socket]), name="http")
         forward = ThreadPoolExecutor(1, thread_name_prefix="forward")
         trimmer = asyncio.create_task(give_back_memory(self.runtime.budget), name="give-back-memory")
         service: EncodeService | None = None
@@ -104,6 +116,7 @@ class EncodeServer:
             if not http.done():
                 self.http.should_exit = True
                 await asyncio.gather(http, return_exceptions=True)
+            http_socket.close()
             if grpc_server is not None:
                 await grpc_server.stop(grace=3)  # its calls were drained with HTTP's
             if service is not None:
@@ -117,6 +130,25 @@ class EncodeServer:
         self.http.request_drain()
 
     # -- steps -------------------------------------------------------------------------------------
+
+    async def _open_doors(self) -> tuple[socket.socket, grpc.aio.Server | None]:
+        """``--model`` checked (when it is a path), then the HTTP socket bound and listening, then
+        gRPC bound and started; ``StartFailed`` leaves nothing open. Only gRPC logs here: it is
+        the last door to bind, so its "listening" line is never followed by a failed bind."""
+        s = self.settings
+        try:
+            check_local_model(s.model)
+        except FileNotFoundError as exc:
+            raise StartFailed(f"--model: {exc}") from None
+        try:
+            http_socket = bind_listener("HTTP", "--port", s.host, s.port)
+        except PortUnavailable as exc:
+            raise StartFailed(str(exc)) from None
+        try:
+            return http_socket, await start_grpc_server(self.runtime) if s.grpc_port else None
+        except PortUnavailable as exc:
+            http_socket.close()
+            raise StartFailed(str(exc)) from None
 
     async def _build_service(self, forward: ThreadPoolExecutor) -> EncodeService:
         """Encoder -> tiers -> batcher -> service, warmed up. A failure stops the server (exit 1)."""
@@ -146,7 +178,9 @@ class EncodeServer:
             loading.cancel()  # the loader thread finishes on its own; nothing waits for it
             return
         exc = loading.exception()
-        log.error("model failed to load; shutting down", exc_info=exc)
+        # A bad checkpoint or model id is a reason, not a bug: one line; anything else, its traceback.
+        expected = isinstance(exc, (OSError, ValueError))
+        log.error("model failed to load: %s; shutting down", exc, exc_info=None if expected else exc)
         self.runtime.load_error = exc
         self.exit_code = 1
         self.http.should_exit = True
@@ -255,6 +289,14 @@ class DrainingServer(uvicorn.Server):
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().serve(sockets)
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's start-up on the socket ``EncodeServer`` bound (uvicorn says nothing then);
+        "listening" is said only by a server still meant to run (not after a failed load)."""
+        await super().startup(sockets)
+        if self.started and not self.should_exit and sockets:
+            host, port = sockets[0].getsockname()[:2]
+            log.info("HTTP listening on http://%s:%d", f"[{host}]" if ":" in host else host, port)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if sig == signal.SIGTERM and self.request_drain():

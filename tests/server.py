@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-__all__ = ["ServerProcess", "free_port", "start_server"]
+__all__ = ["ServerProcess", "free_port", "run_server_to_exit", "start_server"]
 
 
 def free_port() -> int:
@@ -47,6 +47,36 @@ class ServerProcess:
         return self.proc.returncode
 
 
+def _command(python: str | None, port: int, args: tuple[str, ...]) -> list[str]:
+    python = python or os.environ.get("ENCODE_SERVER_PYTHON") or sys.executable
+    return [python, "-m", "encode_server", "--host", "127.0.0.1", "--port", str(port), *args]
+
+
+def _env(env: dict[str, str] | None) -> dict[str, str]:
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **(env or {})}
+
+
+def run_server_to_exit(*args: str, port: int | None = None, timeout: float = 60.0) -> tuple[int | None, str]:
+    """Run a server that should not start (or should stop by itself): its exit code, or None
+    when it was still running after ``timeout`` s (then it is stopped), and its output. A free
+    gRPC port unless ``args`` pick one, as ``start_server``."""
+    if "--grpc-port" not in args:
+        args = (*args, "--grpc-port", str(free_port()))
+    cmd = _command(None, port or free_port(), args)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_env(None))
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        return proc.returncode, out.decode(errors="replace")
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            out, _ = proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+        return None, out.decode(errors="replace")
+
+
 def start_server(
     *args: str, log_dir: Path, env: dict[str, str] | None = None, timeout: float = 120.0, python: str | None = None
 ) -> ServerProcess:
@@ -56,15 +86,13 @@ def start_server(
     log_path = log_dir / f"server-{port}.log"
     # A free gRPC port too (unless the test picks one): never the shared default 50051.
     grpc_port = 0 if "--grpc-port" in args else free_port()
-    python = python or os.environ.get("ENCODE_SERVER_PYTHON") or sys.executable
-    cmd = [python, "-m", "encode_server", "--host", "127.0.0.1", "--port", str(port), *args]
+    cmd = _command(python, port, args)
     if grpc_port:
         cmd += ["--grpc-port", str(grpc_port)]
     elif "--grpc-port" in args:
         grpc_port = int(args[args.index("--grpc-port") + 1])
-    full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **(env or {})}
     with log_path.open("wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(env))
     server = ServerProcess(f"http://127.0.0.1:{port}", proc, log_path, grpc_port)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

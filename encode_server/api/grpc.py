@@ -33,6 +33,7 @@ from encode_server.api.frontdoor import (
     retry_after,
 )
 from encode_server.api.grpc_decode import add_encoder_servicer, check_decoded
+from encode_server.api.ports import PortUnavailable, check_bindable
 from encode_server.api.proto.encode_server.v1 import encoder_pb2 as pb
 from encode_server.api.proto.encode_server.v1 import encoder_pb2_grpc as pb_grpc
 from encode_server.api.runtime import Runtime
@@ -294,11 +295,16 @@ async def start_grpc_server(runtime: Runtime) -> grpc.aio.Server:
     """Bind ``--host``:``--grpc-port`` in the running event loop and start (``encode_server.app``
     calls it beside the HTTP door; neither door starts the other).
 
-    Health says NOT_SERVING until the model is ready. Messages up to ``--max-request-bytes``."""
+    A port that is taken raises ``PortUnavailable`` before anything listens: grpc-core's own
+    ``SO_REUSEPORT`` is turned off, or a second server on the port would start and take half
+    its connections (``api/ports.py``). Health says NOT_SERVING until the model is ready.
+    Messages up to ``--max-request-bytes``."""
     s = runtime.settings
+    check_bindable("gRPC", "--grpc-port", s.host, s.grpc_port)  # a clear reason, not grpc-core's log line
     server = grpc.aio.server(
         interceptors=[GrpcBudgetInterceptor(runtime)],
         options=[
+            ("grpc.so_reuseport", 0),
             ("grpc.max_receive_message_length", s.max_request_bytes + _FRAMING_SLACK),
             ("grpc.max_send_message_length", -1),
             *GRPC_BUDGET_OPTIONS,
@@ -307,7 +313,10 @@ async def start_grpc_server(runtime: Runtime) -> grpc.aio.Server:
     add_encoder_servicer(GrpcApi(runtime), server)
     health_pb2_grpc.add_HealthServicer_to_server(HealthApi(runtime), server)
     host = f"[{s.host}]" if ":" in s.host else s.host
-    server.add_insecure_port(f"{host}:{s.grpc_port}")
+    try:
+        server.add_insecure_port(f"{host}:{s.grpc_port}")
+    except RuntimeError:  # taken between the check and here
+        raise PortUnavailable("gRPC", "--grpc-port", s.host, s.grpc_port, "the address is in use") from None
     await server.start()
     log.info("gRPC listening on %s:%d", host, s.grpc_port)
     return server

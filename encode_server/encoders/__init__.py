@@ -27,7 +27,7 @@ from .builtin import BUILTIN_MODELS, load_builtin
 from .clip import load_clip
 from .hf import LoadSpec, resolve_device, resolve_dtype
 from .llava import load_llava
-from .loading import CheckpointFiles
+from .loading import CheckpointFiles, check_local_model
 from .qwen import load_qwen
 from .siglip2 import load_siglip2
 
@@ -38,6 +38,7 @@ __all__ = [
     "EncoderInfo",
     "PreparedImage",
     "VisionEncoder",
+    "check_local_model",
     "load_encoder",
 ]
 

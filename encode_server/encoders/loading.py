@@ -34,6 +34,7 @@ from transformers.initialization import no_init_weights
 __all__ = [
     "CheckpointFiles",
     "Layout",
+    "check_local_model",
     "empty_module",
     "load_vision_weights",
     "weights_digest",
@@ -47,6 +48,18 @@ _INDEX_NAME = "model.safetensors.index.json"
 _DIGEST_TAG = b"encode-server/weights/v1"
 
 M = TypeVar("M", bound=torch.nn.Module)
+
+
+def check_local_model(model: str) -> Path | None:
+    """The directory ``model`` names, or None for a hub id; ``FileNotFoundError`` when it is
+    written as a path (``/``, ``.``, ``~``) and no such directory exists. Cheap, so the server
+    checks it before it opens a port."""
+    local = Path(model).expanduser()
+    if local.is_dir():
+        return local
+    if model.startswith(("/", ".", "~")):
+        raise FileNotFoundError(f"no model directory at {model}")
+    return None
 
 
 @dataclass(frozen=True)
@@ -64,11 +77,8 @@ class CheckpointFiles:
 
     @classmethod
     def resolve(cls, model: str, revision: str | None = None) -> CheckpointFiles:
-        local = Path(model).expanduser()
-        if local.is_dir():
+        if (local := check_local_model(model)) is not None:
             return cls(local)
-        if model.startswith(("/", ".", "~")):
-            raise FileNotFoundError(f"no model directory at {model}")
         from huggingface_hub import snapshot_download
 
         snapshot = Path(snapshot_download(model, revision=revision, allow_patterns=_CONFIG_FILES))

@@ -1,0 +1,85 @@
+"""A server that cannot start says why in one line, exits non-zero, and never claims to run.
+
+Real server processes: one holds the ports, a second one is started on them. Before these fixes a
+second server on a taken gRPC port started and took part of the first one's connections
+(grpc-core's ``SO_REUSEPORT``), an HTTP clash ended in ``Task exception was never retrieved``
+after gRPC had said it was listening, and a missing ``--model`` directory printed a traceback
+and then uvicorn's ``running on``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from encode_server.api.proto.encode_server.v1 import encoder_pb2 as pb
+from encode_server.api.proto.encode_server.v1 import encoder_pb2_grpc as pb_grpc
+from tests.server import ServerProcess, free_port, run_server_to_exit, start_server
+
+NOISE = ("Traceback", "Task exception was never retrieved", "listening", "running on", "SystemExit")
+
+
+@pytest.fixture(scope="module")
+def holder(server_logs: Path) -> Iterator[ServerProcess]:
+    """The server that holds an HTTP and a gRPC port."""
+    server = start_server(log_dir=server_logs)
+    yield server
+    assert server.stop() == 0, server.log()
+
+
+def problems(output: str) -> list[str]:
+    """The lines that report a problem (WARNING or worse, or anything unformatted on stderr)."""
+    lines = [line for line in output.splitlines() if line.strip()]
+    return [line for line in lines if not re.match(r"^\S+ \S+ (INFO|DEBUG) ", line)]
+
+
+def assert_one_reason(code: int | None, output: str, *words: str) -> None:
+    assert code is not None, f"the server started anyway:\n{output}"
+    assert code != 0, output
+    reported = problems(output)
+    assert len(reported) == 1, f"expected one line with the reason, got:\n{output}"
+    assert all(word in reported[0] for word in words), reported[0]
+    noise = [word for word in NOISE if word in output]
+    assert noise == [], f"{noise} in:\n{output}"
+
+
+def test_a_second_server_on_a_taken_grpc_port_fails_naming_it(holder: ServerProcess) -> None:
+    code, output = run_server_to_exit("--grpc-port", str(holder.grpc_port))
+    assert_one_reason(code, output, f"127.0.0.1:{holder.grpc_port}", "--grpc-port", "in use")
+    # Every fresh channel still reaches the one server that holds the port.
+    for _ in range(5):
+        with grpc.insecure_channel(holder.grpc_target) as channel:
+            assert pb_grpc.EncoderStub(channel).Model(pb.ModelRequest(), timeout=10).fingerprint
+
+
+def test_a_second_server_on_a_taken_http_port_fails_naming_it(holder: ServerProcess) -> None:
+    port = int(holder.url.rsplit(":", 1)[1])
+    code, output = run_server_to_exit(port=port)
+    assert_one_reason(code, output, f"127.0.0.1:{port}", "--port", "in use")
+
+
+def test_http_and_grpc_on_one_port_fail_naming_it() -> None:
+    port = free_port()
+    code, output = run_server_to_exit("--grpc-port", str(port), port=port)
+    assert_one_reason(code, output, f"127.0.0.1:{port}", "--grpc-port")
+
+
+def test_a_missing_model_directory_fails_before_any_port_opens() -> None:
+    code, output = run_server_to_exit("--model", "/nonexistent/dir")
+    assert_one_reason(code, output, "/nonexistent/dir", "--model")
+
+
+def test_a_model_that_fails_to_load_says_why_in_one_line_and_exits_1(tmp_path: Path) -> None:
+    """A directory without config.json fails in the loader, after the doors opened: one line,
+    no traceback, exit 1, and nothing said after it claims the server runs."""
+    code, output = run_server_to_exit("--model", str(tmp_path))
+    assert code == 1, output
+    reported = problems(output)
+    assert len(reported) == 1 and "model failed to load" in reported[0] and "config.json" in reported[0], output
+    assert "Traceback" not in output
+    after = output[output.index("model failed to load"):]
+    assert "listening" not in after and "running on" not in after, output

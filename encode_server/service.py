@@ -281,7 +281,8 @@ class EncodeService:
         info = self.encoder.info
         s = self.settings
         return {
-            "id": info.model_id,
+            "model": info.model_id,
+            "id": info.model_id,  # deprecated alias of "model" (the name every other answer uses)
             "revision": info.revision,
             "fingerprint": self.fingerprint,
             "kind": info.kind,

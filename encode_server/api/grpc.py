@@ -248,7 +248,7 @@ class GrpcApi(pb_grpc.EncoderServicer):
     ) -> pb.ModelResponse:
         info = service.encoder.info
         return pb.ModelResponse(
-            id=info.model_id, fingerprint=service.fingerprint, kind=info.kind, dtype=info.dtype,
+            model=info.model_id, id=info.model_id, fingerprint=service.fingerprint, kind=info.kind, dtype=info.dtype,
             hidden_size=info.hidden_size, json=json.dumps(service.describe()),
         )
 

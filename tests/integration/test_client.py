@@ -85,6 +85,10 @@ def test_tensors_are_byte_identical_across_transports_and_kinds(replicas: list[S
         assert [(r.data, r.shape, r.dtype, r.meta) for r in results] == [
             (r.data, r.shape, r.dtype, r.meta) for r in safetensors
         ]
+    with Client(server.url) as c:
+        model = c.model()
+    for results in (safetensors, as_json, over_grpc, async_http, async_grpc):  # each answer names its model
+        assert {(r.model, r.fingerprint) for r in results} == {(model["model"], model["fingerprint"])}
     r = safetensors[0]
     assert r.dtype == "bfloat16" and len(r.data) == np.prod(r.shape) * 2
     tensor = r.torch()

@@ -227,7 +227,8 @@ def test_oversize_multipart_and_too_many_files(builtin_server: ServerProcess) ->
 
 def test_model_health_ready_and_openapi(builtin_server: ServerProcess) -> None:
     model = httpx.get(builtin_server.url + "/v1/model").json()
-    assert model["id"] == "builtin:tiny" and model["meaningless"] is True
+    assert model["model"] == "builtin:tiny" and model["meaningless"] is True
+    assert model["id"] == model["model"]  # the deprecated alias, kept for clients that read it
     assert re.fullmatch(r"[0-9a-f]{64}", model["fingerprint"])
     assert model["device"] == "cpu" and model["dtype"] == "float32"
     assert model["limits"]["max_items"] == 8 and model["batching"]["max_wait_ms"] == 50

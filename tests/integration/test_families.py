@@ -104,7 +104,7 @@ def test_server_equals_the_full_model_and_hash_only_hits(family: tuple[str, Path
 def test_model_reports_its_family(family: tuple[str, Path, ServerProcess]) -> None:
     name, path, server = family
     model = httpx.get(server.url + "/v1/model").json()
-    assert model["id"] == str(path)
+    assert model["model"] == model["id"] == str(path)
     assert model["kind"] == {"clip-pooled": "clip"}.get(name, name)
     assert model["meaningless"] is False
     item = _encode(server, [{"data": base64.b64encode(image_bytes("PNG", 64, 64, seed=9)).decode()}]).json()

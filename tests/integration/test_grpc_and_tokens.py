@@ -49,6 +49,7 @@ def test_grpc_encode_equals_http(builtin_server: ServerProcess, stub: pb_grpc.En
     assert [(f.cached, f.tier if f.HasField("tier") else None) for f in found] == [(True, "local"), (False, None)]
     model = stub.Model(pb.ModelRequest(), timeout=5)
     assert json.loads(model.json)["fingerprint"] == model.fingerprint == got.fingerprint
+    assert model.model == model.id == json.loads(model.json)["model"] == got.model  # id: the deprecated alias
 
 
 def _rpc_error(call: object, request: object) -> grpc.RpcError:

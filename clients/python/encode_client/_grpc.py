@@ -69,6 +69,8 @@ def parse(op: str, response: Any, replica: str) -> list[Any]:
                 data=i.embedding.data,
                 replica=replica,
                 key=i.key if i.HasField("key") else None,
+                model=response.model or None,
+                fingerprint=response.fingerprint or None,
             )
             for i in response.items
         ]

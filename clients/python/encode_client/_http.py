@@ -96,8 +96,8 @@ def parse(op: str, status: int, headers: Mapping[str, str], content: bytes, repl
     if op in ("encode", "handoff"):
         if headers.get("content-type", "").startswith(SAFETENSORS):
             return _encode_safetensors(content, replica)
-        items = json.loads(content)["items"]
-        return [_result(item, base64.b64decode(item.get("embedding", "")), replica) for item in items]
+        body = json.loads(content)
+        return [_result(item, base64.b64decode(item.get("embedding", "")), replica, body) for item in body["items"]]
     body = json.loads(content)
     if op == "lookup":
         return [LookupItem(i["hash"], i["cached"], i["tier"]) for i in body["items"]]
@@ -108,7 +108,9 @@ def parse(op: str, status: int, headers: Mapping[str, str], content: bytes, repl
     return [body]
 
 
-def _result(item: Mapping[str, Any], data: bytes, replica: str) -> Result:
+def _result(item: Mapping[str, Any], data: bytes, replica: str, answer: Mapping[str, Any]) -> Result:
+    """One item of an encode answer; ``answer`` (the JSON body, or the safetensors metadata)
+    names the model and fingerprint."""
     shape = item.get("shape")
     return Result(
         index=item["index"],
@@ -122,6 +124,8 @@ def _result(item: Mapping[str, Any], data: bytes, replica: str) -> Result:
         data=data,
         replica=replica,
         key=item.get("key"),
+        model=answer.get("model"),
+        fingerprint=answer.get("fingerprint"),
     )
 
 
@@ -132,5 +136,5 @@ def _encode_safetensors(blob: bytes, replica: str) -> list[Result]:
     out = []
     for item in json.loads(metadata["items"]):
         tensor = tensors.get(str(item["index"]))
-        out.append(_result(item, tensor.data if tensor else b"", replica))
+        out.append(_result(item, tensor.data if tensor else b"", replica, metadata))
     return out

@@ -37,7 +37,9 @@ def to_torch(raw: bytes, dtype: str, shape: Sequence[int]) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Result:
-    """One image's embedding (``status`` "hit" or "encoded"; "miss" carries no tensor)."""
+    """One image's embedding (``status`` "hit" or "encoded"; "miss" carries no tensor).
+
+    ``model`` and ``fingerprint`` are those of the replica that answered (``GET /v1/model``)."""
 
     index: int
     hash: str
@@ -50,6 +52,8 @@ class Result:
     data: bytes = field(default=b"", repr=False)
     replica: str | None = None
     key: str | None = None
+    model: str | None = None
+    fingerprint: str | None = None
 
     def _check(self) -> str:
         if self.dtype is None or self.status == "miss":

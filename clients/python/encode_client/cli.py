@@ -1,7 +1,7 @@
 """``encode-client``: hash, encode, lookup, tokens and warm from the shell.
 
-Exit codes: 0 success; 1 the server refused something (an error answer, or some files failed in
-``warm``); 2 bad usage or an unreadable file; 3 no replica answered.
+Every argument is taken on its own: one that cannot be read (for ``lookup``: neither a file nor
+an mm_hash) is reported on stderr and the others are still processed; the exit code says so.
 """
 
 from __future__ import annotations
@@ -13,50 +13,86 @@ import os
 import re
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TypeVar
 
 from encode_client._client import AsyncClient, Client
 from encode_client._errors import ReplicaUnavailable, ServerError
 from encode_client._images import mm_hash
+from encode_client.safetensors import WireTensor, dump_safetensors
 
-__all__ = ["IMAGE_SUFFIXES", "main"]
+__all__ = ["EXIT_CODES", "IMAGE_SUFFIXES", "main"]
 
 IMAGE_SUFFIXES = frozenset({".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp", ".tif", ".tiff"})
+DEFAULT_URL = "http://127.0.0.1:8000"
 _HASH = re.compile(r"^[0-9a-f]{64}$")
+EXIT_CODES = """\
+exit codes:
+  0  success
+  1  the server refused something (an error answer, or some images failed in warm)
+  2  bad usage, or some arguments could not be read (the others were still processed)
+  3  no replica answered"""
+
+T = TypeVar("T")
 
 
 class UsageError(Exception):
     pass
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="encode-client", description=__doc__.split("\n\n")[0] if __doc__ else None)
+def _connection_options(p: argparse.ArgumentParser, *, late: bool) -> None:
+    """``--url``, ``--api-key`` and ``--timeout``, before the subcommand or after it. Given after
+    it (``late``), they land in their own ``late_*`` fields, so they add to (``--url``) or win
+    over (the others) what came before instead of silently replacing it."""
+    prefix, default = ("late_", argparse.SUPPRESS) if late else ("", None)
     p.add_argument(
-        "--url", action="append", default=None,
-        help="server replica (repeatable; http://, https:// or grpc://); env ENCODE_CLIENT_URL, comma-separated",
+        "--url", action="append", dest=prefix + "url", default=default, metavar="URL",
+        help=f"server replica, http://, https:// or grpc:// (repeatable; default: $ENCODE_CLIENT_URL, "
+        f"URLs separated by commas, else {DEFAULT_URL})",
     )
-    p.add_argument("--api-key", default=os.environ.get("ENCODE_CLIENT_API_KEY"), help="env ENCODE_CLIENT_API_KEY")
-    p.add_argument("--timeout", type=float, default=60.0)
-    sub = p.add_subparsers(dest="command", required=True)
-    sub.add_parser("hash", help="print each file's mm_hash (same as b3sum)").add_argument("files", nargs="+")
-    enc = sub.add_parser("encode", help="encode images into one safetensors file")
+    p.add_argument("--api-key", dest=prefix + "api_key", default=default, metavar="KEY",
+                   help="sent as Authorization: Bearer KEY (default: $ENCODE_CLIENT_API_KEY)")
+    p.add_argument("--timeout", type=float, dest=prefix + "timeout", default=default, metavar="SECONDS",
+                   help="per request (default: 60)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    doc = (__doc__ or "").strip().replace("``", "")
+    formatter = argparse.RawDescriptionHelpFormatter
+    p = argparse.ArgumentParser(prog="encode-client", description=doc, epilog=EXIT_CODES, formatter_class=formatter)
+    _connection_options(p, late=False)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, help: str) -> argparse.ArgumentParser:
+        c = sub.add_parser(name, help=help, description=help, epilog=EXIT_CODES, formatter_class=formatter)
+        if name != "hash":
+            _connection_options(c, late=True)
+        return c
+
+    command("hash", "print each file's mm_hash (the same hex as b3sum)").add_argument("files", nargs="+")
+    enc = command("encode", "encode images into one safetensors file")
     enc.add_argument("files", nargs="+")
-    enc.add_argument("-o", "--output", required=True, help="OUT.safetensors: tensor i per file, metadata per item")
-    sub.add_parser("lookup", help="which tier holds each image (files or hashes)").add_argument("items", nargs="+")
-    sub.add_parser("tokens", help="token count and grid per image, without encoding").add_argument("files", nargs="+")
-    warm = sub.add_parser("warm", help="pre-warm the cache with every image under a folder")
+    enc.add_argument("-o", "--output", required=True,
+                     help="OUT.safetensors: tensor i per file; metadata: model, fingerprint, items")
+    command("lookup", "which tier holds each image, by file or by mm_hash (mixed)").add_argument(
+        "items", nargs="+", metavar="FILE_OR_HASH")
+    command("tokens", "token count and grid per image, without encoding").add_argument("files", nargs="+")
+    warm = command("warm", "pre-warm the cache with every image under a folder")
     warm.add_argument("directory")
-    warm.add_argument("--concurrency", type=int, default=4)
+    warm.add_argument("--concurrency", type=int, default=4, help="uploads in flight (default: 4)")
     return p
 
 
-def _urls(args: argparse.Namespace) -> list[str]:
-    if args.url:
-        return list(args.url)
-    env = os.environ.get("ENCODE_CLIENT_URL", "http://127.0.0.1:8000")
-    return [u for u in env.split(",") if u.strip()]
+def _resolve_connection(args: argparse.Namespace) -> None:
+    """Merge the options given before and after the subcommand, then the environment."""
+    urls = [*(args.url or []), *getattr(args, "late_url", [])]
+    if not urls:
+        urls = [u.strip() for u in os.environ.get("ENCODE_CLIENT_URL", DEFAULT_URL).split(",") if u.strip()]
+    args.url = urls
+    args.api_key = getattr(args, "late_api_key", None) or args.api_key or os.environ.get("ENCODE_CLIENT_API_KEY")
+    late_timeout = getattr(args, "late_timeout", None)
+    args.timeout = late_timeout if late_timeout is not None else args.timeout if args.timeout is not None else 60.0
 
 
 def _read(path: str) -> bytes:
@@ -66,47 +102,82 @@ def _read(path: str) -> bytes:
         raise UsageError(f"cannot read {path}: {exc.strerror or exc}") from exc
 
 
-def _cmd_hash(args: argparse.Namespace) -> int:
-    for f in args.files:
-        print(f"{mm_hash(_read(f))}  {f}")
-    return 0
+class Arguments:
+    """Each argument turned into what the command sends; those that fail are reported at once
+    and left out, and ``failed`` makes the exit code 2."""
+
+    def __init__(self) -> None:
+        self.failed = 0
+
+    def each(self, items: Sequence[str], convert: Callable[[str], T]) -> list[tuple[str, T]]:
+        out = []
+        for item in items:
+            try:
+                out.append((item, convert(item)))
+            except UsageError as exc:
+                self.failed += 1
+                print(f"encode-client: {exc}", file=sys.stderr)
+        return out
+
+    def code(self) -> int:
+        return 2 if self.failed else 0
 
 
-def _cmd_encode(args: argparse.Namespace, client: Client) -> int:
-    results = client.encode([_read(f) for f in args.files])
-    header: dict[str, Any] = {}
-    offset = 0
-    items = []
-    for f, r in zip(args.files, results, strict=True):
-        items.append({"file": f, "hash": r.hash, "status": r.status, "source": r.source,
-                      "shape": list(r.shape), "dtype": r.dtype, "meta": r.meta})
-        code = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}[r.dtype or "float32"]
-        header[str(r.index)] = {"dtype": code, "shape": list(r.shape), "data_offsets": [offset, offset + len(r.data)]}
-        offset += len(r.data)
-    header = {"__metadata__": {"items": json.dumps(items)}, **header}
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    with open(args.output, "wb") as out:
-        out.write(len(raw).to_bytes(8, "little") + raw)
-        for r in results:
-            out.write(r.data)
+def _hash_of(item: str) -> str:
+    """An mm_hash as given, or that of the file named."""
+    if _HASH.match(item):
+        return item
+    try:
+        return mm_hash(Path(item).read_bytes())
+    except OSError as exc:
+        raise UsageError(f"cannot read {item}: {exc.strerror or exc} (nor is it a 64-hex mm_hash)") from exc
+
+
+def _cmd_hash(args: argparse.Namespace, given: Arguments) -> int:
+    for f, data in given.each(args.files, _read):
+        print(f"{mm_hash(data)}  {f}")
+    return given.code()
+
+
+def _cmd_encode(args: argparse.Namespace, client: Client, given: Arguments) -> int:
+    files = given.each(args.files, _read)
+    if not files:
+        return given.code()
+    results = client.encode([data for _, data in files])
+    answered = {(r.model, r.fingerprint) for r in results}
+    if len(answered) != 1:
+        raise UsageError(f"the replicas answered with different models: {sorted(map(str, answered))}")
+    ((model, fingerprint),) = answered
+    items = [
+        {"file": f, "index": r.index, "hash": r.hash, "status": r.status, "source": r.source,
+         "num_tokens": r.num_tokens, "shape": list(r.shape), "dtype": r.dtype, "meta": r.meta}
+        for (f, _), r in zip(files, results, strict=True)
+    ]
+    tensors = [WireTensor(str(r.index), r.dtype, r.shape, r.data) for r in results if r.dtype is not None]
+    metadata = {"model": model or "", "fingerprint": fingerprint or "", "items": json.dumps(items)}
+    Path(args.output).write_bytes(dump_safetensors(tensors, metadata))
     for item in items:
         print(f"{item['hash']}  {item['status']:<8} {item['source'] or '-':<8} {item['shape']}  {item['file']}")
-    print(f"wrote {len(results)} tensors to {args.output}", file=sys.stderr)
-    return 0
+    print(f"wrote {len(tensors)} tensors to {args.output}", file=sys.stderr)
+    return given.code()
 
 
-def _cmd_lookup(args: argparse.Namespace, client: Client) -> int:
-    hashes = [item if _HASH.match(item) else mm_hash(_read(item)) for item in args.items]
-    for item, found in zip(args.items, client.lookup(hashes), strict=True):
+def _cmd_lookup(args: argparse.Namespace, client: Client, given: Arguments) -> int:
+    items = given.each(args.items, _hash_of)
+    for (item, _), found in zip(items, client.lookup([h for _, h in items]) if items else [], strict=True):
         print(f"{found.hash}  {'cached' if found.cached else 'missing'}  {found.tier or '-'}  {item}")
-    return 0
+    return given.code()
 
 
-def _cmd_tokens(args: argparse.Namespace, client: Client) -> int:
-    for f, count in zip(args.files, client.tokens([_read(f) for f in args.files]), strict=True):
+def _cmd_tokens(args: argparse.Namespace, client: Client, given: Arguments) -> int:
+    files = given.each(args.files, _read)
+    for (f, _), count in zip(files, client.tokens([data for _, data in files]) if files else [], strict=True):
         print(f"{count.num_tokens:>7}  {count.width}x{count.height}  {json.dumps(count.meta)}  {f}")
-    return 0
+    return given.code()
+
+
+def _count(n: int, noun: str, plural: str | None = None) -> str:
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"
 
 
 class Progress:
@@ -116,6 +187,7 @@ class Progress:
         self.total, self.hits, self.misses, self.errors = total, 0, 0, 0
         self.started = time.monotonic()
         self._drawn = 0.0
+        self._drawn_done = -1
         self.tty = sys.stderr.isatty()
 
     @property
@@ -130,14 +202,17 @@ class Progress:
                 f"hits {self.hits} misses {self.misses} errors {self.errors}")
 
     def draw(self, force: bool = False) -> None:
+        """Redrawn at most every 0.2 s; ``force``: the final line, unless a log (no tty) already has it."""
         now = time.monotonic()
+        if force and not self.tty and self._drawn_done == self.done:
+            return
         if force or now - self._drawn > 0.2:
-            self._drawn = now
+            self._drawn, self._drawn_done = now, self.done
             end = "\r" if self.tty and not force else "\n"
             print(self.line(), end=end, file=sys.stderr, flush=True)
 
 
-async def _warm(args: argparse.Namespace, urls: list[str]) -> int:
+async def _warm(args: argparse.Namespace) -> int:
     root = Path(args.directory)
     if not root.is_dir():
         raise UsageError(f"{root} is not a directory")
@@ -148,7 +223,7 @@ async def _warm(args: argparse.Namespace, urls: list[str]) -> int:
     semaphore = asyncio.Semaphore(args.concurrency)
     failures: list[str] = []
 
-    async with AsyncClient(urls, api_key=args.api_key, timeout=args.timeout) as client:
+    async with AsyncClient(args.url, api_key=args.api_key, timeout=args.timeout) as client:
 
         async def one(path: Path) -> None:
             async with semaphore:
@@ -172,22 +247,24 @@ async def _warm(args: argparse.Namespace, urls: list[str]) -> int:
     for failure in failures:
         print(f"error: {failure}", file=sys.stderr)
     elapsed = time.monotonic() - progress.started
-    print(f"warmed {len(files)} images in {elapsed:.2f} s: {progress.hits} hits, {progress.misses} misses "
-          f"(encoded), {progress.errors} errors", file=sys.stderr)
+    print(f"warmed {_count(len(files), 'image')} in {elapsed:.2f} s: {_count(progress.hits, 'hit')}, "
+          f"{_count(progress.misses, 'miss', 'misses')} (encoded), {_count(progress.errors, 'error')}",
+          file=sys.stderr)
     return 1 if progress.errors else 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    given = Arguments()
     try:
         if args.command == "hash":
-            return _cmd_hash(args)
-        urls = _urls(args)
+            return _cmd_hash(args, given)
+        _resolve_connection(args)
         if args.command == "warm":
-            return asyncio.run(_warm(args, urls))
-        with Client(urls, api_key=args.api_key, timeout=args.timeout) as client:
+            return asyncio.run(_warm(args))
+        with Client(args.url, api_key=args.api_key, timeout=args.timeout) as client:
             command = {"encode": _cmd_encode, "lookup": _cmd_lookup, "tokens": _cmd_tokens}[args.command]
-            return command(args, client)
+            return command(args, client, given)
     except (UsageError, ValueError) as exc:
         print(f"encode-client: {exc}", file=sys.stderr)
         return 2

@@ -137,17 +137,19 @@ class ModelRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelResponse(_message.Message):
-    __slots__ = ("id", "fingerprint", "kind", "dtype", "hidden_size", "json")
+    __slots__ = ("id", "fingerprint", "kind", "dtype", "hidden_size", "json", "model")
     ID_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
     JSON_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     id: str
     fingerprint: str
     kind: str
     dtype: str
     hidden_size: int
     json: str
-    def __init__(self, id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., kind: _Optional[str] = ..., dtype: _Optional[str] = ..., hidden_size: _Optional[int] = ..., json: _Optional[str] = ...) -> None: ...
+    model: str
+    def __init__(self, id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., kind: _Optional[str] = ..., dtype: _Optional[str] = ..., hidden_size: _Optional[int] = ..., json: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...

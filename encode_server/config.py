@@ -164,8 +164,13 @@ def build_parser() -> argparse.ArgumentParser:
         f"{ENV_PREFIX}MAX_BATCH_SIZE=16.",
     )
     for f in fields(Settings):
-        # A bool is a switch (``--tenant-isolation``) that also takes a value (``--tenant-isolation false``).
-        switch: dict[str, Any] = {"nargs": "?", "const": True} if _kind(f) == "bool" else {}
+        if _kind(f) == "bool":  # a switch and its negation: --tenant-isolation / --no-tenant-isolation
+            default = "on" if f.default else "off"
+            parser.add_argument(
+                _flag(f.name), dest=f.name, default=None, action=argparse.BooleanOptionalAction,
+                help=f"{f.metadata['help']} (default: {default})",
+            )
+            continue
         parser.add_argument(
             _flag(f.name),
             dest=f.name,
@@ -173,7 +178,6 @@ def build_parser() -> argparse.ArgumentParser:
             type=partial(_convert, f),
             choices=f.metadata.get("choices"),
             help=f"{f.metadata['help']} (default: {f.default})",
-            **switch,
         )
     return parser
 

@@ -6,13 +6,15 @@ one process and keeps the names in docs/metrics.md the only public surface.
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from encode_server.core.batcher import BatchStats
 from encode_server.core.budget import ByteBudget
 
-__all__ = ["CONTENT_TYPE_LATEST", "Metrics"]
+__all__ = ["CONTENT_TYPE_LATEST", "REJECT_REASONS", "Metrics", "RejectReason"]
 
 NAMESPACE = "encode_server"
 
@@ -23,6 +25,11 @@ LATENCY_BUCKETS = (
 )
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 BATCH_TOKEN_BUCKETS = (64, 256, 1024, 4096, 16384, 65536, 262144, 1048576)
+
+RejectReason = Literal["overloaded", "memory", "not_ready", "timeout", "unauthorized"]
+"""Why ``rejected_total`` counts a refusal (docs/metrics.md); each series exists at 0 from the start,
+so a dashboard's ``{reason="memory"}`` reads 0 rather than "no data" before the first one."""
+REJECT_REASONS: tuple[RejectReason, ...] = get_args(RejectReason)
 
 
 class Metrics:
@@ -80,6 +87,7 @@ class Metrics:
         self.upload_bytes = counter("upload_bytes", "Image bytes received.")
         self.response_bytes = counter("response_bytes", "Response body bytes sent.")
         self.rejected = counter("rejected", "Requests or items refused, by reason.", ("reason",))
+        self._rejected = {reason: self.rejected.labels(reason=reason) for reason in REJECT_REASONS}
         self.cache_pinned_bytes = gauge(
             "cache_pinned_bytes", "Bytes of a cache tier pinned by requests in flight.", ("tier",)
         )
@@ -112,6 +120,10 @@ class Metrics:
         series[0].inc()
         series[1].observe(seconds)
         self.response_bytes.inc(sent)
+
+    def reject(self, reason: RejectReason) -> None:
+        """One refusal, counted in ``rejected_total{reason}``."""
+        self._rejected[reason].inc()
 
     def observe_batch(self, stats: BatchStats) -> None:
         self.batch_size.observe(stats.size)

@@ -132,6 +132,10 @@ class EncodeService:
         metrics.model_info.labels(
             model=info.model_id, fingerprint=self.fingerprint, dtype=info.dtype, device=info.device
         ).set(1)
+        # Every (status, source) this server can count, at 0 from the start (as rejected_total).
+        sources = (local.name, *((shared.name,) if shared is not None else ()))
+        for status, source in (*(("hit", s) for s in sources), ("encoded", ENCODER), ("miss", "none")):
+            metrics.items.labels(status=status, source=source)
         self._inflight: dict[CacheKey, asyncio.Future[Embedding]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -183,7 +187,7 @@ class EncodeService:
                     return await self._resolve(items, return_kind, tenant)
             return await asyncio.wait_for(self._resolve(items, return_kind, tenant), timeout)
         except asyncio.TimeoutError:
-            self.metrics.rejected.labels(reason="timeout").inc()
+            self.metrics.reject("timeout")
             raise Timeout(f"request took longer than {timeout:g} s") from None
 
     async def _resolve(
@@ -386,7 +390,7 @@ class EncodeService:
                 wanted[ident.key] = ident
         new = [key for key in wanted if key not in self._inflight]
         if new and len(self._inflight) + len(new) > self.settings.max_queue:
-            self.metrics.rejected.labels(reason="overloaded").inc()
+            self.metrics.reject("overloaded")
             raise Unavailable(
                 f"encode queue is full ({len(self._inflight)} of {self.settings.max_queue} pending, "
                 f"{len(new)} more asked)",
@@ -472,7 +476,7 @@ class EncodeService:
             return
         nbytes = decoded_nbytes(data, max_pixels=self.settings.max_image_pixels, index=index)
         if not self.budget.try_acquire(nbytes):
-            self.metrics.rejected.labels(reason="memory").inc()
+            self.metrics.reject("memory")
             raise Unavailable(
                 f"request memory budget is full: decoding this image takes {nbytes / 2**20:.1f} MiB; retry later",
                 type="overloaded", index=index, retry_after=1.0,

@@ -71,7 +71,7 @@ def body_hold(scope: Scope) -> Hold | None:
 
 def over_budget(metrics: Metrics, exc: OverBudget, *, before_body: bool = False) -> Unavailable:
     """The 503 a memory refusal answers, counted once here."""
-    metrics.rejected.labels(reason="memory").inc()
+    metrics.reject("memory")
     capacity = f"{exc.capacity / _MIB:.0f} MiB" if exc.capacity is not None else "unbounded"
     when = "; the body was not read" if before_body else ""
     return Unavailable(

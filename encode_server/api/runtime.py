@@ -50,7 +50,7 @@ class Runtime:
         try:
             return self.keys.authenticate(authorization)
         except Unauthorized:
-            self.metrics.rejected.labels(reason="unauthorized").inc()
+            self.metrics.reject("unauthorized")
             raise
 
     def cache_tenant(self, tenant: str | None) -> str | None:
@@ -64,7 +64,7 @@ class Runtime:
     def require_service(self) -> EncodeService:
         if self.service is None or self.draining:
             reason = "server is draining" if self.draining else "model is loading"
-            self.metrics.rejected.labels(reason="not_ready").inc()
+            self.metrics.reject("not_ready")
             raise Unavailable(reason, type="not_ready", retry_after=5.0)
         return self.service
 

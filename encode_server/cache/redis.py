@@ -27,7 +27,7 @@ import logging
 import re
 from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar, get_args
 
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
@@ -60,6 +60,8 @@ _SECONDS_PER_BYTE = 1 / (100 << 20)
 _WRITE_QUEUE_BYTES = 256 << 20
 # Faults that mean "Redis is not answering": they count against the breaker. A ResponseError means
 # Redis answered (OOM under noeviction, a wrong type): counted as an error, not as an outage.
+RedisOp = Literal["get", "exists", "set", "ping"]  # the redis_errors_total{op} values
+_OPS: tuple[RedisOp, ...] = get_args(RedisOp)
 _OUTAGES: tuple[type[BaseException], ...] = (RedisError, RedisClusterException, OSError, asyncio.TimeoutError)
 
 
@@ -161,6 +163,8 @@ class RedisTier:
         self._replay_gauge.set(0)
         self._up = metrics.redis_up
         self._errors = metrics.redis_errors
+        for op in _OPS:  # at 0 from the start, so "no data" never stands for "no errors"
+            self._errors.labels(op=op)
         self._lookups = {
             result: metrics.cache_lookups.labels(tier=self.name, result=result)
             for result in ("hit", "miss", "corrupt", "unavailable")
@@ -431,7 +435,7 @@ class RedisTier:
             else:
                 await asyncio.sleep(max(0.05, self._breaker.retry_in()))
 
-    async def _call(self, op: str, fn: Callable[[], Awaitable[T]], *, nbytes: int = 0) -> T:
+    async def _call(self, op: RedisOp, fn: Callable[[], Awaitable[T]], *, nbytes: int = 0) -> T:
         """Run one Redis call through the breaker, under the deadline (longer for calls that move
         ``nbytes``); faults become ``TierUnavailable`` after being counted in
         ``redis_errors_total{op}``."""

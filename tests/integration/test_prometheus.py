@@ -112,3 +112,22 @@ def test_a_real_prometheus_scrapes_the_server(served: ServerProcess, tmp_path: P
             proc.kill()
             proc.wait(10)
         log.close()
+
+
+def test_counters_with_a_known_label_set_start_at_zero(server_logs: Path, shared_redis_url: str) -> None:
+    """A fresh server exposes every series of a closed label set at 0, so a dashboard's
+    ``rejected_total{reason="memory"}`` reads 0 instead of "no data" before the first refusal."""
+    server = start_server("--redis-url", shared_redis_url, "--cache-prefix", "test-zero-series", log_dir=server_logs)
+    try:
+        text = scrape(server)
+    finally:
+        assert server.stop() == 0, server.log()
+    for reason in ("overloaded", "memory", "not_ready", "timeout", "unauthorized"):
+        assert re.search(rf'^encode_server_rejected_total\{{reason="{reason}"\}} ', text, re.M), reason
+    for reason in ("overloaded", "memory", "timeout", "unauthorized"):
+        assert sample(text, "rejected_total", f'{{reason="{reason}"}}') == 0.0
+    for status, source in (("hit", "local"), ("hit", "redis"), ("encoded", "encoder"), ("miss", "none")):
+        labels = f'{{source="{source}",status="{status}"}}'
+        assert re.search(rf"^encode_server_items_total{re.escape(labels)} 0\.0$", text, re.M), labels
+    for op in ("get", "exists", "set", "ping"):
+        assert re.search(rf'^encode_server_redis_errors_total\{{op="{op}"\}} 0\.0$', text, re.M), op

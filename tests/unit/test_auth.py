@@ -14,7 +14,7 @@ def test_keys_come_from_both_flags_and_the_environment_with_optional_tenants() -
     assert [keys.authenticate(f"Bearer {k}") for k in ("solo", "k1", "k2")] == [None, None, "acme"]
     assert keys.authenticate("bearer   k2 ") == "acme"
     assert ApiKeys.from_settings(Settings()) is None
-    assert settings_from(["--tenant-isolation", "false"], {}).tenant_isolation is False
+    assert settings_from(["--no-tenant-isolation"], {"ENCODE_SERVER_TENANT_ISOLATION": "1"}).tenant_isolation is False
 
 
 @pytest.mark.parametrize("header", [None, "", "Bearer", "Bearer wrong", "Basic k2", "k2", "Bearer k"])

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from encode_server.config import Settings, settings_from
+from encode_server.config import Settings, build_parser, settings_from
 
 
 def test_defaults_then_environment_then_flags() -> None:
@@ -44,3 +44,15 @@ def test_the_memory_budget_flag_env_and_its_floor() -> None:
     for bad in (["--max-inflight-mb", "-1"], [*small, "--max-inflight-mb", "128"], ["--max-inflight-mb", "200"]):
         with pytest.raises(SystemExit):
             settings_from(bad)
+
+
+def test_boolean_flags_are_switches_with_a_negation_and_keep_their_environment_variable() -> None:
+    help_text = build_parser().format_help()
+    assert "[REDIS_CLUSTER]" not in help_text and "[TENANT_ISOLATION]" not in help_text
+    assert "--redis-cluster, --no-redis-cluster" in help_text
+    assert settings_from(["--redis-cluster"], {}).redis_cluster is True
+    assert settings_from([], {"ENCODE_SERVER_REDIS_CLUSTER": "true"}).redis_cluster is True
+    assert settings_from(["--no-redis-cluster"], {"ENCODE_SERVER_REDIS_CLUSTER": "yes"}).redis_cluster is False
+    assert settings_from([], {}).redis_cluster is False
+    with pytest.raises(SystemExit):
+        settings_from([], {"ENCODE_SERVER_REDIS_CLUSTER": "maybe"})

@@ -193,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     for f in fields(Settings):
         if _kind(f) == "bool":  # a switch and its negation: --tenant-isolation / --no-tenant-isolation
-            default = "on" if f.default else "off"
+            default = "true" if f.default else "false"  # as the environment variable spells it
             parser.add_argument(
                 _flag(f.name), dest=f.name, default=None, action=argparse.BooleanOptionalAction,
                 help=f"{f.metadata['help']} (default: {default})",

@@ -46,6 +46,8 @@ def render_flags() -> str:
         flag = "--" + f.name.replace("_", "-")
         choices = f.metadata.get("choices")
         what = f.metadata["help"] + (f" (one of {', '.join(f'`{c}`' for c in choices)})" if choices else "")
+        if isinstance(f.default, bool):  # a switch (argparse.BooleanOptionalAction)
+            what += f"; `--no-{flag[2:]}` turns it off"
         rows.append(f"| `{flag}` | `{ENV_PREFIX}{f.name.upper()}` | {_default(f.default)} | {_cell(what)} |")
     return "\n".join(rows)
 

@@ -10,8 +10,11 @@ from encode_server.config import ENV_PREFIX, build_parser
 from scripts.gen_docs import BEGIN, END, render, render_flags
 from tests.docs.markdown import ROOT, doc_files, tables
 
-FLAGS = {opt for action in build_parser()._actions for opt in action.option_strings if opt.startswith("--")} - {
-    "--help"
+# One flag per setting; a switch's negation (``--no-redis-cluster``) is named in its flag's row.
+FLAGS = {action.option_strings[0] for action in build_parser()._actions} - {"-h"}
+NEGATIONS = {
+    action.option_strings[0]: action.option_strings[1]
+    for action in build_parser()._actions if len(action.option_strings) == 2 and action.option_strings[0] != "-h"
 }
 OPERATIONS = ROOT / "docs" / "operations.md"
 
@@ -35,6 +38,9 @@ def test_the_flag_table_lists_every_flag_exactly_once() -> None:
     assert len(set(listed)) == len(listed), "a flag listed twice"
     for row, flag in zip(rows, listed, strict=True):
         assert row[1] == f"`{ENV_PREFIX}{flag[2:].replace('-', '_').upper()}`", row
+        if flag in NEGATIONS:
+            assert f"`{NEGATIONS[flag]}`" in row[3], row
+    assert {"--redis-cluster", "--tenant-isolation"} <= set(NEGATIONS)
 
 
 def test_the_table_carries_the_help_text() -> None:

@@ -65,3 +65,14 @@ def test_every_dashboard_panel_is_explained() -> None:
     titles = [panel["title"] for panel in dashboard["panels"]]
     assert titles
     assert [t for t in titles if f"**{t}**" not in DOC] == []
+
+
+def test_every_reject_reason_is_documented() -> None:
+    """``rejected_total``'s closed set of reasons (each exposed at 0 from the start) is the one
+    docs/metrics.md explains."""
+    from encode_server.metrics import REJECT_REASONS
+
+    bullet = re.search(r"^- `reason`: (.*?)(?=^\S|^$)", DOC, re.M | re.S)
+    assert bullet, "docs/metrics.md has no `reason` bullet"
+    named = set(re.findall(r"`([a-z_]+)` \(", bullet.group(1)))
+    assert named == set(REJECT_REASONS)

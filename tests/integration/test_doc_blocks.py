@@ -1,0 +1,182 @@
+"""Every shell and Python block of README.md and docs/*.md, run as a reader runs it, against live servers.
+
+The reader's setup: two built-in-model servers (``A`` with the shared Redis tier under its own key
+prefix, ``B`` without), a working folder holding the files the blocks name (``cat.png``,
+``dog.jpg``, a few more PNGs, ``./images/``), the venv's ``bin`` first on ``PATH`` (``python``,
+``encode-server``, ``encode-client``; ``b3sum`` and ``curl`` from the system) and
+``ENCODE_CLIENT_URL`` naming ``A``, as the CLI's help says to. Each block runs alone, in a fresh
+``bash -e -o pipefail`` or ``python``, and must exit 0; curl is told to fail on an HTTP error
+(``fail-with-body`` in a ``.curlrc``: the blocks' ``curl -s`` exits 0 on a 4xx).
+
+The one change made to a block: the hosts and ports it names (``localhost:8000``,
+``localhost:50051``, ``replica-a``/``replica-b``, ``a``/``b``, ``encoder``, ``redis:6379``) become
+the live servers' and Redis's (``SUBSTITUTE``), since tests never take the fixed ports.
+
+A block that needs what a test cannot have (a hub model, vLLM, docker, kubectl, long-running
+servers on hosts named ``redis``) is in ``SKIP`` with its reason. The first test fails for a
+block that is neither run nor skipped (an unknown language), and for a ``SKIP`` entry that names
+no block, so a new or edited block cannot escape: by default it runs.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import redis
+
+from tests.docs.markdown import ROOT, doc_files
+from tests.images import image_bytes
+from tests.server import ServerProcess, start_server
+
+RUN = ("bash", "python")
+NOT_CODE = ("json", "promql", "text")  # sample output, queries, formulas, drawings
+
+# (page, the block's first line) -> why it is not run here.
+SKIP: dict[tuple[str, str], str] = {
+    ("README.md", "make serve   # creates .venv, installs, serves the built-in model on http://0.0.0.0:8000"):
+        "serves on the fixed port 8000 until stopped, and `make test` runs this very suite",
+    ("README.md", ".venv/bin/encode-server --model Qwen/Qwen2.5-VL-7B-Instruct --host 0.0.0.0          # hub id"):
+        "downloads multi-GB models from the Hugging Face hub; the families are tested on tiny "
+        "checkpoints (tests/integration/test_families.py)",
+    ("README.md", "encode-server --model /models/Qwen2.5-VL-7B-Instruct --redis-url redis://redis:6379/0"):
+        "needs vLLM serving a real model and hosts named redis and prefill; tests/vllm runs this "
+        "chain on a tiny model (make test-vllm)",
+    ("docs/api.md", "grpcurl -plaintext -import-path encode_server/api/proto -proto encode_server/v1/encoder.proto \\"):
+        "grpcurl is no Debian or npm package, and PyPI has only a third party's repackaged binary "
+        "(see the page); the same calls run in the Python block above it",
+    ("docs/models.md", ".venv/bin/encode-server --model Qwen/Qwen2.5-VL-7B-Instruct --host 0.0.0.0   # hub id"):
+        "downloads multi-GB models from the Hugging Face hub",
+    ("docs/operations.md", ".venv/bin/encode-server --redis-url redis://redis:6379/0                  # one Redis"):
+        "three servers that run until stopped, on the fixed port 8000, against a TLS Redis and a "
+        "Redis Cluster named redis; tests/integration/test_redis_cluster.py and test_redis_shared.py "
+        "run these tiers",
+    ("docs/operations.md", "docker build -t encode-server .                                   # GPU (CUDA 12.8)"):
+        "docker, a GPU, Compose and kubectl; make test-container builds and runs the image with "
+        "podman, tests/deploy validates the Compose and Kubernetes files",
+    ("docs/operations.md", "podman build --format docker --network host -t encode-server:cpu \\"):
+        "the image build of make test-container (tests/container), minutes long",
+    ("docs/vllm.md", "encode-server --model /models/Qwen2.5-VL-7B-Instruct --redis-url redis://redis:6379/0"):
+        "a server for a real model directory and a host named redis, run until stopped",
+    ("docs/vllm.md", "vllm serve /models/Qwen2.5-VL-7B-Instruct --ec-transfer-config '{"):
+        "vLLM serving a real model; tests/vllm runs it on a tiny one (make test-vllm)",
+    ("docs/vllm.md", "encode-epd-proxy --listen 0.0.0.0:8080 --vllm http://prefill:8000 --encoder http://encode-server:8000"):
+        "a proxy in front of a vLLM named prefill; tests/vllm runs the proxy against a real vLLM",
+}
+
+_FENCE = re.compile(r"^```(\S*)[^\n]*\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
+
+
+@dataclass(frozen=True)
+class Block:
+    page: str
+    line: int
+    language: str
+    code: str
+
+    @property
+    def first_line(self) -> str:
+        return next(line for line in self.code.splitlines() if line.strip())
+
+    def __str__(self) -> str:
+        return f"{self.page}:{self.line}"
+
+
+def blocks() -> list[Block]:
+    out = []
+    for doc in doc_files():
+        text = doc.read_text()
+        page = doc.relative_to(ROOT).as_posix()
+        for m in _FENCE.finditer(text):
+            out.append(Block(page, text[: m.start()].count("\n") + 1, m.group(1), m.group(2)))
+    return out
+
+
+BLOCKS = blocks()
+RUNNABLE = [b for b in BLOCKS if b.language in RUN and (b.page, b.first_line) not in SKIP]
+
+
+def test_every_block_is_run_or_skipped_for_a_stated_reason() -> None:
+    assert len(BLOCKS) > 40, "the fence parser found too few blocks"
+    unknown = [f"{b} ({b.language or 'no language'})" for b in BLOCKS if b.language not in RUN + NOT_CODE]
+    assert unknown == [], f"give each block a language, one of {RUN + NOT_CODE}: {unknown}"
+    for key, reason in SKIP.items():
+        matching = [b for b in BLOCKS if (b.page, b.first_line) == key and b.language in RUN]
+        assert len(matching) == 1, f"SKIP entry {key} matches {len(matching)} blocks: update or remove it"
+        assert len(reason) > 20, key
+    assert len(RUNNABLE) >= 20, [str(b) for b in RUNNABLE]
+
+
+@dataclass
+class Reader:
+    """What a reader has: a folder, an environment, and the address each name in the docs means."""
+
+    folder: Path
+    env: dict[str, str]
+    substitute: dict[str, str]
+
+    def prepare(self, code: str) -> str:
+        for name, real in self.substitute.items():
+            code = code.replace(name, real)
+        return code
+
+
+@pytest.fixture(scope="module")
+def reader(server_logs: Path, shared_redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Reader]:
+    prefix = f"docs-blocks-{uuid.uuid4().hex[:8]}"
+    a = start_server("--redis-url", shared_redis_url, "--cache-prefix", prefix, log_dir=server_logs)
+    b: ServerProcess | None = None
+    try:
+        b = start_server(log_dir=server_logs)
+        folder = tmp_path_factory.mktemp("reader")
+        (folder / "cat.png").write_bytes(image_bytes("PNG", 160, 120, seed=2400))
+        (folder / "dog.jpg").write_bytes(image_bytes("JPEG", 120, 90, seed=2401))
+        (folder / "bird.png").write_bytes(image_bytes("PNG", 64, 48, seed=2402))
+        (folder / "images" / "more").mkdir(parents=True)
+        for i in range(3):
+            path = folder / "images" / ("more" if i else "") / f"{i}.png"
+            path.write_bytes(image_bytes("PNG", 56, 56, seed=2410 + i))
+        curl_home = tmp_path_factory.mktemp("curl")
+        (curl_home / ".curlrc").write_text("fail-with-body\nshow-error\n")
+        bin_dir = str(Path(sys.executable).parent)
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("ENCODE_CLIENT_", "ENCODE_SERVER_"))}
+        env.update(PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}", CURL_HOME=str(curl_home),
+                   ENCODE_CLIENT_URL=a.url, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        a_host = a.url.removeprefix("http://")
+        substitute = {
+            "localhost:8000": a_host, "localhost:50051": a.grpc_target,
+            "http://replica-a:8000": a.url, "http://replica-b:8000": b.url,
+            "http://a:8000": a.url, "http://b:8000": b.url, "http://encoder:8000": a.url,
+            "redis://redis:6379/0": shared_redis_url,
+        }
+        yield Reader(folder, env, substitute)
+    finally:
+        for server in (a, b):
+            if server is not None:
+                assert server.stop() == 0, server.log()
+        client = redis.Redis.from_url(shared_redis_url)
+        for key in client.scan_iter(match=f"{prefix}:*", count=1000):
+            client.delete(key)
+
+
+@pytest.mark.parametrize("block", RUNNABLE, ids=str)
+def test_the_block_runs_as_written(block: Block, reader: Reader) -> None:
+    code = reader.prepare(block.code)
+    if block.language == "bash":
+        cmd = ["bash", "-e", "-o", "pipefail", "-c", code]
+    else:
+        script = reader.folder / f"block_{block.line}.py"
+        script.write_text(code)
+        cmd = [sys.executable, str(script)]
+    done = subprocess.run(cmd, cwd=reader.folder, env=reader.env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, (
+        f"{block} exited {done.returncode}:\n{code}\n"
+        f"--- stdout\n{done.stdout[-3000:]}\n--- stderr\n{done.stderr[-3000:]}"
+    )

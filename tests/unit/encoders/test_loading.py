@@ -217,9 +217,20 @@ def test_public_surface() -> None:
         "EncoderInfo",
         "PreparedImage",
         "VisionEncoder",
+        "check_local_model",
         "load_encoder",
     }
     assert all(hasattr(encoders, name) for name in encoders.__all__)
+
+
+def test_a_model_written_as_a_path_must_be_a_directory(tmp_path: Path) -> None:
+    """What the server checks before it opens a port; a hub id or builtin: is left to the loader."""
+    assert encoders.check_local_model(str(tmp_path)) == tmp_path
+    for missing in ("/nonexistent/dir", "./nope", "~/no-such-model-dir"):
+        with pytest.raises(FileNotFoundError, match="no model directory"):
+            encoders.check_local_model(missing)
+    assert encoders.check_local_model("Qwen/Qwen2.5-VL-7B-Instruct") is None
+    assert encoders.check_local_model("builtin:tiny") is None
 
 
 class TestWeightsDigest:

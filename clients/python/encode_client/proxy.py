@@ -40,7 +40,7 @@ from encode_client._client import Client
 from encode_client._errors import ReplicaUnavailable, ServerError
 from encode_client.epd import EPDError, cache_salt, check_request_fields, rewrite_chat_request
 
-__all__ = ["FORWARDED", "OPEN_PATHS", "EPDProxy", "main"]
+__all__ = ["FORWARDED", "OPEN_PATHS", "EPDProxy", "build_parser", "main"]
 
 log = logging.getLogger("encode_client.proxy")
 
@@ -239,7 +239,8 @@ def _address(value: str) -> tuple[str, int]:
     return host or "127.0.0.1", int(port)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (docs/vllm.md's proxy flag table lists exactly these flags; a test checks)."""
     parser = argparse.ArgumentParser(prog="encode-epd-proxy", description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument(
         "--listen", type=_address, default=("127.0.0.1", 8080), help="HOST:PORT (default 127.0.0.1:8080)"
@@ -268,6 +269,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds for one upstream answer")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -25,7 +25,8 @@ an item (``check_chat_request``; each refusal is an ``EPDError`` naming the part
   ``e:...``, never the client's ``uuid``, so it is served only to requests that send that payload;
 - a part without a string ``type`` is refused (vLLM guesses an untyped part's kind from its keys);
 - ``mm_processor_kwargs`` and ``media_io_kwargs`` are refused: encode-server preprocesses every
-  image under its fingerprint, so a per-request setting could not apply; ``kv_transfer_params``
+  image under its fingerprint, so a per-request setting could not apply (folding them into the
+  identifier would name an embedding nobody computed); ``kv_transfer_params``
   and ``ec_transfer_params`` are refused: they steer vLLM's transfer connectors, which only the
   serving system may do.
 

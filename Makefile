@@ -100,10 +100,12 @@ openapi: install
 	$(BIN)/python scripts/export_openapi.py
 
 # The side-by-side figures of issue 9 (bench/results/latest.json and PNGs; S4 reuses bench/tiers.py),
-# then the request-memory burst. The older benches run alone: python -m bench.batching,
+# then encode-server against vLLM's own encoder instance (its keys merged into latest.json; builds
+# the vLLM environment first when missing), then the request-memory burst. The older benches run alone: python -m bench.batching,
 # python -m bench.tiers. A GPU: bench/gpu_check.sh.
 bench: install tools
 	$(BIN)/python -m bench.serving
+	$(BIN)/python -m bench.vllm_peer
 	$(BIN)/python -m bench.memory_burst
 
 # 10 minutes of mixed load with Redis paused once (the figures in docs/robustness.md); the tests

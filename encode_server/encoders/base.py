@@ -17,6 +17,8 @@ from PIL import Image
 
 from encode_server.core.types import EncodedTensor
 
+from .family import Family
+
 __all__ = ["EncodedTensor", "EncoderInfo", "PreparedImage", "VisionEncoder"]
 
 
@@ -55,6 +57,7 @@ class VisionEncoder(ABC):
     from one thread at a time, under ``torch.inference_mode``."""
 
     info: EncoderInfo
+    family: Family | None = None  # set by ``load_encoder``: what the server publishes about it
 
     @abstractmethod
     def preprocess(self, image: Image.Image) -> PreparedImage:

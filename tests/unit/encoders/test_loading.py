@@ -212,9 +212,12 @@ def test_unknown_dtype_and_builtin_are_refused() -> None:
 def test_public_surface() -> None:
     assert set(encoders.__all__) == {
         "BUILTIN_MODELS",
+        "FAMILIES",
         "SUPPORTED_MODEL_TYPES",
         "EncodedTensor",
         "EncoderInfo",
+        "Epd",
+        "Family",
         "PreparedImage",
         "VisionEncoder",
         "check_local_model",

@@ -26,17 +26,16 @@ from __future__ import annotations
 import argparse
 import email.parser
 import json
-import re
 import shutil
 import subprocess
 import sys
-import tomllib
 import zipfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
+import tomllib
 from packaging.requirements import Requirement
 from packaging.tags import Tag, compatible_tags, cpython_tags
 from packaging.utils import canonicalize_name, parse_wheel_filename

@@ -16,16 +16,19 @@ import os
 # OMP_WAIT_POLICY wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+import dataclasses
 import json
+import logging
 from collections.abc import Callable
 from typing import Any
 
 from transformers import AutoConfig, AutoImageProcessor
 
 from .base import EncodedTensor, EncoderInfo, PreparedImage, VisionEncoder
+from .batched import BatchedPipeline
 from .builtin import BUILTIN_MODELS, load_builtin
 from .clip import load_clip
-from .hf import LoadSpec, resolve_device, resolve_dtype
+from .hf import HFEncoder, LoadSpec, resolve_device, resolve_dtype
 from .llava import load_llava
 from .loading import CheckpointFiles
 from .qwen import load_qwen
@@ -33,6 +36,7 @@ from .siglip2 import load_siglip2
 
 __all__ = [
     "BUILTIN_MODELS",
+    "PREPROCESS_DEVICES",
     "SUPPORTED_MODEL_TYPES",
     "EncodedTensor",
     "EncoderInfo",
@@ -40,6 +44,8 @@ __all__ = [
     "VisionEncoder",
     "load_encoder",
 ]
+
+log = logging.getLogger(__name__)
 
 _Loader = Callable[[CheckpointFiles, Any, Any, LoadSpec], VisionEncoder]
 _LOADERS: dict[str, _Loader] = {
@@ -56,6 +62,9 @@ _LOADERS: dict[str, _Loader] = {
 SUPPORTED_MODEL_TYPES = tuple(_LOADERS)
 
 
+PREPROCESS_DEVICES = ("auto", "cpu", "model")
+
+
 def load_encoder(
     model: str,
     *,
@@ -63,18 +72,38 @@ def load_encoder(
     dtype: str = "auto",
     output: str = "hidden",
     revision: str | None = None,
+    preprocess_device: str = "cpu",
 ) -> VisionEncoder:
-    """Load ``model``'s vision encoder, ready for ``preprocess``/``forward``.
+    """Load ``model``'s vision encoder, ready for ``prepare``/``forward``.
 
     ``device``: ``auto`` (CUDA if present, else CPU) or a torch device string. ``dtype``: ``auto``
     (bfloat16 on CUDA, float32 on CPU), ``float32``, ``bfloat16`` or ``float16``. ``output``:
     ``hidden`` or ``pooled`` for CLIP/SigLIP; a VLM has one output (LLaVA ``projected``, Qwen
     ``merged``), which ``hidden``, the default, selects. ``revision``: a hub branch, tag or commit.
+    ``preprocess_device``: ``cpu`` (Pillow decodes and the image processor runs per image, in the
+    preprocessing threads), ``model`` (whole batches decoded and preprocessed on the model's
+    device with torchvision: ``encoders/batched.py``), or ``auto`` (``model`` on CUDA, else ``cpu``).
     """
+    if preprocess_device not in PREPROCESS_DEVICES:
+        raise ValueError(f"preprocess_device must be one of {PREPROCESS_DEVICES}, not {preprocess_device!r}")
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
+    encoder = _load(model, revision, LoadSpec(model, revision, torch_device, torch_dtype, output))
+    if preprocess_device == "model" or (preprocess_device == "auto" and torch_device.type == "cuda"):
+        if not isinstance(encoder, HFEncoder):
+            raise ValueError(f"{model} cannot preprocess on its device")
+        try:
+            encoder.use_batched(BatchedPipeline(encoder.processor, torch_device))
+        except ImportError as exc:
+            if preprocess_device == "model":
+                raise ValueError(f"preprocessing on the model's device needs torchvision: {exc}") from exc
+            log.warning("torchvision is not importable (%s): images are preprocessed on the CPU", exc)
+    return encoder
+
+
+def _load(model: str, revision: str | None, spec: LoadSpec) -> VisionEncoder:
     if model.startswith("builtin:"):
-        return load_builtin(LoadSpec(model, revision, torch_device, torch_dtype, output))
+        return load_builtin(spec)
     files = CheckpointFiles.resolve(model, revision)
     config_file = files.directory / "config.json"
     if not config_file.is_file():
@@ -87,5 +116,4 @@ def load_encoder(
         )
     config = AutoConfig.from_pretrained(files.directory)
     processor = AutoImageProcessor.from_pretrained(files.directory)
-    spec = LoadSpec(model, files.revision or revision, torch_device, torch_dtype, output)
-    return loader(files, config, processor, spec)
+    return loader(files, config, processor, dataclasses.replace(spec, revision=files.revision or revision))

@@ -63,8 +63,8 @@ TARGET = {
 PLATFORMS = ["manylinux1_x86_64", "manylinux2010_x86_64", "manylinux2014_x86_64"] + [
     f"manylinux_2_{n}_x86_64" for n in range(5, 36)
 ]
-# The device's packages the GPU path and the check use beyond the server's requirements.
-REHEARSAL_EXTRA = ("torchvision", "packaging")
+# The device's packages the GPU path, the check and tests/gpu use beyond the server's requirements.
+REHEARSAL_EXTRA = ("torchvision", "packaging", "pytest", "pytest-timeout")
 SIZE_LIMIT = 64 * 2**20  # the run tool's carry limit, the whole working tree included
 DEBS = ("redis-server", "redis-tools", "libjemalloc2", "liblzf1", "libatomic1")
 
@@ -345,11 +345,50 @@ def _walk(queue: list[tuple[Requirement, str]], seen: set[tuple[str, frozenset[s
                 queue.append((sub, canonicalize_name(req.name)))
 
 
+def import_check(site: Path) -> list[str]:
+    """Import every top-level module of every distribution installed in ``site`` (the wheel set in
+    its temporary site): a wheel built for another Python or a missing shared library fails here,
+    in a second, instead of when a server starts. The project's own packages import only their
+    top level (the server's encoders need torch, which is the machine's)."""
+    import importlib
+
+    problems = []
+    for dist in metadata.distributions(path=[str(site)]):
+        for name in _top_level(dist):
+            try:
+                importlib.import_module(name)
+            except Exception as exc:  # the report names the module and the reason, whatever it is
+                problems.append(f"{dist.metadata['Name']}: import {name}: {type(exc).__name__}: {exc}")
+    return problems
+
+
+def _top_level(dist: metadata.Distribution) -> list[str]:
+    """The importable top-level names a distribution installs (``top_level.txt`` where the wheel
+    has one, else the first part of its files' paths); private ones (``_cffi_backend``...) left out."""
+    listed = (dist.read_text("top_level.txt") or "").split()
+    if listed:
+        return [n for n in listed if not n.startswith("_")]
+    names = set()
+    for file in dist.files or []:
+        first, *rest = file.parts
+        name = first.removesuffix(".py") if not rest else first
+        if name.isidentifier() and not name.startswith("_") and (rest or first.endswith(".py")):
+            names.add(name)
+    return sorted(names)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=("derive", "device-needs", "download", "check", "verify-env"))
+    parser.add_argument("command", choices=("derive", "device-needs", "download", "check", "verify-env",
+                                            "import-check"))
     parser.add_argument("--dir", type=Path, default=GPU_DIR, help="the folder that travels (default: .gpu)")
+    parser.add_argument("--site", type=Path, help="import-check: the site the wheel set was installed into")
     args = parser.parse_args(argv)
+    if args.command == "import-check":
+        problems = import_check(args.site)
+        for p in problems:
+            print(f"import: {p}", file=sys.stderr)
+        return 1 if problems else 0
     if args.command == "verify-env":
         problems = verify_env()
         for p in problems:

@@ -126,9 +126,8 @@ class BatchedPipeline:
     def _host_pixels(self, data: bytes, max_pixels: int, index: int | None) -> torch.Tensor:
         """Pillow's RGB decode (as the CPU path's), as a contiguous uint8 CHW tensor, pinned on CUDA."""
         image = decode_image(data, max_pixels=max_pixels, index=index)
-        hwc = torch.from_numpy(np.asarray(image))
         host = torch.empty((3, image.height, image.width), dtype=torch.uint8, pin_memory=self._cuda)
-        host.copy_(hwc.permute(2, 0, 1))
+        host.numpy()[:] = np.asarray(image).transpose(2, 0, 1)  # Pillow's buffer is read-only: one copy
         return host
 
     def run(self, batch: Sequence[Pending]) -> tuple[dict[str, torch.Tensor] | None, list[EncodeServerError | None]]:

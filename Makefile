@@ -9,7 +9,7 @@ TORCH_REQ := deploy/torch.txt
 PORT ?= 8000
 
 .PHONY: install tools serve test test-container test-vllm vllm-env lint bench soak clean proto openapi test-docs \
-	gpu-wheels gpu-rehearsal test-gpu-path
+	gpu-wheels gpu-rehearsal
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -58,7 +58,7 @@ test: install tools test-container gpu-wheels
 	if ! wait $$build; then cat $(VLLM_BUILD_LOG) >&2; echo "building the vLLM test environment failed" >&2; exit 1; fi; \
 	exit $$rc
 	$(MAKE) test-vllm
-	$(MAKE) test-gpu-path
+	$(MAKE) gpu-rehearsal
 
 # Builds the CPU image with podman (layers and the stand-in base image cached under
 # ~/.cache/encode-server/podman; only the code layer is rebuilt when the code changes) and runs it:
@@ -86,20 +86,17 @@ test-vllm: install tools
 gpu-wheels: install
 	@$(BIN)/python scripts/gpu_wheels.py download
 
-# A stand-in for the GPU machine's python3: Python 3.12 with its torch 2.11, torchvision 0.26 and
-# transformers 5.17 (PyPI's CUDA builds, which run on the CPU; ~3 GB, built once under
-# ~/.cache/encode-server; see scripts/gpu_rehearsal_env.sh). test-gpu-path runs tests/gpu there
-# (the batched preprocessing path against the CPU path); gpu-rehearsal runs bench/gpu_check.sh
-# there as the GPU machine would, with --device cpu and shrunken towers (a few minutes).
+# The GPU check rehearsed end to end (part of `make test`, about 2 minutes; 3 GB downloaded once):
+# bench/gpu_check.sh as the GPU machine runs it, with a stand-in for that machine's python3
+# (scripts/gpu_rehearsal_env.sh: Python 3.12 with its torch 2.11, torchvision 0.26 and transformers
+# 5.17, PyPI's CUDA builds, which run on the CPU; nothing else), the same .gpu/ installed the same
+# way: a dry run, then the measurements with --device cpu and shrunken towers, then tests/gpu (the
+# batched preprocessing path against the CPU path). Figures under .gpu-rehearsal/ (ignored).
 GPU_REHEARSAL_OUT ?= $(CURDIR)/.gpu-rehearsal
-
-test-gpu-path: gpu-wheels
-	@env=$$(scripts/gpu_rehearsal_env.sh) && site=$$(mktemp -d) && trap 'rm -rf "$$site"' EXIT && \
-	"$$env/bin/python" -m pip install -q --no-index --no-deps --no-compile --target "$$site" .gpu/wheels/*.whl && \
-	PYTHONPATH=$(CURDIR):$$site "$$env/bin/python" -m pytest -q -p no:cacheprovider tests/gpu
 
 gpu-rehearsal: gpu-wheels
 	@env=$$(scripts/gpu_rehearsal_env.sh) && mkdir -p $(GPU_REHEARSAL_OUT) && \
+	PYTHON="$$env/bin/python" OUT=$(GPU_REHEARSAL_OUT) bench/gpu_check.sh --dry-run && \
 	PYTHON="$$env/bin/python" OUT=$(GPU_REHEARSAL_OUT) bench/gpu_check.sh --device cpu --rehearsal
 
 # The docs against the code (part of `make test`, through pytest's testpaths): every link

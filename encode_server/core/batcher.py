@@ -173,6 +173,7 @@ class Batcher(Generic[T, R]):
             batch = self._take()
             if batch:
                 await self._run(batch)
+            del batch  # not held while idle: the items' inputs (pixels) would outlive their batch
 
     def _take(self) -> list[_Pending[T, R]]:
         batch: list[_Pending[T, R]] = []

@@ -24,12 +24,14 @@ needs it.
 from __future__ import annotations
 
 import contextlib
+import io
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
+from PIL import Image
 
 from encode_server.core.errors import EncodeServerError
 from encode_server.imaging import decode_image, read_header
@@ -112,6 +114,20 @@ class BatchedPipeline:
         self._rgb = ImageReadMode.RGB
         self._cuda = device.type == "cuda"
         self._copies = torch.cuda.Stream(device) if self._cuda else None
+        self._check_decoder()
+
+    def _check_decoder(self) -> None:
+        """Decode one small JPEG on the device now: a torchvision whose image extension did not
+        load would otherwise send every JPEG through the Pillow fallback, silently."""
+        buffer = io.BytesIO()
+        Image.new("RGB", (16, 8), (200, 30, 90)).save(buffer, format="JPEG")
+        try:
+            decoded = self._decode_jpeg(torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8),
+                                        mode=self._rgb, device=self.device)
+        except RuntimeError as exc:
+            raise RuntimeError(f"torchvision cannot decode JPEGs on {self.device}: {exc}") from exc
+        if tuple(decoded.shape) != (3, 8, 16):
+            raise RuntimeError(f"torchvision decoded a 16x8 JPEG on {self.device} to {tuple(decoded.shape)}")
 
     def prepare(self, data: bytes, *, max_pixels: int, index: int | None) -> tuple[Pending, int, int]:
         """(pending, width, height), the size as the model will see it (EXIF orientation applied)."""

@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 TORCH_REQ := deploy/torch.txt
 PORT ?= 8000
 
-.PHONY: install tools serve test test-container test-vllm vllm-env lint bench soak clean proto openapi test-docs \
+.PHONY: install tools serve test test-container test-vllm vllm-env lint bench soak clean proto openapi docs test-docs \
 	gpu-wheels gpu-rehearsal
 
 $(BIN)/python:
@@ -99,6 +99,11 @@ gpu-rehearsal: gpu-wheels
 	PYTHON="$$env/bin/python" OUT=$(GPU_REHEARSAL_OUT) bench/gpu_check.sh --dry-run && \
 	PYTHON="$$env/bin/python" OUT=$(GPU_REHEARSAL_OUT) bench/gpu_check.sh --device cpu --rehearsal
 
+# The generated parts of the docs: the flag table of docs/operations.md, from the settings object
+# (a test fails when the page differs from what this writes).
+docs: install
+	$(BIN)/python scripts/gen_docs.py
+
 # The docs against the code (part of `make test`, through pytest's testpaths): every link
 # resolves, every error type and metric is documented, docs/openapi.json is what a server serves.
 test-docs: install
@@ -118,13 +123,15 @@ openapi: install
 	$(BIN)/python scripts/export_openapi.py
 
 # The side-by-side figures of issue 9 (bench/results/latest.json and PNGs; S4 reuses bench/tiers.py),
-# then the request-memory burst. The older benches run alone: python -m bench.batching,
+# then encode-server against vLLM's own encoder instance (its keys merged into latest.json; builds
+# the vLLM environment first when missing), then the request-memory burst. The older benches run alone: python -m bench.batching,
 # python -m bench.tiers. A GPU: bench/gpu_check.sh (make gpu-wheels first; make gpu-rehearsal here).
 bench: install tools
 	$(BIN)/python -m bench.serving
+	$(BIN)/python -m bench.vllm_peer
 	$(BIN)/python -m bench.memory_burst
 
-# 10 minutes of mixed load with Redis paused once (the README's Robustness figures); the tests
+# 10 minutes of mixed load with Redis paused once (the figures in docs/robustness.md); the tests
 # run its 60-second form.
 soak: install tools
 	$(BIN)/python -m bench.soak --duration 600

@@ -1,6 +1,6 @@
 """Soak: long mixed load against one server with Redis, Redis paused once, resources watched.
 
-    python -m bench.soak                  # 10 minutes (the README's figures)
+    python -m bench.soak                  # 10 minutes (the figures in docs/robustness.md)
     python -m bench.soak --duration 60    # the short form that `make test` runs (tests/robust)
 
 Load (HTTP and gRPC, ``--clients`` at once): uploads of a pool of images (hits once seen), new

@@ -39,7 +39,9 @@ class Settings:
     )
     device: str = _opt("auto", "auto (CUDA when present, else CPU), cpu, cuda or cuda:N")
     dtype: str = _opt(
-        "auto", "compute/output dtype", choices=("auto", "float32", "bfloat16", "float16")
+        "auto",
+        "compute and output dtype; auto: bfloat16 on CUDA, float32 on the CPU",
+        choices=("auto", "float32", "bfloat16", "float16"),
     )
     preprocess_device: str = _opt(
         "auto",
@@ -51,39 +53,63 @@ class Settings:
     host: str = _opt("127.0.0.1", "HTTP bind address")
     port: int = _opt(8000, "HTTP port")
     grpc_port: int = _opt(50051, "gRPC port on --host (0 turns gRPC off)")
-    cache_mb: float = _opt(1024.0, "local embedding cache budget in MiB (0 turns it off)")
-    cache_prefix: str = _opt("encode", "cache key prefix")
-    redis_url: str | None = _opt(  # may hold a password: kept out of repr() like the API keys
-        None, "shared tier: redis://, rediss:// (TLS) or redis+cluster:// URL; unset: local tier only", repr=False
+    cache_mb: float = _opt(
+        1024.0, "local embedding cache budget in MiB (0 turns it off); an item larger than it is served, not cached"
     )
-    redis_cluster: bool = _opt(False, "treat --redis-url as a Redis Cluster seed node")
+    cache_prefix: str = _opt("encode", "cache key prefix: keys are {prefix}:v1:{fingerprint}:{mm_hash}")
+    redis_url: str | None = _opt(  # may hold a password: kept out of repr() like the API keys
+        None, "shared tier: redis://, rediss:// (TLS), redis+cluster:// or rediss+cluster:// URL; unset: local tier "
+        "only", repr=False
+    )
+    redis_cluster: bool = _opt(False, "treat --redis-url as a Redis Cluster seed node (same as a +cluster scheme)")
     redis_ttl: int = _opt(86400, "seconds a shared-tier entry lives (SET EX); 0: no expiry")
-    redis_timeout_ms: float = _opt(150.0, "Redis connect and socket timeout in milliseconds")
-    redis_max_value_mb: float = _opt(64.0, "largest value written to Redis in MiB; larger ones are skipped")
-    redis_write_queue: int = _opt(512, "writes waiting to go to Redis; beyond it new writes are dropped")
+    redis_timeout_ms: float = _opt(
+        150.0, "Redis connect and socket timeout in milliseconds; one Redis call is bounded by 3x this"
+    )
+    redis_max_value_mb: float = _opt(
+        64.0, "largest value written to Redis in MiB; larger ones are not written (counted)"
+    )
+    redis_write_queue: int = _opt(
+        512, "writes waiting to go to Redis behind the response (and at most 256 MiB of them); beyond it new "
+        "writes are dropped (counted)"
+    )
     redis_replay_mb: float = _opt(
         64.0, "MiB of shared-tier writes kept while Redis is unavailable, replayed when it is back (0: none)"
     )
     max_batch_size: int = _opt(32, "most images in one forward pass")
-    max_batch_tokens: int = _opt(65536, "most patch tokens in one forward pass")
+    max_batch_tokens: int = _opt(65536, "most patch tokens in one forward pass (an image above it runs alone)")
     max_wait_ms: float = _opt(
         5.0, "an idle model starts at once; it waits at most this long (ms) only for images still being decoded"
     )
-    max_queue: int = _opt(1024, "most items pending encode before 503 overloaded")
-    max_request_bytes: int = _opt(64 * 1024 * 1024, "largest request body in bytes")
+    max_queue: int = _opt(1024, "most images pending encode before 503 overloaded (with Retry-After)")
+    max_request_bytes: int = _opt(
+        64 * 1024 * 1024, "largest request body, multipart part or gRPC message in bytes (413 payload_too_large)"
+    )
     max_inflight_mb: float = _opt(
         2048.0,
         "request bytes held in memory at once, all requests together, in MiB (bodies, decoded base64, "
         "multipart parts, decoded pixels); past it 503 overloaded; 0 turns the bound off",
     )
-    max_items: int = _opt(64, "most items in one request")
-    max_image_pixels: int = _opt(40_000_000, "largest image (width x height), checked before decoding")
-    request_timeout: float = _opt(60.0, "per-request timeout in seconds (504 past it)")
+    max_items: int = _opt(
+        64, "most items in one request (413 too_many_items); /v1/lookup and sizes for /v1/tokens take up to "
+        "max(1024, this)"
+    )
+    max_image_pixels: int = _opt(
+        40_000_000, "largest image (width x height), read from its header before decoding (413 image_too_large)"
+    )
+    request_timeout: float = _opt(
+        60.0, "per-request timeout in seconds (504 timeout past it); the encode itself goes on and is cached"
+    )
     preprocess_workers: int = _opt(0, "threads that decode and preprocess images (0: one per CPU core it may use)")
     log_level: str = _opt("info", "log level", choices=("debug", "info", "warning", "error"))
     log_format: str = _opt("text", "log lines as text, or one JSON object per line", choices=("text", "json"))
-    header_timeout: float = _opt(10.0, "seconds a client has to send a request's headers (408 past it)")
-    body_timeout: float = _opt(30.0, "seconds a request body may go without a byte before 408 and close")
+    header_timeout: float = _opt(
+        10.0, "seconds a client has to send a request's headers, from the connection's opening or the request's "
+        "first byte (408 request_timeout past it, closed)"
+    )
+    body_timeout: float = _opt(
+        30.0, "seconds a request body may go without a byte (408 request_timeout past it, closed)"
+    )
     keep_alive_timeout: float = _opt(5.0, "seconds an idle keep-alive HTTP connection stays open")
     max_connections: int = _opt(1024, "open HTTP connections; one more gets 503 overloaded and is closed")
     drain_seconds: float = _opt(30.0, "on SIGTERM, how long in-flight requests may take to finish before exit")
@@ -96,7 +122,9 @@ class Settings:
     export_dir: str | None = _opt(
         None, "also write each embedding to DIR/<mm_hash>/encoder_cache.safetensors (vLLM's ECExampleConnector)"
     )
-    export_max_mb: float = _opt(10240.0, "disk budget of --export-dir in MiB; the oldest files go first")
+    export_max_mb: float = _opt(
+        10240.0, "disk budget of --export-dir in MiB; the least recently written or re-used files go first"
+    )
 
     @property
     def redis_max_value_bytes(self) -> int:

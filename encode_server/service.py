@@ -309,6 +309,7 @@ class EncodeService:
             "revision": info.revision,
             "fingerprint": self.fingerprint,
             "kind": info.kind,
+            "family": family.describe() if (family := self.encoder.family) is not None else None,
             "output": info.output,
             "dtype": info.dtype,
             "device": info.device,

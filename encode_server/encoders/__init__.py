@@ -19,27 +19,26 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import dataclasses
 import json
 import logging
-from collections.abc import Callable
-from typing import Any
 
 from transformers import AutoConfig, AutoImageProcessor
 
+from . import clip, llava, qwen, siglip2
 from .base import EncodedTensor, EncoderInfo, PreparedImage, VisionEncoder
 from .batched import BatchedPipeline
 from .builtin import BUILTIN_MODELS, load_builtin
-from .clip import load_clip
+from .family import Epd, Family, by_model_type
 from .hf import HFEncoder, LoadSpec, resolve_device, resolve_dtype
-from .llava import load_llava
 from .loading import CheckpointFiles
-from .qwen import load_qwen
-from .siglip2 import load_siglip2
 
 __all__ = [
     "BUILTIN_MODELS",
+    "FAMILIES",
     "PREPROCESS_DEVICES",
     "SUPPORTED_MODEL_TYPES",
     "EncodedTensor",
     "EncoderInfo",
+    "Epd",
+    "Family",
     "PreparedImage",
     "VisionEncoder",
     "load_encoder",
@@ -47,19 +46,10 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_Loader = Callable[[CheckpointFiles, Any, Any, LoadSpec], VisionEncoder]
-_LOADERS: dict[str, _Loader] = {
-    "clip": load_clip,
-    "clip_vision_model": load_clip,
-    "siglip": load_clip,
-    "siglip_vision_model": load_clip,
-    "siglip2": load_siglip2,
-    "siglip2_vision_model": load_siglip2,
-    "llava": load_llava,
-    "qwen2_vl": load_qwen,
-    "qwen2_5_vl": load_qwen,
-}
-SUPPORTED_MODEL_TYPES = tuple(_LOADERS)
+# Every family the server serves: adding one is its module (ending with its FAMILY) and a line here.
+FAMILIES: tuple[Family, ...] = (clip.FAMILY, siglip2.FAMILY, llava.FAMILY, qwen.FAMILY)
+_BY_MODEL_TYPE = by_model_type(FAMILIES)
+SUPPORTED_MODEL_TYPES = tuple(_BY_MODEL_TYPE)
 
 
 PREPROCESS_DEVICES = ("auto", "cpu", "model")
@@ -103,17 +93,21 @@ def load_encoder(
 
 def _load(model: str, revision: str | None, spec: LoadSpec) -> VisionEncoder:
     if model.startswith("builtin:"):
-        return load_builtin(spec)
+        encoder = load_builtin(spec)
+        encoder.family = qwen.FAMILY
+        return encoder
     files = CheckpointFiles.resolve(model, revision)
     config_file = files.directory / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{model} has no config.json")
     model_type = json.loads(config_file.read_text()).get("model_type")
-    loader = _LOADERS.get(model_type)
-    if loader is None:
+    family = _BY_MODEL_TYPE.get(model_type)
+    if family is None:
         raise ValueError(
             f"{model}: model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
     config = AutoConfig.from_pretrained(files.directory)
     processor = AutoImageProcessor.from_pretrained(files.directory)
-    return loader(files, config, processor, dataclasses.replace(spec, revision=files.revision or revision))
+    encoder = family.load(files, config, processor, dataclasses.replace(spec, revision=files.revision or revision))
+    encoder.family = family
+    return encoder

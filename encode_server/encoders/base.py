@@ -22,6 +22,8 @@ from encode_server.core.errors import EncodeServerError
 from encode_server.core.types import EncodedTensor
 from encode_server.imaging import decode_image
 
+from .family import Family
+
 __all__ = ["EncodedTensor", "EncoderInfo", "PreparedImage", "VisionEncoder"]
 
 
@@ -64,6 +66,7 @@ class VisionEncoder(ABC):
     from one thread at a time, under ``torch.inference_mode``."""
 
     info: EncoderInfo
+    family: Family | None = None  # set by ``load_encoder``: what the server publishes about it
 
     @abstractmethod
     def preprocess(self, image: Image.Image) -> PreparedImage:

@@ -26,10 +26,11 @@ from transformers import (
 )
 
 from .base import EncodedTensor, PreparedImage
+from .family import Family
 from .hf import HFEncoder, LoadSpec, to_encoded
 from .loading import CheckpointFiles, Layout, empty_module, load_vision_weights
 
-__all__ = ["ClipEncoder", "FixedResolutionEncoder", "load_clip"]
+__all__ = ["FAMILY", "ClipEncoder", "FixedResolutionEncoder", "load_clip"]
 
 OUTPUTS = ("hidden", "pooled")
 
@@ -116,3 +117,9 @@ def load_clip(files: CheckpointFiles, config: PretrainedConfig, processor: Any, 
     module = empty_module(lambda: cls._from_config(vision, dtype=spec.dtype), spec.device, spec.dtype)
     digest = load_vision_weights(module, files, layouts)
     return ClipEncoder(module, processor, spec, kind=kind, digest=digest)
+
+
+# Retrieval towers: no language model consumes them through EPD.
+FAMILY = Family(
+    name="clip", model_types=("clip", "clip_vision_model", "siglip", "siglip_vision_model"), load=load_clip
+)

@@ -15,10 +15,11 @@ from transformers import AutoModel, LlavaConfig
 from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
 
 from .clip import FixedResolutionEncoder
+from .family import Family
 from .hf import LoadSpec
 from .loading import CheckpointFiles, Layout, empty_module, load_vision_weights
 
-__all__ = ["LlavaEncoder", "LlavaVision", "load_llava"]
+__all__ = ["FAMILY", "LlavaEncoder", "LlavaVision", "load_llava"]
 
 OUTPUTS = ("hidden", "projected")  # "hidden" is accepted as the default and means "projected"
 
@@ -79,3 +80,8 @@ def load_llava(files: CheckpointFiles, config: LlavaConfig, processor: Any, spec
     module = empty_module(lambda: LlavaVision(config, spec.dtype), spec.device, spec.dtype)
     digest = load_vision_weights(module, files, LAYOUTS)
     return LlavaEncoder(module, processor, spec, digest)
+
+
+# Not yet consumed through the EPD path: vLLM's llava.py takes pixels (+ uuid), which needs the
+# proxy's pixels-and-uuid rewrite and a vLLM test of its own.
+FAMILY = Family(name="llava", model_types=("llava",), load=load_llava)

@@ -24,10 +24,11 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_res
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
 
 from .base import EncodedTensor, PreparedImage
+from .family import Epd, Family
 from .hf import HFEncoder, LoadSpec, to_encoded
 from .loading import CheckpointFiles, Layout, empty_module, load_vision_weights
 
-__all__ = ["QwenVisionEncoder", "load_qwen", "vision_model_class"]
+__all__ = ["FAMILY", "QwenVisionEncoder", "load_qwen", "vision_model_class"]
 
 OUTPUTS = ("hidden", "merged")  # "hidden" is accepted as the default and means "merged"
 
@@ -128,3 +129,14 @@ def load_qwen(files: CheckpointFiles, config: PretrainedConfig, processor: Any, 
     module = empty_module(lambda: cls._from_config(vision, dtype=spec.dtype), spec.device, spec.dtype)
     digest = load_vision_weights(module, files, LAYOUTS)
     return QwenVisionEncoder(module, processor, spec, kind=config.model_type, digest=digest)
+
+
+# vLLM 0.32's Qwen2-VL multimodal parser declares image_grid_thw as the embedding field of an image
+# (vllm/model_executor/models/qwen2_vl.py; Qwen2.5-VL uses it too), so a prefill worker takes an
+# image as metadata + uuid, and can run without its tower.
+FAMILY = Family(
+    name="qwen2_vl",
+    model_types=tuple(_VISION_MODELS),
+    load=load_qwen,
+    epd=Epd("pixel_free", {"image": ("image_grid_thw",)}, vllm_model="qwen2_vl.py, qwen2_5_vl.py"),
+)

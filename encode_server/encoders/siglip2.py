@@ -22,10 +22,11 @@ from transformers.models.siglip2.image_processing_pil_siglip2 import get_image_s
 from transformers.models.siglip2.modeling_siglip2 import Siglip2VisionModel
 
 from .base import EncodedTensor, PreparedImage
+from .family import Family
 from .hf import HFEncoder, LoadSpec, to_encoded
 from .loading import CheckpointFiles, Layout, empty_module, load_vision_weights
 
-__all__ = ["Siglip2Encoder", "load_siglip2"]
+__all__ = ["FAMILY", "Siglip2Encoder", "load_siglip2"]
 
 OUTPUTS = ("hidden", "pooled")
 LAYOUTS: list[Layout] = [{"vision_model.": ""}, {"": ""}]
@@ -88,3 +89,6 @@ def load_siglip2(files: CheckpointFiles, config: PretrainedConfig, processor: An
     module = empty_module(lambda: Siglip2VisionModel._from_config(vision, dtype=spec.dtype), spec.device, spec.dtype)
     digest = load_vision_weights(module, files, LAYOUTS)
     return Siglip2Encoder(module, processor, spec, digest=digest)
+
+
+FAMILY = Family(name="siglip2", model_types=("siglip2", "siglip2_vision_model"), load=load_siglip2)

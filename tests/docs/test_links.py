@@ -44,9 +44,19 @@ def _broken(doc: Path, text: str | None = None) -> list[str]:
     return problems
 
 
+PAGES = ("api", "cache", "client", "metrics", "vllm", "models", "operations", "robustness", "benchmarks", "development")
+
+
 def test_the_docs_exist() -> None:
     names = {f.relative_to(ROOT).as_posix() for f in FILES}
-    assert {"README.md", "docs/api.md", "docs/cache.md", "docs/metrics.md"} <= names
+    assert {"README.md", *(f"docs/{p}.md" for p in PAGES)} <= names
+
+
+def test_every_page_leads_back_to_the_readme() -> None:
+    """Each page stands alone, and a reader who landed on it from a search finds the map."""
+    for doc in FILES:
+        if doc.name != "README.md":
+            assert "../README.md" in {urlsplit(t).path for t in links(doc.read_text())}, doc.name
 
 
 @pytest.mark.parametrize("doc", FILES, ids=[f.relative_to(ROOT).as_posix() for f in FILES])

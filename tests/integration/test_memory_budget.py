@@ -4,7 +4,7 @@ resident memory is read from /proc while it runs.
 
 The server here has a small budget (160 MiB, uploads up to 32 MiB) so that a burst several times
 the budget stays cheap on a small machine; ``bench/memory_burst.py`` runs the full 64 x 60 MiB
-burst against the default limits and prints the figures README quotes.
+burst against the default limits and prints the figures docs/robustness.md quotes.
 """
 
 from __future__ import annotations

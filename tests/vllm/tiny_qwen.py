@@ -10,6 +10,7 @@ placeholders and greedy token ids work as with the real model (the words mean no
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 SEED = 4321
 MIN_PIXELS = 56 * 56
@@ -43,8 +44,17 @@ CHAT_TEMPLATE = (
 )
 
 
-def make_tiny_qwen2_5_vl(directory: Path | str, *, min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS) -> Path:
-    """Save the checkpoint into ``directory`` and return it."""
+def make_tiny_qwen2_5_vl(
+    directory: Path | str,
+    *,
+    min_pixels: int = MIN_PIXELS,
+    max_pixels: int = MAX_PIXELS,
+    vision: dict[str, Any] | None = None,
+    dtype: str = "float32",
+) -> Path:
+    """Save the checkpoint into ``directory`` and return it. ``vision`` overrides the tower's config
+    (the benchmark's larger tower: ``bench/vllm_peer.py``); ``dtype`` is the dtype the weights are
+    saved in (and the config's ``dtype``, which vLLM's ``auto`` follows)."""
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import (
@@ -84,7 +94,7 @@ def make_tiny_qwen2_5_vl(directory: Path | str, *, min_pixels: int = MIN_PIXELS,
         "eos_token_id": ids["<|im_end|>"],
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]},
     }
-    vision = {
+    vision_config = {
         "depth": 2,
         "hidden_size": 32,
         "intermediate_size": 64,
@@ -95,9 +105,10 @@ def make_tiny_qwen2_5_vl(directory: Path | str, *, min_pixels: int = MIN_PIXELS,
         "temporal_patch_size": 2,
         "window_size": 56,
         "fullatt_block_indexes": [1],
+        **(vision or {}),
     }
     config = Qwen2_5_VLConfig(
-        vision_config=vision,
+        vision_config=vision_config,
         text_config=text,
         image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"],
@@ -111,7 +122,7 @@ def make_tiny_qwen2_5_vl(directory: Path | str, *, min_pixels: int = MIN_PIXELS,
         for p in model.parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, 0.2)
-    model.save_pretrained(path)
+    model.to(getattr(torch, dtype)).save_pretrained(path)
     processor = Qwen2VLImageProcessorPil(
         size={"shortest_edge": min_pixels, "longest_edge": max_pixels}, patch_size=14, merge_size=2
     )

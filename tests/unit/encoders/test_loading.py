@@ -212,10 +212,13 @@ def test_unknown_dtype_and_builtin_are_refused() -> None:
 def test_public_surface() -> None:
     assert set(encoders.__all__) == {
         "BUILTIN_MODELS",
+        "FAMILIES",
         "PREPROCESS_DEVICES",
         "SUPPORTED_MODEL_TYPES",
         "EncodedTensor",
         "EncoderInfo",
+        "Epd",
+        "Family",
         "PreparedImage",
         "VisionEncoder",
         "load_encoder",

@@ -1,0 +1,82 @@
+"""What a model family is, declared once per family module and asked by everything else.
+
+A family module (``qwen.py``, ``llava.py``, ``clip.py``, ...) ends with a ``FAMILY`` (or several)
+saying which ``model_type`` values it serves, how a checkpoint of it loads (the loader builds the
+``VisionEncoder`` that preprocesses, encodes and counts tokens), which modalities it takes, and how
+a vLLM prefill worker consumes its embeddings (``Epd``). ``encoders/__init__.py`` builds its
+``model_type`` table from the families; the server publishes the family and its EPD contract in
+``GET /v1/model``, so the connector and the proxy (``encode_client``, which never imports the
+server) read it from there instead of keeping their own copy.
+
+Invariants (checked by ``tests/unit/encoders/test_family.py``): every ``model_type`` belongs to
+one family; a pixel-free family names, for each modality it takes, the metadata fields a
+pixel-free item carries, and every one of them is a key of the ``meta`` its encoder emits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+__all__ = ["EPD_MODES", "Epd", "Family", "by_model_type"]
+
+EPD_MODES = ("pixel_free", "pixels_uuid")
+
+
+@dataclass(frozen=True)
+class Epd:
+    """How vLLM takes this family's embeddings from an E: vLLM's decision, read from its model file.
+
+    - ``pixel_free``: the prefill request carries no pixels, only ``fields`` (per modality, the
+      metadata vLLM's multimodal parser declares as ``embedding_fields``) and the ``uuid``; the
+      prefill worker can run without its tower.
+    - ``pixels_uuid``: the prefill request carries the image (vLLM's processor sizes the
+      placeholder from it) and the ``uuid``; its EC connector supplies the embedding, so the tower
+      is never run (it stays loaded).
+    """
+
+    mode: Literal["pixel_free", "pixels_uuid"]
+    fields: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    vllm_model: str = ""  # vLLM's model file that decides it, e.g. "qwen2_5_vl.py"
+
+    def __post_init__(self) -> None:
+        if self.mode not in EPD_MODES:
+            raise ValueError(f"EPD mode must be one of {EPD_MODES}, not {self.mode!r}")
+        if self.mode == "pixel_free" and not self.fields:
+            raise ValueError("a pixel-free family must name the fields its prefill items carry")
+
+    def describe(self) -> dict[str, Any]:
+        """The JSON form ``GET /v1/model`` publishes (``epd``)."""
+        fields = {modality: list(names) for modality, names in self.fields.items()}
+        return {"mode": self.mode, "fields": fields, "vllm_model": self.vllm_model}
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family: its ``model_type`` values, its loader, its modalities and its EPD contract.
+
+    ``load(files, config, processor, spec)`` returns the family's ``VisionEncoder``; ``epd`` is None
+    for a family no vLLM prefill consumes through the EPD path (yet, or ever: a retrieval tower).
+    """
+
+    name: str
+    model_types: tuple[str, ...]
+    load: Callable[..., Any]
+    modalities: tuple[str, ...] = ("image",)
+    epd: Epd | None = None
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "modalities": list(self.modalities),
+                "epd": self.epd.describe() if self.epd else None}
+
+
+def by_model_type(families: Sequence[Family]) -> dict[str, Family]:
+    """The ``model_type`` table, refusing a type claimed by two families."""
+    table: dict[str, Family] = {}
+    for family in families:
+        for model_type in family.model_types:
+            if model_type in table:
+                raise ValueError(f"model_type {model_type!r} is claimed by {table[model_type].name} and {family.name}")
+            table[model_type] = family
+    return table

@@ -1,0 +1,57 @@
+"""The family table: every model type belongs to one family, each family's EPD contract is
+well-formed and names only metadata its encoder emits, and a loaded encoder knows its family."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from encode_server.encoders import FAMILIES, SUPPORTED_MODEL_TYPES, Epd, Family, load_encoder
+from encode_server.encoders.family import by_model_type
+from encode_server.encoders.qwen import load_qwen
+
+
+def test_every_model_type_has_exactly_one_family() -> None:
+    claimed = [t for family in FAMILIES for t in family.model_types]
+    assert sorted(claimed) == sorted(SUPPORTED_MODEL_TYPES)
+    assert len(set(claimed)) == len(claimed)
+    assert len({family.name for family in FAMILIES}) == len(FAMILIES)
+
+
+def test_a_model_type_claimed_twice_is_refused() -> None:
+    a = Family("a", ("qwen2_vl",), load_qwen)
+    b = Family("b", ("qwen2_vl",), load_qwen)
+    with pytest.raises(ValueError, match="claimed by a and b"):
+        by_model_type([a, b])
+
+
+def test_an_epd_contract_is_well_formed() -> None:
+    with pytest.raises(ValueError, match="mode"):
+        Epd("tower")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="fields"):
+        Epd("pixel_free")
+    assert Epd("pixels_uuid").describe() == {"mode": "pixels_uuid", "fields": {}, "vllm_model": ""}
+    for family in FAMILIES:
+        if family.epd is not None and family.epd.mode == "pixel_free":
+            assert set(family.epd.fields) <= set(family.modalities), family.name
+
+
+def test_the_pixel_free_fields_are_what_the_encoder_emits(qwen_dir: Path, image: Image.Image) -> None:
+    """The proxy builds a prefill item from exactly these keys of an item's ``meta``: a field the
+    encoder does not emit would make every pixel-free request fail in vLLM."""
+    encoder = load_encoder(str(qwen_dir), device="cpu")
+    assert encoder.family is not None and encoder.family.epd is not None
+    assert set(encoder.family.epd.fields["image"]) <= set(encoder.preprocess(image).meta)
+    assert set(encoder.family.epd.fields["image"]) <= set(encoder.count_tokens(640, 480)[1])
+
+
+def test_the_builtin_model_is_a_qwen_family_model() -> None:
+    encoder = load_encoder("builtin:tiny")
+    assert encoder.family is not None
+    assert encoder.family.describe() == {
+        "name": "qwen2_vl", "modalities": ["image"],
+        "epd": {"mode": "pixel_free", "fields": {"image": ["image_grid_thw"]},
+                "vllm_model": "qwen2_vl.py, qwen2_5_vl.py"},
+    }

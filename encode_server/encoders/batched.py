@@ -6,8 +6,9 @@ an image at a time on the CPU, becomes the bottleneck. So the work is split diff
 - Per image, in a preprocessing thread (``prepare``): the header is read and checked as the CPU
   path checks it (format, pixel limit, EXIF orientation), which gives the token count the batcher
   budgets with. A JPEG whose frame is RGB or grayscale waits as its encoded bytes. Any other image
-  (PNG, WebP, GIF, BMP, TIFF, a CMYK JPEG, MPO) is decoded by Pillow as the CPU path decodes it
-  (``imaging.decode_image``), into a uint8 CHW tensor in pinned host memory, and waits as that.
+  (PNG, WebP, GIF, BMP, TIFF, a CMYK JPEG, MPO, a truncated JPEG) is decoded by Pillow as the CPU
+  path decodes it (``imaging.decode_image``), into a uint8 CHW tensor in pinned host memory, and
+  waits as that.
 - Per batch, in the forward thread (``run``): the batch's JPEGs are decoded by one
   ``torchvision.io.decode_jpeg`` call on the device (nvJPEG's batched decoder on CUDA) while the
   waiting pixels are copied to the device on a side stream; the EXIF orientation is applied on the
@@ -59,6 +60,13 @@ def orient(image: torch.Tensor, orientation: int) -> torch.Tensor:
     if orientation == 8:
         return image.rot90(1, (-2, -1))
     return image
+
+
+def _complete(data: bytes) -> bool:
+    """A JPEG's last scan ends in an EOI marker (inside scan data 0xFF is always stuffed, so the
+    pair is the marker); a truncated upload's does not, and goes to Pillow, which refuses it as
+    the CPU path does, whatever the device decoder would make of it."""
+    return b"\xff\xd9" in data[data.rfind(b"\xff\xda") :]
 
 
 @dataclass
@@ -132,7 +140,7 @@ class BatchedPipeline:
     def prepare(self, data: bytes, *, max_pixels: int, index: int | None) -> tuple[Pending, int, int]:
         """(pending, width, height), the size as the model will see it (EXIF orientation applied)."""
         header = read_header(data, max_pixels=max_pixels, index=index)
-        if header.format == "JPEG" and header.mode in _DEVICE_DECODED_MODES:
+        if header.format == "JPEG" and header.mode in _DEVICE_DECODED_MODES and _complete(data):
             jpeg = torch.frombuffer(bytearray(data), dtype=torch.uint8)
             width, height = header.oriented_size
             return Pending(data, index, max_pixels, jpeg=jpeg, orientation=header.orientation), width, height

@@ -31,7 +31,7 @@ from encode_server.encoders.base import PreparedImage
 from encode_server.encoders.hf import HFEncoder
 from encode_server.imaging import decode_image
 from tests.gpu.conftest import DEVICES
-from tests.images import image_bytes, truncated_jpeg
+from tests.images import image_bytes, jpeg_without_tables, truncated_jpeg
 
 MAX_PIXELS = 10**8
 FAMILIES = ("qwen2_5_vl", "clip", "siglip", "siglip2", "llava")
@@ -121,14 +121,25 @@ def test_exif_orientation_is_applied_as_the_cpu_path_applies_it(device: str, ori
 def test_a_jpeg_found_bad_when_its_batch_decodes_fails_alone(device: str) -> None:
     encoder = load_encoder("builtin:tiny", device=device, preprocess_device="model")
     good = photos(41, 2)
-    batch = [encoder.prepare(d, max_pixels=MAX_PIXELS, index=i) for i, d in enumerate([good[0], truncated_jpeg(),
-                                                                                      good[1]])]
+    batch = [encoder.prepare(d, max_pixels=MAX_PIXELS, index=i)
+             for i, d in enumerate([good[0], jpeg_without_tables(), good[1]])]
+    assert batch[1].pending.jpeg is not None  # its header passed: only the batch's decode finds it bad
     first, bad, last = encoder.forward(batch)
-    assert isinstance(bad, BadInput) and bad.type == "invalid_image"
+    assert isinstance(bad, BadInput) and bad.type == "invalid_image" and bad.index == 1
     single = load_encoder("builtin:tiny", device=device, preprocess_device="model")
     [alone] = single.forward([single.prepare(good[1], max_pixels=MAX_PIXELS)])
     assert isinstance(first, EncodedTensor) and isinstance(last, EncodedTensor)
     torch.testing.assert_close(_decode(last), _decode(alone))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_truncated_jpeg_is_refused_when_prepared_as_on_the_cpu_path(device: str) -> None:
+    """No end marker after its last scan: Pillow decodes it there and then, and refuses it, so the
+    answer does not depend on what the device decoder makes of a short stream."""
+    encoder = load_encoder("builtin:tiny", device=device, preprocess_device="model")
+    with pytest.raises(BadInput, match="truncated") as refused:
+        encoder.prepare(truncated_jpeg(), max_pixels=MAX_PIXELS, index=2)
+    assert refused.value.type == "invalid_image" and refused.value.index == 2
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -158,6 +169,6 @@ def test_the_fingerprint_says_the_pipeline_and_the_cpu_path_keeps_its_own(family
 def test_an_empty_batch_and_a_batch_of_only_bad_items() -> None:
     encoder = load_encoder("builtin:tiny", device="cpu", preprocess_device="model")
     assert encoder.forward([]) == []
-    bad: PreparedImage = encoder.prepare(truncated_jpeg(), max_pixels=MAX_PIXELS, index=3)
+    bad: PreparedImage = encoder.prepare(jpeg_without_tables(), max_pixels=MAX_PIXELS, index=3)
     [error] = encoder.forward([bad])
     assert isinstance(error, BadInput) and error.index == 3

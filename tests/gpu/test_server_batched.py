@@ -11,7 +11,7 @@ import pytest
 
 from bench.workload import photos
 from tests.gpu.conftest import DEVICES
-from tests.images import image_bytes, truncated_jpeg
+from tests.images import image_bytes, jpeg_without_tables, truncated_jpeg
 from tests.server import ServerProcess, start_server
 
 
@@ -41,9 +41,10 @@ def test_a_batch_of_formats_encodes_and_its_counts_are_the_token_counts(batched_
 
 
 def test_a_jpeg_bad_only_when_decoded_is_a_400_naming_it_and_the_server_goes_on(batched_server: ServerProcess) -> None:
-    items = [_item(photos(71, 1)[0]), _item(truncated_jpeg(5))]
-    r = httpx.post(batched_server.url + "/v1/encode", json={"items": items}, timeout=60)
-    assert r.status_code == 400, r.text
-    assert r.json()["error"]["type"] == "invalid_image" and r.json()["error"]["index"] == 1
+    for bad in (jpeg_without_tables(5), truncated_jpeg(5)):  # found bad by the batch / when prepared
+        items = [_item(photos(71, 1)[0]), _item(bad)]
+        r = httpx.post(batched_server.url + "/v1/encode", json={"items": items}, timeout=60)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["type"] == "invalid_image" and r.json()["error"]["index"] == 1
     again = httpx.post(batched_server.url + "/v1/encode", json={"items": [_item(photos(72, 1)[0])]}, timeout=60)
     assert again.status_code == 200 and again.json()["items"][0]["status"] == "encoded"

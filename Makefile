@@ -8,7 +8,8 @@ STAMP := $(VENV)/.installed
 TORCH_REQ := deploy/torch.txt
 PORT ?= 8000
 
-.PHONY: install tools serve test test-container test-vllm vllm-env lint bench soak clean proto openapi docs test-docs
+.PHONY: install tools serve test test-container test-vllm vllm-env lint bench soak clean proto openapi docs test-docs \
+	gpu-wheels gpu-rehearsal
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -51,12 +52,13 @@ tools:
 # while the server's suite runs; the vLLM tests run once both are done.
 VLLM_BUILD_LOG := $(HOME)/.cache/encode-server/vllm-env-build.log
 
-test: install tools test-container
+test: install tools test-container gpu-wheels
 	@mkdir -p $(dir $(VLLM_BUILD_LOG)); scripts/vllm_env.sh >/dev/null 2>$(VLLM_BUILD_LOG) & build=$$!; \
 	$(BIN)/ruff check . && $(BIN)/python -m pytest -q --ignore=tests/container; rc=$$?; \
 	if ! wait $$build; then cat $(VLLM_BUILD_LOG) >&2; echo "building the vLLM test environment failed" >&2; exit 1; fi; \
 	exit $$rc
 	$(MAKE) test-vllm
+	$(MAKE) gpu-rehearsal
 
 # Builds the CPU image with podman (layers and the stand-in base image cached under
 # ~/.cache/encode-server/podman; only the code layer is rebuilt when the code changes) and runs it:
@@ -75,6 +77,27 @@ test-vllm: install tools
 	@env=$$(scripts/vllm_env.sh) && \
 	ENCODE_SERVER_PYTHON=$(abspath $(BIN))/python PYTHONPATH=$(CURDIR)/clients/python:$(CURDIR) \
 	"$$env/bin/python" -m pytest -q -p no:cacheprovider tests/vllm
+
+# The GPU check's luggage (bench/gpu_check.sh on the lent GPU machine, which reaches no registry):
+# the wheels its python3 (3.12) lacks, derived from the pyproject files against
+# bench/gpu/device-packages.txt, at the versions .venv holds, for cp312 manylinux x86_64; the
+# project's own two wheels; redis-server's .deb files. Into .gpu/ (ignored; the run tool carries
+# it: under 64 MiB, printed). A second run downloads nothing and rebuilds only the project's wheels.
+gpu-wheels: install
+	@$(BIN)/python scripts/gpu_wheels.py download
+
+# The GPU check rehearsed end to end (part of `make test`, about 2 minutes; 3 GB downloaded once):
+# bench/gpu_check.sh as the GPU machine runs it, with a stand-in for that machine's python3
+# (scripts/gpu_rehearsal_env.sh: Python 3.12 with its torch 2.11, torchvision 0.26 and transformers
+# 5.17, PyPI's CUDA builds, which run on the CPU; nothing else), the same .gpu/ installed the same
+# way: a dry run, then the measurements with --device cpu and shrunken towers, then tests/gpu (the
+# batched preprocessing path against the CPU path). Figures under .gpu-rehearsal/ (ignored).
+GPU_REHEARSAL_OUT ?= $(CURDIR)/.gpu-rehearsal
+
+gpu-rehearsal: gpu-wheels
+	@env=$$(scripts/gpu_rehearsal_env.sh) && mkdir -p $(GPU_REHEARSAL_OUT) && \
+	PYTHON="$$env/bin/python" OUT=$(GPU_REHEARSAL_OUT) bench/gpu_check.sh --dry-run && \
+	PYTHON="$$env/bin/python" OUT=$(GPU_REHEARSAL_OUT) bench/gpu_check.sh --device cpu --rehearsal
 
 # The generated parts of the docs: the flag table of docs/operations.md, from the settings object
 # (a test fails when the page differs from what this writes).
@@ -102,7 +125,7 @@ openapi: install
 # The side-by-side figures of issue 9 (bench/results/latest.json and PNGs; S4 reuses bench/tiers.py),
 # then encode-server against vLLM's own encoder instance (its keys merged into latest.json; builds
 # the vLLM environment first when missing), then the request-memory burst. The older benches run alone: python -m bench.batching,
-# python -m bench.tiers. A GPU: bench/gpu_check.sh.
+# python -m bench.tiers. A GPU: bench/gpu_check.sh (make gpu-wheels first; make gpu-rehearsal here).
 bench: install tools
 	$(BIN)/python -m bench.serving
 	$(BIN)/python -m bench.vllm_peer

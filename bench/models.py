@@ -8,6 +8,9 @@ Built once and kept under ``~/.cache/encode-server/bench/`` (a ViT-B/32 takes se
 - ``qwen25_vl_7b_vision_dir``: Qwen2.5-VL-7B's vision tower (32 blocks of width 1280, merger to
   3,584) in bfloat16, inside a Qwen2.5-VL checkpoint whose language model is tiny (never read):
   what ``bench/gpu_check.sh`` serves.
+- ``siglip_so400m_dir``: SigLIP so400m/14's vision tower at 384 px (27 layers of width 1152,
+  729 tokens) in bfloat16, vision-only: the tower whose forward pass is short against its
+  preprocessing, which ``bench/gpu_check.sh`` serves beside the Qwen one.
 - ``wide``: a one-layer CLIP tower of width 1024, so that its embeddings are N x 1024 as a
   ViT-L-class tower's are; S2 serves hits of 64, 576 and 2,500 tokens of it.
 """
@@ -21,7 +24,10 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CONFIGS", "QWEN25_VL_7B_VISION", "cache_dir", "model_dir", "qwen25_vl_7b_vision_dir"]
+__all__ = [
+    "CONFIGS", "QWEN25_VL_7B_VISION", "SIGLIP_SO400M_384", "cache_dir", "model_dir", "qwen25_vl_7b_vision_dir",
+    "siglip_so400m_dir",
+]
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "vitb32": {
@@ -99,6 +105,37 @@ def qwen25_vl_7b_vision_dir(**overrides: Any) -> Path:
         model = Qwen2_5_VLForConditionalGeneration._from_config(config, dtype=torch.bfloat16).eval()
     model.save_pretrained(tmp)
     Qwen2VLImageProcessorPil().save_pretrained(tmp)
+    (tmp / ".complete").touch()
+    shutil.rmtree(path, ignore_errors=True)
+    tmp.rename(path)
+    return path
+
+
+SIGLIP_SO400M_384: dict[str, Any] = {
+    "hidden_size": 1152, "intermediate_size": 4304, "num_hidden_layers": 27, "num_attention_heads": 16,
+    "image_size": 384, "patch_size": 14, "hidden_act": "gelu_pytorch_tanh", "layer_norm_eps": 1e-6,
+}
+
+
+def siglip_so400m_dir(**overrides: Any) -> Path:
+    """A vision-only SigLIP checkpoint the size of so400m/14 at 384 px (random weights, bf16), with
+    its processor (384 x 384, bicubic, mean and std 0.5); ``overrides`` shrink it off the GPU."""
+    vision = {**SIGLIP_SO400M_384, **overrides}
+    digest = hashlib.sha256(json.dumps(vision, sort_keys=True).encode()).hexdigest()[:12]
+    path = cache_dir() / f"siglip-so400m-384-{digest}"
+    if (path / ".complete").exists():
+        return path
+    import torch
+    from transformers import SiglipImageProcessorPil, SiglipVisionConfig, SiglipVisionModel
+
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(SEED)
+        model = SiglipVisionModel._from_config(SiglipVisionConfig(**vision), dtype=torch.bfloat16).eval()
+    model.save_pretrained(tmp)
+    size = vision["image_size"]
+    SiglipImageProcessorPil(size={"height": size, "width": size}, resample=3).save_pretrained(tmp)
     (tmp / ".complete").touch()
     shutil.rmtree(path, ignore_errors=True)
     tmp.rename(path)

@@ -70,6 +70,7 @@ def encoder_loader(settings: Settings) -> EncoderLoader:
         dtype=settings.dtype,
         output=settings.output,
         revision=settings.revision,
+        preprocess_device=settings.preprocess_device,
     )
 
 

@@ -43,6 +43,13 @@ class Settings:
         "compute and output dtype; auto: bfloat16 on CUDA, float32 on the CPU",
         choices=("auto", "float32", "bfloat16", "float16"),
     )
+    preprocess_device: str = _opt(
+        "auto",
+        "where images are decoded and preprocessed: cpu (Pillow and the image processor, an image at a time, in "
+        "the preprocessing threads), model (a batch at a time on the model's device with torchvision: nvJPEG for "
+        "JPEGs on CUDA), auto (model when the model runs on CUDA and torchvision is installed, else cpu)",
+        choices=("auto", "cpu", "model"),
+    )
     host: str = _opt("127.0.0.1", "HTTP bind address")
     port: int = _opt(8000, "HTTP port")
     grpc_port: int = _opt(50051, "gRPC port on --host (0 turns gRPC off)")

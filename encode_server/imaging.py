@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import io
 import warnings
+from dataclasses import dataclass
 
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from encode_server.core.errors import BadInput, TooLarge
 
-__all__ = ["ACCEPTED_FORMATS", "decode_image", "decoded_nbytes", "oriented_size", "probe_size", "to_rgb"]
+__all__ = [
+    "ACCEPTED_FORMATS", "Header", "decode_image", "decoded_nbytes", "oriented_size", "probe_size", "read_header",
+    "to_rgb",
+]
 
 # 16-bit grayscale (PNG, TIFF): Pillow's convert("RGB") clips each sample at 255, so all but the
 # darkest 1/256 of the range turns white. Scale to 8 bits first, as every viewer does.
@@ -87,25 +91,47 @@ _EXIF_ORIENTATION = 0x0112
 _SWAPS_AXES = frozenset({5, 6, 7, 8})
 
 
+@dataclass(frozen=True)
+class Header:
+    """What an image's header says, before any pixel is decoded."""
+
+    width: int  # as stored, before the EXIF orientation
+    height: int
+    format: str  # Pillow's name: JPEG, MPO, PNG...
+    mode: str  # Pillow's mode of the stored frame: RGB, L, CMYK...
+    orientation: int  # EXIF orientation (1-8); 1 when there is none
+
+    @property
+    def oriented_size(self) -> tuple[int, int]:
+        """(width, height) once the orientation is applied: swapped for orientations 5-8."""
+        return (self.height, self.width) if self.orientation in _SWAPS_AXES else (self.width, self.height)
+
+
+def read_header(data: bytes, *, max_pixels: int, index: int | None = None) -> Header:
+    """The header of ``data``, with the same checks as ``decode_image`` (format, size)."""
+    image = _open(data, index, max_pixels)
+    width, height = image.size
+    orientation = 1
+    # Pillow's PNG getexif() decodes every pixel to look for an eXIf chunk after the image data;
+    # a PNG whose bytes never spell the chunk type has none, so skip that cost exactly.
+    if not (image.format == "PNG" and "exif" not in image.info and b"eXIf" not in data):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+                value = image.getexif().get(_EXIF_ORIENTATION)
+        except Exception:  # malformed EXIF or pixels: the encode fails or ignores it the same way
+            value = None
+        orientation = value if isinstance(value, int) and 1 <= value <= 8 else 1
+    return Header(width, height, image.format or "", image.mode, orientation)
+
+
 def oriented_size(data: bytes, *, max_pixels: int, index: int | None = None) -> tuple[int, int]:
     """(width, height) of the image the encoder will see, from the header alone.
 
     ``decode_image`` applies the EXIF orientation before the processor resizes, so a token count
     must use the oriented size: width and height swapped for orientations 5-8.
     """
-    image = _open(data, index, max_pixels)
-    width, height = image.size
-    # Pillow's PNG getexif() decodes every pixel to look for an eXIf chunk after the image data;
-    # a PNG whose bytes never spell the chunk type has none, so skip that cost exactly.
-    if image.format == "PNG" and "exif" not in image.info and b"eXIf" not in data:
-        return width, height
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            orientation = image.getexif().get(_EXIF_ORIENTATION)
-    except Exception:  # malformed EXIF or pixels: the encode fails or ignores it the same way
-        orientation = None
-    return (height, width) if orientation in _SWAPS_AXES else (width, height)
+    return read_header(data, max_pixels=max_pixels, index=index).oriented_size
 
 
 def decode_image(data: bytes, *, max_pixels: int, index: int | None = None) -> Image.Image:

@@ -8,9 +8,11 @@ however many requests (or items of one request) want it.
 from __future__ import annotations
 
 import asyncio
+import io
 import logging
 import sys
 import time
+import weakref
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -37,7 +39,7 @@ from encode_server.core.errors import (
 from encode_server.core.hashing import CacheKey, fingerprint, mm_hash, parse_mm_hash
 from encode_server.core.types import ENCODER, Embedding, EncodedTensor, Hit, ItemResult, RequestItem, Return
 from encode_server.encoders.base import EncoderInfo, PreparedImage, VisionEncoder
-from encode_server.imaging import decode_image, decoded_nbytes, oriented_size
+from encode_server.imaging import decoded_nbytes, oriented_size
 from encode_server.metrics import Metrics
 
 __all__ = ["EncodeService", "LookupResult", "TokenCount", "model_fingerprint"]
@@ -96,6 +98,27 @@ class _Identified:
     data: bytes | None
 
 
+class _Charge:
+    """Bytes acquired from the request-memory budget for one image's preparation. ``close`` gives
+    back what is not kept; a kept part goes back when the object holding it is collected, on
+    whatever path (encoded, failed, or its requester gone while it decoded)."""
+
+    def __init__(self, budget: ByteBudget | None, nbytes: int) -> None:
+        self._budget = budget
+        self._left = nbytes
+
+    def keep_while_alive(self, holder: object, nbytes: int) -> None:
+        kept = min(nbytes, self._left)
+        if self._budget is not None and kept:
+            self._left -= kept
+            weakref.finalize(holder, self._budget.release, kept)
+
+    def close(self) -> None:
+        if self._budget is not None and self._left:
+            self._budget.release(self._left)
+        self._left = 0
+
+
 class EncodeService:
     """Resolves items through the tiers it is handed: ``local`` (this process), ``shared``
     (Redis, optional) and, last, ``batcher`` (the encoder). It builds none of them: the
@@ -147,9 +170,10 @@ class EncodeService:
         self.batcher.start()
         if self.shared is not None:
             await self.shared.start()
-        warmup = Image.new("RGB", (64, 64), (127, 127, 127))
+        buffer = io.BytesIO()
+        Image.new("RGB", (64, 64), (127, 127, 127)).save(buffer, format="JPEG")  # the path a JPEG takes
         loop = asyncio.get_running_loop()
-        prepared = await loop.run_in_executor(self._preprocess_pool, self.encoder.preprocess, warmup)
+        prepared = await loop.run_in_executor(self._preprocess_pool, self._prepare, buffer.getvalue(), 0)
         await self.batcher.submit(prepared, prepared.cost_tokens)
 
     async def close(self) -> None:
@@ -459,21 +483,23 @@ class EncodeService:
 
     def _prepare(self, data: bytes, index: int) -> PreparedImage:
         started = time.perf_counter()
-        with self._pixels_charged(data, index):
-            image = decode_image(data, max_pixels=self.settings.max_image_pixels, index=index)
+        with self._pixels_charged(data, index) as charge:
             try:
-                prepared = self.encoder.preprocess(image)
+                prepared = self.encoder.prepare(data, max_pixels=self.settings.max_image_pixels, index=index)
             except ValueError as exc:  # e.g. an aspect ratio the processor refuses
                 raise BadInput(f"image cannot be preprocessed: {exc}", type="unsupported_image", index=index) from exc
-            del image
+            if prepared.pending is not None and prepared.held_bytes:
+                charge.keep_while_alive(prepared.pending, prepared.held_bytes)
         self.metrics.preprocess.observe(time.perf_counter() - started)
         return prepared
 
     @contextmanager
-    def _pixels_charged(self, data: bytes, index: int) -> Iterator[None]:
-        """Decoded pixels (size from the header) are charged to the budget while they live."""
+    def _pixels_charged(self, data: bytes, index: int) -> Iterator[_Charge]:
+        """Decoded pixels (size from the header) are charged to the budget while they live: for
+        the block, and what a batched encoder's image holds until its batch (``PreparedImage.pending``)
+        for as long as that object lives."""
         if self.budget is None:
-            yield
+            yield _Charge(None, 0)
             return
         nbytes = decoded_nbytes(data, max_pixels=self.settings.max_image_pixels, index=index)
         if not self.budget.try_acquire(nbytes):
@@ -482,10 +508,11 @@ class EncodeService:
                 f"request memory budget is full: decoding this image takes {nbytes / 2**20:.1f} MiB; retry later",
                 type="overloaded", index=index, retry_after=1.0,
             )
+        charge = _Charge(self.budget, nbytes)
         try:
-            yield
+            yield charge
         finally:
-            self.budget.release(nbytes)
+            charge.close()
 
     def _result(self, ident: _Identified, hit: Hit | None) -> ItemResult:
         if hit is None:

@@ -9,7 +9,7 @@ import zlib
 import numpy as np
 from PIL import Image
 
-__all__ = ["bomb_png_header", "image_bytes", "rgb_image", "slow_png", "truncated_jpeg"]
+__all__ = ["bomb_png_header", "image_bytes", "jpeg_without_tables", "rgb_image", "slow_png", "truncated_jpeg"]
 
 
 def rgb_image(width: int = 64, height: int = 48, seed: int = 0) -> Image.Image:
@@ -26,6 +26,19 @@ def image_bytes(fmt: str = "PNG", width: int = 64, height: int = 48, seed: int =
 def truncated_jpeg(seed: int = 0) -> bytes:
     data = image_bytes("JPEG", 128, 128, seed)
     return data[: len(data) // 2]
+
+
+def jpeg_without_tables(seed: int = 0) -> bytes:
+    """A whole JPEG (header, scan, end marker) without its quantization tables: its header reads
+    fine, and only decoding it fails (libjpeg: "Quantization table 0x00 was not defined")."""
+    data = image_bytes("JPEG", 128, 128, seed)
+    out, i = bytearray(data[:2]), 2
+    while data[i + 1] != 0xDA:  # segments up to the start of scan
+        length = struct.unpack(">H", data[i + 2 : i + 4])[0]
+        if data[i + 1] != 0xDB:
+            out += data[i : i + 2 + length]
+        i += 2 + length
+    return bytes(out + data[i:])
 
 
 def _chunk(kind: bytes, payload: bytes) -> bytes:

@@ -19,6 +19,8 @@ Invariants:
   instead of growing memory without bound.
 - Items whose future was cancelled before their batch formed are dropped, not run.
 - Order is FIFO: no item is overtaken by a later one.
+- ``run_batch`` returns one result per item; a result that is an exception fails its item
+  alone (an image found bad only when its batch decodes it), an exception raised fails them all.
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ class _Pending(Generic[T, R]):
 class Batcher(Generic[T, R]):
     def __init__(
         self,
-        run_batch: Callable[[Sequence[T]], Sequence[R]],
+        run_batch: Callable[[Sequence[T]], Sequence[R | BaseException]],
         *,
         max_batch_size: int,
         max_batch_tokens: int,
@@ -171,6 +173,7 @@ class Batcher(Generic[T, R]):
             batch = self._take()
             if batch:
                 await self._run(batch)
+            del batch  # not held while idle: the items' inputs (pixels) would outlive their batch
 
     def _take(self) -> list[_Pending[T, R]]:
         batch: list[_Pending[T, R]] = []
@@ -206,7 +209,11 @@ class Batcher(Generic[T, R]):
             self.batches_run += 1
         forward_seconds = time.monotonic() - started
         for p, result in zip(batch, results, strict=True):
-            if not p.future.done():
+            if p.future.done():
+                continue
+            if isinstance(result, BaseException):
+                p.future.set_exception(result)
+            else:
                 p.future.set_result(result)
         if self._observer is not None:
             self._observer(

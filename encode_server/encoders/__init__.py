@@ -16,20 +16,24 @@ import os
 # OMP_WAIT_POLICY wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+import dataclasses
 import json
+import logging
 
 from transformers import AutoConfig, AutoImageProcessor
 
 from . import clip, llava, qwen, siglip2
 from .base import EncodedTensor, EncoderInfo, PreparedImage, VisionEncoder
+from .batched import BatchedPipeline
 from .builtin import BUILTIN_MODELS, load_builtin
 from .family import Epd, Family, by_model_type
-from .hf import LoadSpec, resolve_device, resolve_dtype
+from .hf import HFEncoder, LoadSpec, resolve_device, resolve_dtype
 from .loading import CheckpointFiles, check_local_model
 
 __all__ = [
     "BUILTIN_MODELS",
     "FAMILIES",
+    "PREPROCESS_DEVICES",
     "SUPPORTED_MODEL_TYPES",
     "EncodedTensor",
     "EncoderInfo",
@@ -41,10 +45,15 @@ __all__ = [
     "load_encoder",
 ]
 
+log = logging.getLogger(__name__)
+
 # Every family the server serves: adding one is its module (ending with its FAMILY) and a line here.
 FAMILIES: tuple[Family, ...] = (clip.FAMILY, siglip2.FAMILY, llava.FAMILY, qwen.FAMILY)
 _BY_MODEL_TYPE = by_model_type(FAMILIES)
 SUPPORTED_MODEL_TYPES = tuple(_BY_MODEL_TYPE)
+
+
+PREPROCESS_DEVICES = ("auto", "cpu", "model")
 
 
 def load_encoder(
@@ -54,18 +63,38 @@ def load_encoder(
     dtype: str = "auto",
     output: str = "hidden",
     revision: str | None = None,
+    preprocess_device: str = "cpu",
 ) -> VisionEncoder:
-    """Load ``model``'s vision encoder, ready for ``preprocess``/``forward``.
+    """Load ``model``'s vision encoder, ready for ``prepare``/``forward``.
 
     ``device``: ``auto`` (CUDA if present, else CPU) or a torch device string. ``dtype``: ``auto``
     (bfloat16 on CUDA, float32 on CPU), ``float32``, ``bfloat16`` or ``float16``. ``output``:
     ``hidden`` or ``pooled`` for CLIP/SigLIP; a VLM has one output (LLaVA ``projected``, Qwen
     ``merged``), which ``hidden``, the default, selects. ``revision``: a hub branch, tag or commit.
+    ``preprocess_device``: ``cpu`` (Pillow decodes and the image processor runs per image, in the
+    preprocessing threads), ``model`` (whole batches decoded and preprocessed on the model's
+    device with torchvision: ``encoders/batched.py``), or ``auto`` (``model`` on CUDA, else ``cpu``).
     """
+    if preprocess_device not in PREPROCESS_DEVICES:
+        raise ValueError(f"preprocess_device must be one of {PREPROCESS_DEVICES}, not {preprocess_device!r}")
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
+    encoder = _load(model, revision, LoadSpec(model, revision, torch_device, torch_dtype, output))
+    if preprocess_device == "model" or (preprocess_device == "auto" and torch_device.type == "cuda"):
+        if not isinstance(encoder, HFEncoder):
+            raise ValueError(f"{model} cannot preprocess on its device")
+        try:
+            encoder.use_batched(BatchedPipeline(encoder.processor, torch_device))
+        except ImportError as exc:
+            if preprocess_device == "model":
+                raise ValueError(f"preprocessing on the model's device needs torchvision: {exc}") from exc
+            log.warning("torchvision is not importable (%s): images are preprocessed on the CPU", exc)
+    return encoder
+
+
+def _load(model: str, revision: str | None, spec: LoadSpec) -> VisionEncoder:
     if model.startswith("builtin:"):
-        encoder = load_builtin(LoadSpec(model, revision, torch_device, torch_dtype, output))
+        encoder = load_builtin(spec)
         encoder.family = qwen.FAMILY
         return encoder
     files = CheckpointFiles.resolve(model, revision)
@@ -80,7 +109,6 @@ def load_encoder(
         )
     config = AutoConfig.from_pretrained(files.directory)
     processor = AutoImageProcessor.from_pretrained(files.directory)
-    spec = LoadSpec(model, files.revision or revision, torch_device, torch_dtype, output)
-    encoder = family.load(files, config, processor, spec)
+    encoder = family.load(files, config, processor, dataclasses.replace(spec, revision=files.revision or revision))
     encoder.family = family
     return encoder

@@ -1,8 +1,11 @@
 """The one interface every model family implements.
 
-Split as infinity's batch handler is: ``preprocess`` (CPU, any worker thread, per image) is apart
-from ``forward`` (one thread, a batch of many requests' images) so that decoding and resizing the
-next images overlaps with the forward pass of the current batch.
+Split as infinity's batch handler is: ``prepare`` (any worker thread, per image) is apart from
+``forward`` (one thread, a batch of many requests' images) so that the per-image work on the next
+images overlaps with the forward pass of the current batch. On the CPU path ``prepare`` decodes
+and runs the image processor (``preprocess``); with batched preprocessing on the model's device
+(``encoders/batched.py``) it only reads the header, and ``forward`` decodes and preprocesses the
+whole batch on the device first.
 """
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ from typing import Any
 import torch
 from PIL import Image
 
+from encode_server.core.errors import EncodeServerError
 from encode_server.core.types import EncodedTensor
+from encode_server.imaging import decode_image
 
 from .family import Family
 
@@ -50,6 +55,10 @@ class PreparedImage:
     num_tokens: int  # N, the rows of this image's embedding
     cost_tokens: int  # patch tokens through the vision tower (budgeted by --max-batch-tokens)
     meta: dict[str, Any] = field(default_factory=dict)  # JSON-able, e.g. {"image_grid_thw": [1, 8, 12]}
+    # Batched preprocessing: the image as it waits for its batch (encoded bytes, or pixels decoded
+    # on the CPU), decoded and preprocessed by ``forward``; ``inputs`` is then empty.
+    pending: Any = None
+    held_bytes: int = 0  # host memory ``pending`` holds beyond the request's own bytes, until forward
 
 
 class VisionEncoder(ABC):
@@ -63,9 +72,16 @@ class VisionEncoder(ABC):
     def preprocess(self, image: Image.Image) -> PreparedImage:
         """An RGB image (EXIF orientation already applied) to inputs, its token count and meta."""
 
+    def prepare(self, data: bytes, *, max_pixels: int, index: int | None = None) -> PreparedImage:
+        """Image bytes to a ``PreparedImage``: decoded (Pillow) and preprocessed here, unless the
+        encoder preprocesses batches on its device. Raises ``BadInput``/``TooLarge`` for bad bytes,
+        ``ValueError`` for an image the processor refuses."""
+        return self.preprocess(decode_image(data, max_pixels=max_pixels, index=index))
+
     @abstractmethod
-    def forward(self, batch: Sequence[PreparedImage]) -> list[EncodedTensor]:
-        """One forward pass over ``batch``; one embedding per image, in order."""
+    def forward(self, batch: Sequence[PreparedImage]) -> list[EncodedTensor | EncodeServerError]:
+        """One forward pass over ``batch``; one embedding per image, in order. An item whose bytes
+        turn out bad only when its batch decodes them gets its error instead, alone."""
 
     @abstractmethod
     def count_tokens(self, width: int, height: int) -> tuple[int, dict[str, Any]]:

@@ -52,13 +52,13 @@ class FixedResolutionEncoder(HFEncoder):
     def count_tokens(self, width: int, height: int) -> tuple[int, dict[str, Any]]:
         return self.num_tokens, {}
 
-    def forward(self, batch: Sequence[PreparedImage]) -> list[EncodedTensor]:
-        if not batch:
-            return []
-        pixel_values = self._to_device([item.inputs["pixel_values"] for item in batch])
+    def cost_of(self, num_tokens: int, meta: dict[str, Any]) -> int:
+        return self.cost_tokens
+
+    def _forward(self, batch: Sequence[PreparedImage], inputs: dict[str, torch.Tensor]) -> list[EncodedTensor]:
         with torch.inference_mode():
-            embeddings = self._embed(pixel_values).to("cpu")
-        return [to_encoded(embedding) for embedding in embeddings]
+            embeddings = self._embed(inputs["pixel_values"])
+        return [to_encoded(embedding) for embedding in self._to_host(embeddings)]
 
     @abstractmethod
     def _embed(self, pixel_values: torch.Tensor) -> torch.Tensor:

@@ -1,9 +1,12 @@
 """What every transformers-backed adapter shares: device and dtype choice, the processor call, the
-move of inputs to the device and of outputs back to bytes, and the ``EncoderInfo`` they report."""
+move of inputs to the device and of outputs back to bytes, batched preprocessing on the device
+(``batched.py``) when it is on, and the ``EncoderInfo`` they report."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from abc import abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -11,7 +14,10 @@ from typing import Any
 import torch
 from PIL import Image
 
-from .base import EncodedTensor, EncoderInfo, VisionEncoder
+from encode_server.core.errors import EncodeServerError
+
+from .base import EncodedTensor, EncoderInfo, PreparedImage, VisionEncoder
+from .batched import BatchedPipeline
 
 __all__ = [
     "DTYPES",
@@ -105,8 +111,16 @@ class HFEncoder(VisionEncoder):
     """A transformers module plus its image processor.
 
     Invariants: ``module`` is in eval mode on ``device`` in ``dtype`` and holds only vision (and
-    projector) weights; ``preprocess`` only reads shared state, so it is safe from any thread.
+    projector) weights; ``preprocess`` and ``prepare`` only read shared state, so they are safe from
+    any thread. Subclasses implement ``_forward`` over a batch's inputs already on the device (the
+    CPU path's per-image tensors concatenated, or the batched pipeline's output: the same tensors)
+    and ``cost_of``.
     """
+
+    batched: BatchedPipeline | None = None
+    # Inputs the processor makes per batch that must agree with what ``prepare`` computed from the
+    # header (the token count and grid the batcher budgeted and the client is told).
+    _CHECKED_META = ("image_grid_thw", "spatial_shapes")
 
     def __init__(
         self,
@@ -138,6 +152,64 @@ class HFEncoder(VisionEncoder):
             meaningless=meaningless,
             architecture=architecture(module),
         )
+
+    def use_batched(self, pipeline: BatchedPipeline) -> None:
+        """Preprocess on the device from now on (at load, before serving). The fingerprint changes
+        with it: another decoder and other resize kernels give other (close) embeddings."""
+        self.batched = pipeline
+        preprocessing = {**processor_config(pipeline.processor), "pipeline": f"batched:{pipeline.device.type}"}
+        self.info = dataclasses.replace(self.info, preprocessing=preprocessing)
+
+    @abstractmethod
+    def cost_of(self, num_tokens: int, meta: dict[str, Any]) -> int:
+        """The patch tokens an image of this count and meta costs through the tower."""
+
+    def prepare(self, data: bytes, *, max_pixels: int, index: int | None = None) -> PreparedImage:
+        if self.batched is None:
+            return super().prepare(data, max_pixels=max_pixels, index=index)
+        pending, width, height = self.batched.prepare(data, max_pixels=max_pixels, index=index)
+        num_tokens, meta = self.count_tokens(width, height)
+        cost = self.cost_of(num_tokens, meta)
+        return PreparedImage({}, num_tokens, cost, meta, pending=pending, held_bytes=pending.held_bytes)
+
+    def forward(self, batch: Sequence[PreparedImage]) -> list[EncodedTensor | EncodeServerError]:
+        if not batch:
+            return []
+        if self.batched is None:
+            inputs = {key: self._to_device([item.inputs[key] for item in batch], cast=key == "pixel_values")
+                      for key in batch[0].inputs}
+            return list(self._forward(batch, inputs))
+        made, errors = self.batched.run([item.pending for item in batch])
+        decoded = [item for item, error in zip(batch, errors, strict=True) if error is None]
+        if made is None:  # not one image decoded
+            return [error for error in errors if error is not None]
+        inputs = {key: value.to(self.device, dtype=self.dtype if key == "pixel_values" else None, non_blocking=True)
+                  for key, value in made.items()}
+        self._check_meta(decoded, made)
+        encoded = iter(self._forward(decoded, inputs))
+        return [error if error is not None else next(encoded) for error in errors]
+
+    def _check_meta(self, batch: Sequence[PreparedImage], made: dict[str, torch.Tensor]) -> None:
+        for key in self._CHECKED_META:
+            if key not in made or not batch or key not in batch[0].meta:
+                continue
+            for item, row in zip(batch, made[key].tolist(), strict=True):
+                if item.meta[key] != [int(x) for x in row]:
+                    raise RuntimeError(f"the batched processor made {key} {row}, the header said {item.meta[key]}")
+
+    @abstractmethod
+    def _forward(self, batch: Sequence[PreparedImage], inputs: dict[str, torch.Tensor]) -> list[EncodedTensor]:
+        """The embeddings of ``batch`` from its inputs, on the device (pixels in the compute dtype)."""
+
+    def _to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Output back to the host; from CUDA through pinned memory (a page-locked copy runs at
+        the bus's speed, a pageable one at a fraction of it, staged by the driver)."""
+        if self.device.type != "cuda":
+            return tensor.to("cpu")
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        host.copy_(tensor, non_blocking=True)
+        torch.cuda.current_stream(self.device).synchronize()
+        return host
 
     def _process(self, image: Image.Image) -> dict[str, torch.Tensor]:
         """The processor's tensors for one image, on the CPU in float32 (as the processor makes them)."""

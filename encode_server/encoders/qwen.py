@@ -139,13 +139,14 @@ class QwenVisionEncoder(HFEncoder):
         grid = [1, height // self.patch_size, width // self.patch_size]
         return grid[1] * grid[2] // self.merge_size**2, {"image_grid_thw": grid}
 
-    def forward(self, batch: Sequence[PreparedImage]) -> list[EncodedTensor]:
-        if not batch:
-            return []
-        pixel_values = self._to_device([item.inputs["pixel_values"] for item in batch])
-        grid_thw = self._to_device([item.inputs["image_grid_thw"] for item in batch], cast=False)
+    def cost_of(self, num_tokens: int, meta: dict[str, Any]) -> int:
+        t, h, w = meta["image_grid_thw"]
+        return int(t * h * w)
+
+    def _forward(self, batch: Sequence[PreparedImage], inputs: dict[str, torch.Tensor]) -> list[EncodedTensor]:
         with torch.inference_mode():
-            merged = self.module(pixel_values, grid_thw=grid_thw).pooler_output.to("cpu")
+            merged = self.module(inputs["pixel_values"], grid_thw=inputs["image_grid_thw"]).pooler_output
+        merged = self._to_host(merged)
         return [to_encoded(rows) for rows in torch.split(merged, [item.num_tokens for item in batch])]
 
 

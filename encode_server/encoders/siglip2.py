@@ -63,19 +63,19 @@ class Siglip2Encoder(HFEncoder):
         h, w = get_image_size_for_max_num_patches(height, width, self.patch_size, self.max_num_patches)
         return self._tokens([h // self.patch_size, w // self.patch_size])
 
-    def forward(self, batch: Sequence[PreparedImage]) -> list[EncodedTensor]:
-        if not batch:
-            return []
-        inputs = {key: [item.inputs[key] for item in batch] for key in batch[0].inputs}
+    def cost_of(self, num_tokens: int, meta: dict[str, Any]) -> int:
+        return self.max_num_patches
+
+    def _forward(self, batch: Sequence[PreparedImage], inputs: dict[str, torch.Tensor]) -> list[EncodedTensor]:
         with torch.inference_mode():
             outputs = self.module(
-                pixel_values=self._to_device(inputs["pixel_values"]),
-                pixel_attention_mask=self._to_device(inputs["pixel_attention_mask"], cast=False),
-                spatial_shapes=self._to_device(inputs["spatial_shapes"], cast=False),
+                pixel_values=inputs["pixel_values"],
+                pixel_attention_mask=inputs["pixel_attention_mask"],
+                spatial_shapes=inputs["spatial_shapes"],
             )
         if self._pooled:
-            return [to_encoded(row) for row in outputs.pooler_output.to("cpu").unsqueeze(1)]
-        hidden = outputs.last_hidden_state.to("cpu")
+            return [to_encoded(row) for row in self._to_host(outputs.pooler_output).unsqueeze(1)]
+        hidden = self._to_host(outputs.last_hidden_state)
         return [to_encoded(rows[: item.num_tokens]) for rows, item in zip(hidden, batch, strict=True)]
 
 

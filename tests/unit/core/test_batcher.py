@@ -253,3 +253,25 @@ def test_close_fails_queued_items_with_not_ready() -> None:
         assert info.value.type == "not_ready"
 
     run(main())
+
+
+def test_an_exception_result_fails_its_item_alone() -> None:
+    """A forward pass that finds one item bad (an image that decodes only in its batch) returns its
+    error in that item's place: that requester gets the error, the others their results."""
+
+    def forward(items: Sequence[int]) -> list[int | BaseException]:
+        return [Unavailable(f"bad {x}", type="overloaded") if x < 0 else 2 * x for x in items]
+
+    async def scenario() -> list[object]:
+        batcher: Batcher[int, int] = Batcher(forward, max_batch_size=8, max_batch_tokens=100, max_wait_s=0.05,
+                                             max_queue=16)
+        batcher.start()
+        try:
+            futures = [batcher.submit(x, 1) for x in (1, -2, 3)]
+            return list(await asyncio.gather(*futures, return_exceptions=True))
+        finally:
+            await batcher.close()
+
+    first, bad, last = run(scenario())
+    assert (first, last) == (2, 6)
+    assert isinstance(bad, Unavailable) and str(bad) == "bad -2"

@@ -213,6 +213,7 @@ def test_public_surface() -> None:
     assert set(encoders.__all__) == {
         "BUILTIN_MODELS",
         "FAMILIES",
+        "PREPROCESS_DEVICES",
         "SUPPORTED_MODEL_TYPES",
         "EncodedTensor",
         "EncoderInfo",

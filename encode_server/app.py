@@ -45,7 +45,7 @@ from encode_server.encoders import check_local_model, load_encoder
 from encode_server.encoders.base import PreparedImage, VisionEncoder
 from encode_server.malloc import release_free_memory
 from encode_server.metrics import Metrics
-from encode_server.service import EncodeService, model_fingerprint
+from encode_server.service import EncodeService, serving_fingerprint
 
 __all__ = [
     "DrainingServer", "EncodeServer", "EncoderLoader", "StartFailed", "build_service", "file_exporter",
@@ -240,7 +240,7 @@ def shared_tier(settings: Settings, metrics: Metrics, encoder: VisionEncoder) ->
     if not settings.redis_url:
         return None
     info = encoder.info
-    spec = ValueSpec(model_fingerprint(info), info.dtype, info.hidden_size)
+    spec = ValueSpec(serving_fingerprint(encoder, settings), info.dtype, info.hidden_size)
     tier = create_redis_tier(settings, metrics, spec)
     log.info("shared tier: %s (%s), ttl %d s", tier.name, redact_url(settings.redis_url), settings.redis_ttl)
     return tier
@@ -250,7 +250,7 @@ def file_exporter(settings: Settings, encoder: VisionEncoder) -> FileExporter | 
     """``--export-dir``: vLLM's stock EC file layout, for deployments without our connector."""
     if settings.export_dir is None:
         return None
-    exporter = FileExporter(settings.export_dir, settings.export_max_bytes, model_fingerprint(encoder.info))
+    exporter = FileExporter(settings.export_dir, settings.export_max_bytes, serving_fingerprint(encoder, settings))
     log.info("exporting embeddings to %s (%d files, budget %.0f MiB)", settings.export_dir, len(exporter),
              settings.export_max_mb)
     return exporter

@@ -97,6 +97,17 @@ class Settings:
     max_image_pixels: int = _opt(
         40_000_000, "largest image (width x height), read from its header before decoding (413 image_too_large)"
     )
+    video_fps: float = _opt(
+        2.0, "frames sampled per second of video, as vLLM's video loader samples them (its default: 2; set it to "
+        "what vLLM's --media-io-kwargs '{\"video\": {\"fps\": N}}' says); part of the fingerprint"
+    )
+    max_video_seconds: float = _opt(
+        600.0, "longest video accepted, from its header before any frame is decoded (413 video_too_large)"
+    )
+    max_video_frames: int = _opt(
+        768, "most frames one video may sample (vLLM's loader samples at most 768), from its header (413 "
+        "video_too_large)"
+    )
     request_timeout: float = _opt(
         60.0, "per-request timeout in seconds (504 timeout past it); the encode itself goes on and is cached"
     )
@@ -244,7 +255,7 @@ def settings_from(argv: Sequence[str] | None = None, environ: Mapping[str, str] 
 def _validate(s: Settings) -> None:
     positive = (
         "max_batch_size", "max_batch_tokens", "max_queue", "max_request_bytes", "max_items", "max_connections",
-        "header_timeout", "body_timeout", "keep_alive_timeout",
+        "header_timeout", "body_timeout", "keep_alive_timeout", "video_fps", "max_video_seconds", "max_video_frames",
     )
     for name in positive:
         if getattr(s, name) <= 0:

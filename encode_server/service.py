@@ -35,14 +35,25 @@ from encode_server.core.errors import (
     Timeout,
     TooLarge,
     Unavailable,
+    UnsupportedMediaType,
 )
 from encode_server.core.hashing import CacheKey, fingerprint, mm_hash, parse_mm_hash
-from encode_server.core.types import ENCODER, Embedding, EncodedTensor, Hit, ItemResult, RequestItem, Return
-from encode_server.encoders.base import EncoderInfo, PreparedImage, VisionEncoder
+from encode_server.core.types import (
+    ENCODER,
+    VIDEO,
+    Embedding,
+    EncodedTensor,
+    Hit,
+    ItemResult,
+    RequestItem,
+    Return,
+    VideoInfo,
+)
+from encode_server.encoders.base import EncoderInfo, PreparedImage, VideoPlan, VisionEncoder
 from encode_server.imaging import decoded_nbytes, oriented_size
 from encode_server.metrics import Metrics
 
-__all__ = ["EncodeService", "LookupResult", "TokenCount", "model_fingerprint"]
+__all__ = ["EncodeService", "LookupResult", "TokenCount", "model_fingerprint", "serving_fingerprint"]
 
 log = logging.getLogger(__name__)
 
@@ -53,23 +64,34 @@ _HASH_OFF_LOOP_BYTES = 1 << 20
 _IN_TASK_TIMEOUT = sys.version_info >= (3, 11)
 
 
-def model_fingerprint(info: EncoderInfo) -> str:
+def model_fingerprint(info: EncoderInfo, video_sampling: dict[str, Any] | None = None) -> str:
     """Everything besides the image that changes the embedding (docs/cache.md).
 
     Content, not names: the digest of the loaded weights stands for the model id and revision, so
     replicas that mount one checkpoint at different paths (or pull it by hub id) share a cache,
-    and a re-uploaded checkpoint under an old name does not.
+    and a re-uploaded checkpoint under an old name does not. For a model that takes videos, the
+    server's frame sampling (``--video-fps``) too: two samplings of one file never share an entry.
     """
-    return fingerprint(
-        {
-            "weights_digest": info.weights_digest,
-            "architecture": info.architecture,
-            "kind": info.kind,
-            "output": info.output,
-            "dtype": info.dtype,
-            "preprocessing": info.preprocessing,
-        }
-    )
+    fields: dict[str, Any] = {
+        "weights_digest": info.weights_digest,
+        "architecture": info.architecture,
+        "kind": info.kind,
+        "output": info.output,
+        "dtype": info.dtype,
+        "preprocessing": info.preprocessing,
+    }
+    if video_sampling is not None:
+        fields["video_sampling"] = video_sampling
+    return fingerprint(fields)
+
+
+def serving_fingerprint(encoder: VisionEncoder, settings: Settings) -> str:
+    """The fingerprint this server keys, stores and exports under: the model's, and for a model
+    that takes videos the server's frame sampling too (the service, the tiers and the exporter all
+    ask this one function)."""
+    family = encoder.family
+    takes_video = family is not None and VIDEO in family.modalities
+    return model_fingerprint(encoder.info, {"fps": settings.video_fps} if takes_video else None)
 
 
 @dataclass(frozen=True)
@@ -96,6 +118,7 @@ class _Identified:
     mm_hash: str
     key: CacheKey
     data: bytes | None
+    modality: str = "image"
 
 
 class _Charge:
@@ -142,7 +165,9 @@ class EncodeService:
         self.metrics = metrics
         self.shared = shared
         self.exporter = exporter  # --export-dir: vLLM's stock EC file layout (cache/export.py)
-        self.fingerprint = model_fingerprint(encoder.info)
+        family = encoder.family
+        self.takes_video = family is not None and VIDEO in family.modalities
+        self.fingerprint = serving_fingerprint(encoder, settings)
         self.local = local
         self.batcher = batcher
         self._preprocess_pool = ThreadPoolExecutor(
@@ -283,8 +308,15 @@ class EncodeService:
     def _count_uploads(self, items: Sequence[RequestItem]) -> list[TokenCount]:
         self._identify_all(items, None)  # the same hash checks as an encode (hash_mismatch...)
         limit = self.settings.max_image_pixels
-        return [self._count(item.index, *oriented_size(item.data or b"", max_pixels=limit, index=item.index))
-                for item in items]
+        counts = []
+        for item in items:
+            if item.modality == VIDEO:  # from the container's header: no frame is decoded
+                info, plan = self._plan_video(item.data or b"", item.index)
+                counts.append(TokenCount(item.index, info.width, info.height, plan.num_tokens, plan.meta))
+            else:
+                counts.append(self._count(item.index, *oriented_size(item.data or b"", max_pixels=limit,
+                                                                     index=item.index)))
+        return counts
 
     def _size(self, index: int, raw: Sequence[object]) -> tuple[int, int]:
         if not (len(raw) == 2 and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in raw)):
@@ -370,7 +402,10 @@ class EncodeService:
                     raise BadInput("an item needs 'data', 'hash' or both", type="invalid_hash")
             except EncodeServerError as exc:
                 raise exc.with_index(item.index) from None
-            out.append(_Identified(item.index, h, self.key_for(h, tenant), item.data))
+            if item.modality == VIDEO and not self.takes_video:
+                raise BadInput(f"{self.encoder.info.kind} takes images only, not videos", type="unsupported_modality",
+                               index=item.index)
+            out.append(_Identified(item.index, h, self.key_for(h, tenant), item.data, item.modality))
         return out
 
     def _lookup_local(self, idents: list[_Identified], pinned: list[CacheKey]) -> dict[CacheKey, Hit]:
@@ -464,9 +499,17 @@ class EncodeService:
             # Announced while it decodes: an idle model waits (at most --max-wait-ms) for it to join
             # the batch of the images decoding beside it, and never waits for images not coming.
             with self.batcher.arriving():
-                prepared = await loop.run_in_executor(self._preprocess_pool, self._prepare, ident.data, ident.index)
-            tensor = await self.batcher.submit(prepared, prepared.cost_tokens)
-            value = Embedding(tensor, prepared.meta)
+                prepared = await loop.run_in_executor(
+                    self._preprocess_pool, self._prepare, ident.data, ident.index, ident.modality
+                )
+            # A long video goes in runs of whole temporal groups, each its own forward pass, so other
+            # requests' items are batched between them instead of waiting behind one long pass.
+            parts = [prepared]
+            if ident.modality == VIDEO:
+                parts = self.encoder.split(prepared, self.settings.max_batch_tokens)
+            del prepared
+            tensors = await asyncio.gather(*(self.batcher.submit(part, part.cost_tokens) for part in parts))
+            value = Embedding(_concat(tensors), parts[0].meta)
             self.local.put(key, value)
             if self.shared is not None:
                 self.shared.put_behind(key, value)
@@ -481,7 +524,9 @@ class EncodeService:
         finally:
             self._inflight.pop(key, None)
 
-    def _prepare(self, data: bytes, index: int) -> PreparedImage:
+    def _prepare(self, data: bytes, index: int, modality: str = "image") -> PreparedImage:
+        if modality == VIDEO:
+            return self._prepare_video(data, index)
         started = time.perf_counter()
         with self._pixels_charged(data, index) as charge:
             try:
@@ -490,6 +535,51 @@ class EncodeService:
                 raise BadInput(f"image cannot be preprocessed: {exc}", type="unsupported_image", index=index) from exc
             if prepared.pending is not None and prepared.held_bytes:
                 charge.keep_while_alive(prepared.pending, prepared.held_bytes)
+        self.metrics.preprocess.observe(time.perf_counter() - started)
+        return prepared
+
+    def _plan_video(self, data: bytes, index: int) -> tuple[VideoInfo, VideoPlan]:
+        """A video's header read and checked against the limits, and its sampling planned: before
+        any frame is decoded."""
+        from encode_server.video import probe
+
+        s = self.settings
+        info = probe(data, index=index)
+        if info.codec == "gif":
+            raise UnsupportedMediaType(
+                "a GIF is an image for this model (vLLM reads its first frame): send it as an image",
+                type="unsupported_video", index=index,
+            )
+        if info.duration > s.max_video_seconds:
+            raise TooLarge(f"video is {info.duration:.1f} s long, above the limit of {s.max_video_seconds:g} s",
+                           type="video_too_large", index=index)
+        if info.width * info.height > s.max_image_pixels:
+            raise TooLarge(f"video frames are {info.width}x{info.height}, above the limit of {s.max_image_pixels} "
+                           "pixels", type="video_too_large", index=index)
+        try:
+            plan = self.encoder.plan_video(info, s.video_fps)
+        except ValueError as exc:
+            raise BadInput(f"video cannot be preprocessed: {exc}", type="invalid_video", index=index) from exc
+        if len(plan.indices) > s.max_video_frames:
+            raise TooLarge(f"video samples {len(plan.indices)} frames, above the limit of {s.max_video_frames}",
+                           type="video_too_large", index=index)
+        return info, plan
+
+    def _prepare_video(self, data: bytes, index: int) -> PreparedImage:
+        from encode_server.encoders.qwen_video import frames_nbytes
+        from encode_server.video import decode_frames
+
+        started = time.perf_counter()
+        info, plan = self._plan_video(data, index)
+        config = getattr(self.encoder, "video", None)
+        nbytes = frames_nbytes(len(plan.indices), info.height, info.width, plan.size, config) if config else 0
+        with self._charged(nbytes, index, "decoding this video"):
+            frames = decode_frames(data, plan.indices, index=index)
+            try:
+                prepared = self.encoder.preprocess_video(frames, plan)
+            except ValueError as exc:
+                raise BadInput(f"video cannot be preprocessed: {exc}", type="invalid_video", index=index) from exc
+            del frames
         self.metrics.preprocess.observe(time.perf_counter() - started)
         return prepared
 
@@ -502,10 +592,20 @@ class EncodeService:
             yield _Charge(None, 0)
             return
         nbytes = decoded_nbytes(data, max_pixels=self.settings.max_image_pixels, index=index)
+        with self._charged(nbytes, index, "decoding this image") as charge:
+            yield charge
+
+    @contextmanager
+    def _charged(self, nbytes: int, index: int, what: str) -> Iterator[_Charge]:
+        """``nbytes`` acquired from the request-memory budget for the block (refused at once, 503,
+        when they do not fit); what the block keeps (``_Charge.keep_while_alive``) outlives it."""
+        if self.budget is None:
+            yield _Charge(None, 0)
+            return
         if not self.budget.try_acquire(nbytes):
             self.metrics.reject("memory")
             raise Unavailable(
-                f"request memory budget is full: decoding this image takes {nbytes / 2**20:.1f} MiB; retry later",
+                f"request memory budget is full: {what} takes {nbytes / 2**20:.1f} MiB; retry later",
                 type="overloaded", index=index, retry_after=1.0,
             )
         charge = _Charge(self.budget, nbytes)
@@ -537,3 +637,11 @@ class EncodeService:
         except EncodeServerError as exc:
             indexes = [index for index, _ in entries.values()]
             raise exc.with_index(indexes[exc.index]) if exc.index is not None else exc from None
+
+
+def _concat(tensors: Sequence[EncodedTensor]) -> EncodedTensor:
+    """The rows of a video's parts, in order, as one embedding."""
+    if len(tensors) == 1:
+        return tensors[0]
+    rows = sum(t.shape[0] for t in tensors)
+    return EncodedTensor(b"".join(t.data for t in tensors), (rows, *tensors[0].shape[1:]), tensors[0].dtype)

@@ -52,8 +52,10 @@ __all__ = [
     "make_llava",
     "make_qwen2_5_vl",
     "make_qwen2_vl",
+    "make_qwen3",
     "reference_clip_features",
     "reference_llava_features",
+    "reference_qwen3_features",
     "reference_qwen_features",
 ]
 
@@ -189,10 +191,14 @@ def load_full_model(path: Path | str, *, conv_patch_embed: bool = False) -> PreT
         "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration,
         "qwen2_vl": Qwen2VLForConditionalGeneration,
     }
+    if model_type.startswith("qwen3"):
+        from transformers import AutoModelForImageTextToText
+
+        classes[model_type] = AutoModelForImageTextToText  # type: ignore[assignment]
     model = classes[model_type].from_pretrained(path, dtype=torch.float32).eval()
     for tensor in [*model.parameters(), *model.buffers()]:
         tensor.data = tensor.data.clone()
-    if model_type.startswith("qwen") and not conv_patch_embed:
+    if model_type in ("qwen2_vl", "qwen2_5_vl") and not conv_patch_embed:  # Qwen3: a biased Conv3d, kept
         as_patch_linear(model.model.visual)
     return model
 
@@ -236,3 +242,24 @@ def reference_qwen_features(path: Path | str, image: Image.Image) -> tuple[torch
     grid = inputs["image_grid_thw"]
     features = model.get_image_features(inputs["pixel_values"], grid).pooler_output[0]
     return features, grid[0].tolist()
+
+
+def make_qwen3(directory: Path | str, kind: str = "qwen3_vl", **kwargs: Any) -> Path:
+    """A tiny Qwen3-VL / Qwen3.5 checkpoint (``tests/vllm/tiny_qwen3.py``, which vLLM's tests load too);
+    MoE experts in transformers' own layout, so ``load_full_model`` reads it back."""
+    from tests.vllm.tiny_qwen3 import make_tiny_qwen3
+
+    return make_tiny_qwen3(directory, kind, hub_experts=False, **kwargs)  # type: ignore[arg-type]
+
+
+@torch.inference_mode()
+def reference_qwen3_features(path: Path | str, image: Image.Image) -> tuple[torch.Tensor, list[int]]:
+    """What vLLM's Qwen3-VL ``embed_multimodal`` hands its language model for one image: the full
+    model's ``get_image_features`` merged rows with each DeepStack merger's rows after them on the
+    last dimension (Qwen3.5: the merged rows alone). (N x D * (1 + k), [t, h, w])."""
+    model: Any = load_full_model(path)
+    inputs = _inputs(path, image)
+    grid = inputs["image_grid_thw"]
+    output = model.get_image_features(inputs["pixel_values"], grid)
+    deepstack = [features[0] for features in (getattr(output, "deepstack_features", None) or [])]
+    return torch.cat([output.pooler_output[0], *deepstack], dim=-1), grid[0].tolist()

@@ -30,7 +30,7 @@ from encode_server.api.frontdoor import check_count, request_item
 from encode_server.api.schemas import EncodeItemIn, EncodeRequestIn, LookupRequestIn, TokensRequestIn
 from encode_server.core.budget import Hold
 from encode_server.core.errors import BadInput, InvalidRequest, TooLarge, UnsupportedMediaType
-from encode_server.core.types import RequestItem, Return
+from encode_server.core.types import IMAGE, VIDEO, RequestItem, Return
 
 __all__ = [
     "EncodeBody",
@@ -42,7 +42,7 @@ __all__ = [
     "read_body",
 ]
 
-_DATA_URL = re.compile(r"data:image/[\w.+-]+(;[\w.+-]+=[\w.+-]+)*;base64,", re.IGNORECASE)
+_DATA_URL = re.compile(r"data:(image|video)/[\w.+-]+(;[\w.+-]+=[\w.+-]+)*;base64,", re.IGNORECASE)
 # Line wrapping (MIME, PEM) that some encoders insert; removed with bytes.translate, not a regex.
 _WHITESPACE = b" \t\n\r\v\f"
 
@@ -149,7 +149,8 @@ def decode_base64(text: str, index: int, hold: Hold | None = None) -> bytes:
     if text[:5].lower() == "data:":
         match = _DATA_URL.match(text, 0, 256)
         if match is None:
-            raise BadInput("only data:image/...;base64, URLs are accepted", type="invalid_base64", index=index)
+            raise BadInput("only data:image/...;base64, and data:video/...;base64, URLs are accepted",
+                       type="invalid_base64", index=index)
         with _transient(hold, len(text)):  # the slice is a copy
             return _decode_base64_copying(text[match.end():], index, hold)
     try:
@@ -190,8 +191,14 @@ def _decode_items(parsed: list[EncodeItemIn], hold: Hold | None = None) -> list[
     items = []
     for index, item in enumerate(parsed):
         data = decode_base64(item.data, index, hold) if item.data is not None else None
-        items.append(request_item(index, item.hash, data))
+        modality = item.modality or (VIDEO if (item.data or "")[:11].lower() == "data:video/" else IMAGE)
+        items.append(request_item(index, item.hash, data, modality))
     return items
+
+
+def _modality(content_type: str | None) -> str:
+    """A part or body sent as ``video/*`` is a video; anything else an image."""
+    return VIDEO if (content_type or "").split(";", 1)[0].strip().lower().startswith("video/") else IMAGE
 
 
 async def _multipart_items(request: Request, max_items: int, max_bytes: int) -> EncodeBody:
@@ -217,7 +224,7 @@ async def _multipart_items(request: Request, max_items: int, max_bytes: int) -> 
         for i, f in enumerate(files):
             if hold is not None:
                 hold.grow_or_raise(f.size or 0)  # the part, read out of its spool file
-            items.append(RequestItem(index=i, data=await f.read()))
+            items.append(RequestItem(index=i, data=await f.read(), modality=_modality(f.content_type)))
         ret = form.get("return", "embeddings")
         if ret not in ("embeddings", "metadata"):
             raise InvalidRequest('"return" must be "embeddings" or "metadata"')
@@ -246,10 +253,10 @@ async def _parse_encode_body(request: Request, *, max_items: int, max_bytes: int
         # The parser hands each part on as one slice of the body: a copy, while it is parsed.
         with _transient(body_hold(request.scope), len(body)):
             return await _multipart_items(Request(request.scope, replay), max_items, max_bytes)
-    if kind not in ("application/json", "application/octet-stream") and not kind.startswith("image/"):
+    if kind not in ("application/json", "application/octet-stream") and not kind.startswith(("image/", "video/")):
         raise UnsupportedMediaType(
             f"unsupported content type {kind!r}: use application/json, multipart/form-data, "
-            "image/* or application/octet-stream"
+            "image/*, video/* or application/octet-stream"
         )
     body = await read_body(request, max_bytes)
     if kind == "application/json":
@@ -257,8 +264,8 @@ async def _parse_encode_body(request: Request, *, max_items: int, max_bytes: int
         # holding the GIL, so a thread would only add a hop and a GIL hand-off, not overlap.
         return _json_items(body, max_items, body_hold(request.scope))
     if not body:
-        raise BadInput("empty body: expected the bytes of one image", type="invalid_image", index=0)
-    return EncodeBody([RequestItem(index=0, data=body)], Return.EMBEDDINGS)
+        raise BadInput("empty body: expected the bytes of one image or video", type="invalid_image", index=0)
+    return EncodeBody([RequestItem(index=0, data=body, modality=_modality(kind))], Return.EMBEDDINGS)
 
 
 async def parse_lookup_body(request: Request, *, max_hashes: int, max_bytes: int) -> list[str]:

@@ -23,7 +23,7 @@ from typing import Any
 
 from encode_server.api.runtime import Runtime
 from encode_server.core.errors import InvalidRequest, TooLarge, Unavailable
-from encode_server.core.types import ItemResult, RequestItem, Return
+from encode_server.core.types import IMAGE, MODALITIES, ItemResult, RequestItem, Return
 from encode_server.logs import ACCESS_LOGGER
 
 __all__ = [
@@ -56,11 +56,13 @@ def check_count(count: int, limit: int, what: str = "items") -> None:
         raise InvalidRequest(f"{what}: at least one is required")
 
 
-def request_item(index: int, mm_hash: str | None, data: bytes | None) -> RequestItem:
-    """One item: its bytes, its hash, or both (the service checks that they agree)."""
+def request_item(index: int, mm_hash: str | None, data: bytes | None, modality: str = IMAGE) -> RequestItem:
+    """One item: its bytes, its hash, or both (the service checks that they agree); an image or a video."""
     if mm_hash is None and data is None:
         raise InvalidRequest("an item needs 'data', 'hash' or both", index=index)
-    return RequestItem(index=index, mm_hash=mm_hash, data=data)
+    if modality not in MODALITIES:
+        raise InvalidRequest(f"modality must be one of {', '.join(MODALITIES)}, not {modality!r}", index=index)
+    return RequestItem(index=index, mm_hash=mm_hash, data=data, modality=modality)
 
 
 # -- Retry-After -----------------------------------------------------------------------------------

@@ -26,7 +26,10 @@ class EncodeItemIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     hash: str | None = Field(None, description="lowercase hex BLAKE3-256 of the image file's bytes")
-    data: str | None = Field(None, description="standard base64 of the image file, or a data: URL")
+    data: str | None = Field(None, description="standard base64 of the image or video file, or a data: URL")
+    modality: Literal["image", "video"] | None = Field(
+        None, description="image (default) or video (one item, all its frames); a data:video/ URL implies video"
+    )
 
 
 class EncodeRequestIn(BaseModel):

@@ -6,11 +6,12 @@ HTTP.
 
     EncodeServerError
     ├── BadInput                 400  invalid_json, invalid_base64, invalid_hash, hash_mismatch,
-    │                                 invalid_image, unsupported_image
+    │                                 invalid_image, unsupported_image, invalid_video,
+    │                                 unsupported_modality (a video for a model that takes images only)
     ├── InvalidRequest           422  invalid_request (body does not match the schema)
-    ├── TooLarge                 413  payload_too_large, image_too_large, too_many_items,
+    ├── TooLarge                 413  payload_too_large, image_too_large, video_too_large, too_many_items,
     │                                 value_too_large (metadata hand-off: above --redis-max-value-mb)
-    ├── UnsupportedMediaType     415  unsupported_media_type
+    ├── UnsupportedMediaType     415  unsupported_media_type, unsupported_video (a codec not decodable)
     ├── Unauthorized             401  unauthorized
     ├── Conflict                 409  no_shared_tier
     ├── Unavailable              503  overloaded, not_ready, shared_tier_unavailable (metadata

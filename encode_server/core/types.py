@@ -9,7 +9,14 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from encode_server.core.hashing import CacheKey
 
-__all__ = ["ENCODER", "Embedding", "EncodedTensor", "Hit", "ItemResult", "RequestItem", "Return"]
+__all__ = [
+    "ENCODER", "IMAGE", "MODALITIES", "VIDEO", "Embedding", "EncodedTensor", "Hit", "ItemResult", "RequestItem",
+    "Return", "VideoInfo",
+]
+
+IMAGE = "image"
+VIDEO = "video"
+MODALITIES = (IMAGE, VIDEO)
 
 ENCODER = "encoder"
 """The ``source`` of an embedding this server computed (the other sources are tier names)."""
@@ -55,11 +62,28 @@ class Embedding:
 
 @dataclass(frozen=True)
 class RequestItem:
-    """One item of a request: image bytes, a hash, or both (then they must agree)."""
+    """One item of a request: file bytes, a hash, or both (then they must agree). ``modality``
+    says how the bytes are read: one image, or one video (one item, one ``mm_hash``, as in vLLM)."""
 
     index: int
     mm_hash: str | None = None
     data: bytes | None = None
+    modality: str = IMAGE
+
+
+@dataclass(frozen=True)
+class VideoInfo:
+    """What a video's container header says, read without decoding a frame."""
+
+    width: int
+    height: int
+    num_frames: int
+    fps: float
+    codec: str = ""
+
+    @property
+    def duration(self) -> float:
+        return self.num_frames / self.fps
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ import logging
 
 from transformers import AutoConfig, AutoImageProcessor
 
-from . import clip, llava, qwen, siglip2
+from . import clip, llava, qwen, qwen3_vl, siglip2
 from .base import EncodedTensor, EncoderInfo, PreparedImage, VisionEncoder
 from .batched import BatchedPipeline
 from .builtin import BUILTIN_MODELS, load_builtin
@@ -48,7 +48,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 # Every family the server serves: adding one is its module (ending with its FAMILY) and a line here.
-FAMILIES: tuple[Family, ...] = (clip.FAMILY, siglip2.FAMILY, llava.FAMILY, qwen.FAMILY)
+FAMILIES: tuple[Family, ...] = (clip.FAMILY, siglip2.FAMILY, llava.FAMILY, qwen.FAMILY, qwen3_vl.FAMILY)
 _BY_MODEL_TYPE = by_model_type(FAMILIES)
 SUPPORTED_MODEL_TYPES = tuple(_BY_MODEL_TYPE)
 

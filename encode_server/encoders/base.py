@@ -19,12 +19,12 @@ import torch
 from PIL import Image
 
 from encode_server.core.errors import EncodeServerError
-from encode_server.core.types import EncodedTensor
+from encode_server.core.types import EncodedTensor, VideoInfo
 from encode_server.imaging import decode_image
 
 from .family import Family
 
-__all__ = ["EncodedTensor", "EncoderInfo", "PreparedImage", "VisionEncoder"]
+__all__ = ["EncodedTensor", "EncoderInfo", "PreparedImage", "VideoPlan", "VisionEncoder"]
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,20 @@ class PreparedImage:
     held_bytes: int = 0  # host memory ``pending`` holds beyond the request's own bytes, until forward
 
 
+@dataclass(frozen=True)
+class VideoPlan:
+    """How one video becomes rows, decided from its header alone (``/v1/tokens``, the memory charge).
+
+    ``indices``: the frames to decode, in order; ``size``: (height, width) each is resized to;
+    ``num_tokens``/``cost_tokens``/``meta`` as for an image (``meta`` e.g. ``video_grid_thw``)."""
+
+    indices: tuple[int, ...]
+    size: tuple[int, int]
+    num_tokens: int
+    cost_tokens: int
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
 class VisionEncoder(ABC):
     """A loaded vision tower (and projector). ``preprocess`` is thread-safe; ``forward`` is called
     from one thread at a time, under ``torch.inference_mode``."""
@@ -86,3 +100,20 @@ class VisionEncoder(ABC):
     @abstractmethod
     def count_tokens(self, width: int, height: int) -> tuple[int, dict[str, Any]]:
         """(N, meta) for an image of this size, without running the model."""
+
+    # -- video: a family that takes videos (``"video" in family.modalities``) overrides these --
+
+    def plan_video(self, info: VideoInfo, fps: float) -> VideoPlan:
+        """Which frames of a video (``info``: its header) sampled at ``fps`` are encoded, and what
+        they cost, without decoding any."""
+        raise NotImplementedError(f"{type(self).__name__} takes no video")
+
+    def preprocess_video(self, frames: Any, plan: VideoPlan) -> PreparedImage:
+        """The decoded frames (``[T, H, W, 3]`` uint8, ``plan.indices``) to model inputs."""
+        raise NotImplementedError(f"{type(self).__name__} takes no video")
+
+    def split(self, prepared: PreparedImage, max_cost: int) -> list[PreparedImage]:
+        """``prepared`` cut into parts of at most ``max_cost`` (where the model allows it) whose
+        forward passes, concatenated, are its own: a long video does not hold the model for one
+        long pass. Default: not cut."""
+        return [prepared]

@@ -175,10 +175,24 @@ class HFEncoder(VisionEncoder):
     def forward(self, batch: Sequence[PreparedImage]) -> list[EncodedTensor | EncodeServerError]:
         if not batch:
             return []
-        if self.batched is None:
+        # Inputs made on the CPU: every item without a batched path, and a video's with one.
+        ready = [i for i, item in enumerate(batch) if self.batched is None or item.pending is None]
+        if len(ready) == len(batch):
             inputs = {key: self._to_device([item.inputs[key] for item in batch], cast=key == "pixel_values")
                       for key in batch[0].inputs}
             return list(self._forward(batch, inputs))
+        if ready:  # images waiting for the batched path beside items prepared on the CPU: one pass each
+            out: list[EncodedTensor | EncodeServerError | None] = [None] * len(batch)
+            waiting = [i for i in range(len(batch)) if batch[i].pending is not None]
+            for indices in (ready, waiting):
+                for i, result in zip(indices, self.forward([batch[i] for i in indices]), strict=True):
+                    out[i] = result
+            return [result for result in out if result is not None]
+        return self._forward_batched(batch)
+
+    def _forward_batched(self, batch: Sequence[PreparedImage]) -> list[EncodedTensor | EncodeServerError]:
+        """Every item of ``batch`` waits as bytes or pixels: decoded and preprocessed on the device."""
+        assert self.batched is not None
         made, errors = self.batched.run([item.pending for item in batch])
         decoded = [item for item, error in zip(batch, errors, strict=True) if error is None]
         if made is None:  # not one image decoded

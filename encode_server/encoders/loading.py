@@ -24,7 +24,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from io import BufferedReader
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import blake3
 import torch
@@ -43,7 +43,10 @@ __all__ = [
 Layout = Mapping[str, str]
 """Checkpoint key prefix -> module key prefix, e.g. ``{"model.visual.": ""}``."""
 
-_CONFIG_FILES = ["config.json", "preprocessor_config.json", "processor_config.json", "*.safetensors.index.json"]
+_CONFIG_FILES = [
+    "config.json", "preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json",
+    "*.safetensors.index.json",
+]
 _INDEX_NAME = "model.safetensors.index.json"
 _DIGEST_TAG = b"encode-server/weights/v1"
 
@@ -92,6 +95,16 @@ class CheckpointFiles:
         from huggingface_hub import hf_hub_download
 
         return Path(hf_hub_download(self.repo_id, filename, revision=self.revision))
+
+    def video_processor_config(self) -> dict[str, Any] | None:
+        """The video processor's saved settings, in either layout: nested in ``processor_config.json``
+        (what transformers 5 writes) or ``video_preprocessor_config.json`` (hub checkpoints).
+        Read as JSON: transformers' video processors need torchvision, which the server does not."""
+        nested = self.directory / "processor_config.json"
+        if nested.is_file() and isinstance(video := json.loads(nested.read_text()).get("video_processor"), dict):
+            return dict(video)
+        separate = self.directory / "video_preprocessor_config.json"
+        return dict(json.loads(separate.read_text())) if separate.is_file() else None
 
     def weight_map(self) -> dict[str, str]:
         """Every tensor key in the checkpoint -> the safetensors file that holds it."""

@@ -34,7 +34,10 @@ from .family import Epd, Family
 from .hf import HFEncoder, LoadSpec, to_encoded
 from .loading import CheckpointFiles, Layout, empty_module, load_vision_weights
 
-__all__ = ["FAMILY", "PatchLinear", "QwenVisionEncoder", "as_patch_linear", "load_qwen", "vision_model_class"]
+__all__ = [
+    "FAMILY", "LAYOUTS", "PatchLinear", "QwenVisionEncoder", "as_patch_linear", "load_qwen", "load_vision_tower",
+    "vision_model_class",
+]
 
 OUTPUTS = ("hidden", "merged")  # "hidden" is accepted as the default and means "merged"
 
@@ -94,14 +97,13 @@ class QwenVisionEncoder(HFEncoder):
         digest: str,
         meaningless: bool = False,
     ) -> None:
-        merger_linears = [m for m in module.get_submodule("merger").modules() if isinstance(m, torch.nn.Linear)]
         super().__init__(
             module,
             processor,
             spec,
             kind=kind,
             output="merged",
-            hidden_size=merger_linears[-1].out_features,
+            hidden_size=self.output_width(module),
             weights_digest=digest,
             meaningless=meaningless,
         )
@@ -113,6 +115,16 @@ class QwenVisionEncoder(HFEncoder):
                 f"image processor patch/merge size ({processor.patch_size}, {processor.merge_size}) does not "
                 f"match the vision model's ({self.patch_size}, {self.merge_size})"
             )
+
+    @staticmethod
+    def output_width(module: torch.nn.Module) -> int:
+        """D: the merger's output size (the language model's hidden size)."""
+        merger_linears = [m for m in module.get_submodule("merger").modules() if isinstance(m, torch.nn.Linear)]
+        return int(merger_linears[-1].out_features)
+
+    def features(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        """The rows vLLM's ``embed_multimodal`` hands its language model, for a batch's patches."""
+        return self.module(pixel_values, grid_thw=grid_thw).pooler_output
 
     def preprocess(self, image: Image.Image) -> PreparedImage:
         inputs = self._process(image)
@@ -145,19 +157,25 @@ class QwenVisionEncoder(HFEncoder):
 
     def _forward(self, batch: Sequence[PreparedImage], inputs: dict[str, torch.Tensor]) -> list[EncodedTensor]:
         with torch.inference_mode():
-            merged = self.module(inputs["pixel_values"], grid_thw=inputs["image_grid_thw"]).pooler_output
+            merged = self.features(inputs["pixel_values"], inputs["image_grid_thw"])
         merged = self._to_host(merged)
         return [to_encoded(rows) for rows in torch.split(merged, [item.num_tokens for item in batch])]
 
 
-def load_qwen(files: CheckpointFiles, config: PretrainedConfig, processor: Any, spec: LoadSpec) -> QwenVisionEncoder:
-    """The Qwen VL adapter: just ``config.vision_config``'s transformer, from ``(model.)visual.*``."""
+def load_vision_tower(cls: Any, files: CheckpointFiles, config: PretrainedConfig, spec: LoadSpec) -> tuple[Any, str]:
+    """Just ``config.vision_config``'s transformer (``cls``), filled from ``(model.)visual.*``; its digest."""
     if spec.output not in OUTPUTS:
         raise ValueError(f"a Qwen VL model's output is its merged features ({OUTPUTS}), not {spec.output!r}")
-    cls = vision_model_class(config.model_type)
     vision = config.vision_config
-    module = as_patch_linear(empty_module(lambda: cls._from_config(vision, dtype=spec.dtype), spec.device, spec.dtype))
-    digest = load_vision_weights(module, files, LAYOUTS)
+    module = empty_module(lambda: cls._from_config(vision, dtype=spec.dtype), spec.device, spec.dtype)
+    return module, load_vision_weights(module, files, LAYOUTS)
+
+
+def load_qwen(files: CheckpointFiles, config: PretrainedConfig, processor: Any, spec: LoadSpec) -> QwenVisionEncoder:
+    """The Qwen2(.5)-VL adapter: the vision transformer and its merger, nothing of the language model.
+    Its bias-free patch Conv3d runs as ``PatchLinear`` (same weight; Qwen3's has a bias: kept)."""
+    module, digest = load_vision_tower(vision_model_class(config.model_type), files, config, spec)
+    as_patch_linear(module)
     return QwenVisionEncoder(module, processor, spec, kind=config.model_type, digest=digest)
 
 

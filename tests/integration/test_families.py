@@ -31,6 +31,7 @@ FAMILIES = {
     "siglip": (lambda d: tiny_models.make_clip(d, kind="siglip"), (), "clip"),
     "llava": (tiny_models.make_llava, (), "llava"),
     "qwen2_5_vl": (tiny_models.make_qwen2_5_vl, (), "qwen"),
+    "qwen3_vl": (tiny_models.make_qwen3, (), "qwen3"),
 }
 
 
@@ -60,7 +61,8 @@ def _reference(name: str, path: Path, data: bytes) -> tuple[torch.Tensor, dict]:
         return tiny_models.reference_clip_features(path, image, output="pooled").reshape(1, -1), {}
     if kind == "llava":
         return tiny_models.reference_llava_features(path, image), {}
-    features, grid = tiny_models.reference_qwen_features(path, image)
+    reference = tiny_models.reference_qwen3_features if kind == "qwen3" else tiny_models.reference_qwen_features
+    features, grid = reference(path, image)
     return features, {"image_grid_thw": grid}
 
 
@@ -122,11 +124,11 @@ def test_token_counts_follow_the_processor(family: tuple[str, Path, ServerProces
         data = image_bytes("PNG", w, h, seed=w * h)
         item = _encode(server, [{"data": base64.b64encode(data).decode()}]).json()["items"][0]
         counts.add(item["num_tokens"])
-        if name == "qwen2_5_vl":
+        if name.startswith("qwen"):
             grid = processor(images=_decode(data), return_tensors="pt")["image_grid_thw"][0].tolist()
             assert item["meta"]["image_grid_thw"] == grid
             assert item["num_tokens"] == int(np.prod(grid)) // processor.merge_size**2
-    if name == "qwen2_5_vl":
+    if name.startswith("qwen"):
         assert len(counts) > 3, "sizes should give different token counts"
     else:
         assert len(counts) == 1, f"{name} is fixed-resolution, got N in {counts}"

@@ -126,13 +126,16 @@ class EncodeServerECMetadata(ECConnectorMetadata):
     loads: dict[str, PreparedLoad] = field(default_factory=dict)
 
 
-def _fetch_fingerprint(encoder_url: str, api_key: str | None, timeout: float) -> str:
+def _fetch_model(encoder_url: str, api_key: str | None, timeout: float) -> tuple[str, int | None]:
+    """The server's fingerprint and embedding width (``hidden_size``) from its ``GET /v1/model``."""
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     response = httpx.get(encoder_url.rstrip("/") + "/v1/model", headers=headers, timeout=timeout)
     response.raise_for_status()
-    return str(response.json()["fingerprint"])
+    body = response.json()
+    width = body.get("hidden_size")
+    return str(body["fingerprint"]), int(width) if isinstance(width, int) else None
 
 
 def _has_local_input(feature: MultiModalFeatureSpec, metadata_fields: set[str]) -> bool:
@@ -154,7 +157,13 @@ class EncodeServerECConnector(ECConnectorBase):
         if self.is_producer:
             raise ValueError("EncodeServerECConnector is a consumer: use ec_role 'ec_consumer'")
         model_config = vllm_config.model_config
+        # The language model's embedding width. An encoder may emit rows a whole multiple of it wide:
+        # Qwen3-VL's DeepStack packs its extra layers' features after the main ones on the last
+        # dimension, and vLLM's encoder cache holds that wide tensor. With ``encoder_url`` the exact
+        # width is the server's (``/v1/model``'s hidden_size); without, any whole multiple is taken
+        # (the fingerprint in the key already ties a value to the server's model).
         self.width = int(model_config.get_inputs_embeds_size())
+        self._server_width: int | None = None
         dtype = model_config.dtype
         self.dtype: torch.dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype))
         # What the connector did, by outcome: hit, absent, corrupt, wrong_shape, redis_error,
@@ -256,7 +265,7 @@ class EncodeServerECConnector(ECConnectorBase):
                 continue
             rows, cols = load.shape
             itemsize = torch.empty((), dtype=_TORCH_DTYPES[load.dtype]).element_size()
-            if cols != self.width or len(load.data) != rows * cols * itemsize:
+            if not self._width_ok(cols) or len(load.data) != rows * cols * itemsize:
                 raise RuntimeError(f"image {identifier}: bytes for [{rows}, {cols}] {load.dtype} do not add up")
             raw = torch.frombuffer(bytearray(load.data), dtype=_TORCH_DTYPES[load.dtype]).reshape(rows, cols)
             encoder_cache[identifier] = raw.to(device=device, dtype=self.dtype)
@@ -279,12 +288,20 @@ class EncodeServerECConnector(ECConnectorBase):
             self._metadata_fields[modality] = PlaceholderMetadataResolver(self._model_config).fields_for(modality)
         return self._metadata_fields[modality]
 
+    def _width_ok(self, cols: int) -> bool:
+        if self._server_width is not None:
+            return cols == self._server_width
+        return cols > 0 and cols % self.width == 0
+
     def _reader(self) -> StoreReader | None:
         timeout = self.settings.timeout_ms / 1000.0
         if self._fingerprint is None:
             assert self.settings.encoder_url is not None
             try:
-                self._fingerprint = _fetch_fingerprint(self.settings.encoder_url, self.settings.api_key, timeout * 4)
+                fingerprint, width = _fetch_model(self.settings.encoder_url, self.settings.api_key, timeout * 4)
+                if width is not None and (width <= 0 or width % self.width):
+                    raise ValueError(f"its embeddings are {width} wide, not a multiple of the model's {self.width}")
+                self._fingerprint, self._server_width = fingerprint, width
                 log.info("encode-server fingerprint %s... from %s", self._fingerprint[:12], self.settings.encoder_url)
             except Exception as exc:
                 log.warning("cannot read the fingerprint from %s: %r", self.settings.encoder_url, exc)
@@ -333,14 +350,14 @@ class EncodeServerECConnector(ECConnectorBase):
             log.warning("image %s: stored value rejected: %s", identifier, value)
             return None
         shape = value.shape
-        if len(shape) != 2 or shape[1] != self.width or (rows is not None and shape[0] != rows):
+        if len(shape) != 2 or not self._width_ok(shape[1]) or (rows is not None and shape[0] != rows):
             self.counts["wrong_shape"] += 1
             log.warning(
-                "image %s: stored embedding is %s, vLLM expects [%s, %d]: not used",
+                "image %s: stored embedding is %s, vLLM expects [%s, %s]: not used",
                 identifier,
                 list(shape),
                 rows if rows is not None else "N",
-                self.width,
+                self._server_width or f"k*{self.width}",
             )
             return None
         if value.dtype not in _TORCH_DTYPES or math.prod(shape) == 0:

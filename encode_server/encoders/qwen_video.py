@@ -1,0 +1,120 @@
+"""What Qwen2-VL-style video processors share: frames to normalised temporal patches, as transformers'
+``Qwen2VLVideoProcessor`` / ``Qwen3VLVideoProcessor`` lay them out, and a video's patch rows cut
+into runs of whole temporal groups.
+
+The layout: frames resized to one (height, width), rescaled and normalised, the last frame repeated
+up to a multiple of ``temporal_patch_size``, then cut into ``[grid_t, gh/m, gw/m, m, m]`` patches
+of ``C x temporal_patch x patch x patch`` values. The tower attends within each temporal group
+(its ``cu_seqlens`` repeat ``h*w`` per group; the windows of Qwen2.5-VL lie within a group too), so
+a run of groups encoded alone gives exactly those groups' rows: that is what lets a long video's
+forward pass be split.
+
+Read with numpy and Pillow (bicubic, as the PIL image processors resize): transformers' video
+processors need torchvision, which the server does not ship. vLLM's processor (with torchvision)
+resizes with torchvision's bicubic, so frames that need resizing differ by the resize alone, as
+images do (docs/models.md).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+from .base import PreparedImage
+
+__all__ = ["VideoConfig", "frames_nbytes", "patchify", "split_groups"]
+
+
+class VideoConfig:
+    """A video processor's saved settings (``video_preprocessor_config.json`` or the nested form)."""
+
+    def __init__(self, raw: Mapping[str, Any], *, defaults: Mapping[str, Any]) -> None:
+        merged = {**defaults, **raw}
+        self.raw = dict(raw)
+        size = merged.get("size") or {}
+        self.min_pixels = int(merged.get("min_pixels") or size.get("shortest_edge"))
+        self.max_pixels = int(merged.get("max_pixels") or size.get("longest_edge"))
+        self.patch_size = int(merged["patch_size"])
+        self.temporal_patch_size = int(merged["temporal_patch_size"])
+        self.merge_size = int(merged["merge_size"])
+        self.fps = float(merged.get("fps") or 2.0)
+        self.min_frames = int(merged.get("min_frames", 4))
+        self.max_frames = int(merged.get("max_frames", 768))
+        self.do_resize = bool(merged.get("do_resize", True))
+        self.do_rescale = bool(merged.get("do_rescale", True))
+        self.do_normalize = bool(merged.get("do_normalize", True))
+        self.rescale_factor = float(merged.get("rescale_factor", 1 / 255))
+        self.mean = np.asarray(merged["image_mean"], dtype=np.float32)
+        self.std = np.asarray(merged["image_std"], dtype=np.float32)
+        self.cap_pixels_per_frame = bool(merged.get("cap_pixels_per_frame") or False)
+        self.max_video_tokens = int(merged.get("max_video_tokens", 768))
+
+    @property
+    def factor(self) -> int:
+        return self.patch_size * self.merge_size
+
+
+def _pixels(frames: np.ndarray, size: tuple[int, int], config: VideoConfig) -> np.ndarray:
+    """``[T, H, W, 3]`` uint8 to ``[T, C, h, w]`` float32: resized, rescaled, normalised."""
+    height, width = size
+    if config.do_resize and frames.shape[1:3] != (height, width):
+        frames = np.stack(
+            [np.asarray(Image.fromarray(f).resize((width, height), Image.Resampling.BICUBIC)) for f in frames]
+        )
+    out = frames.astype(np.float32)
+    if config.do_rescale:
+        out *= np.float32(config.rescale_factor)
+    if config.do_normalize:
+        out = (out - config.mean) / config.std
+    return np.ascontiguousarray(out.transpose(0, 3, 1, 2))
+
+
+def patchify(frames: np.ndarray, size: tuple[int, int], config: VideoConfig) -> tuple[torch.Tensor, list[int]]:
+    """Frames to the processor's ``pixel_values_videos`` rows and ``[grid_t, grid_h, grid_w]``."""
+    video = _pixels(frames, size, config)
+    tp, p, m = config.temporal_patch_size, config.patch_size, config.merge_size
+    if pad := -video.shape[0] % tp:
+        video = np.concatenate([video, np.repeat(video[-1:], pad, axis=0)])
+    t, c, h, w = video.shape
+    gt, gh, gw = t // tp, h // p, w // p
+    patches = video.reshape(gt, tp, c, gh // m, m, p, gw // m, m, p).transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
+    rows = np.ascontiguousarray(patches.reshape(gt * gh * gw, c * tp * p * p))
+    return torch.from_numpy(rows), [gt, gh, gw]
+
+
+def frames_nbytes(num_frames: int, height: int, width: int, size: tuple[int, int], config: VideoConfig) -> int:
+    """Peak bytes of decoding and preprocessing one video: the decoded uint8 frames plus the
+    resized float32 copies and the patch rows (padded to whole temporal groups)."""
+    padded = math.ceil(num_frames / config.temporal_patch_size) * config.temporal_patch_size
+    return num_frames * height * width * 3 + 2 * padded * size[0] * size[1] * 3 * 4
+
+
+def split_groups(prepared: PreparedImage, max_cost: int, merge_size: int) -> list[PreparedImage]:
+    """A video's prepared inputs cut into runs of whole temporal groups, each costing at most
+    ``max_cost`` patch tokens (at least one group each); an image (one group) is not cut."""
+    grid = [int(x) for x in prepared.inputs["image_grid_thw"][0]]
+    groups, per_group = grid[0], grid[1] * grid[2]
+    step = max(1, max_cost // per_group)
+    if groups <= step:
+        return [prepared]
+    parts = []
+    pixels = prepared.inputs["pixel_values"]
+    for start in range(0, groups, step):
+        count = min(step, groups - start)
+        parts.append(
+            PreparedImage(
+                inputs={
+                    "pixel_values": pixels[start * per_group : (start + count) * per_group],
+                    "image_grid_thw": torch.tensor([[count, grid[1], grid[2]]]),
+                },
+                num_tokens=count * per_group // merge_size**2,
+                cost_tokens=count * per_group,
+                meta=prepared.meta,
+            )
+        )
+    return parts

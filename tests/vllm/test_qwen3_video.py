@@ -1,0 +1,213 @@
+"""Qwen3-VL videos through vLLM as an EC consumer, pixel-free (``video_grid_thw`` + ``timestamps``,
+what vLLM 0.32's Qwen3-VL parser declares): the oracle, the negative control, parity with vLLM's own
+loader (frame sampling), processor and tower, and token parity for several lengths, rates and sizes.
+
+vLLM's side reads each file with its own video loader (``Qwen3VLVideoBackend.load_bytes``: OpenCV's
+FFmpeg, 2 fps, at least 4 frames), as its OpenAI server does for a ``video_url``. The videos are
+made in the test with PyAV, by the server's Python (this environment has no PyAV).
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+from encode_client.keys import store_key
+
+from tests.redis_procs import RedisProcess, start_redis
+from tests.server import ServerProcess, start_server
+from tests.vllm.conftest import PROMPT_HEAD, connector_config, engine, greedy, scheduler_connector, stored_value
+from tests.vllm.tiny_qwen3 import make_tiny_qwen3
+
+PREFIX = "test-vllm-qwen3-video"
+VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"
+PROMPT = PROMPT_HEAD + VIDEO + "describe the image<|im_end|>\n<|im_start|>assistant\n"
+# (frames, fps, width, height): 2 s at 2 fps (4 frames, 2 groups), 2.5 s (5 frames padded to 6),
+# 3 s at 10 fps (6 of 30 frames), 5 s at 4 fps (10 of 20) at 128x96; the last two are resized.
+VIDEOS = [(4, 2.0, 64, 64), (5, 2.0, 64, 64), (30, 10.0, 96, 64), (20, 4.0, 128, 96), (12, 6.0, 100, 70),
+          (16, 8.0, 50, 130)]
+UNRESIZED = 4
+
+
+def _make(tmp: Path, spec: tuple[int, float, int, int], codec: str = "libx264") -> bytes:
+    out = tmp / f"{'-'.join(map(str, spec))}-{codec}.bin"
+    python = os.environ.get("ENCODE_SERVER_PYTHON") or sys.executable  # the server's, which has PyAV
+    subprocess.run([python, "-m", "tests.videos", str(out), *map(str, spec), codec], check=True,
+                   cwd=Path(__file__).resolve().parents[2])
+    return out.read_bytes()
+
+
+@pytest.fixture(scope="module")
+def videos(tmp_path_factory: pytest.TempPathFactory) -> list[bytes]:
+    tmp = tmp_path_factory.mktemp("videos")
+    return [_make(tmp, spec) for spec in VIDEOS]
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_qwen3(tmp_path_factory.mktemp("qwen3_vl_video"))
+
+
+@pytest.fixture(scope="module")
+def redis_proc() -> Iterator[RedisProcess]:
+    with start_redis() as proc:
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def server(qwen3_dir: Path, redis_proc: RedisProcess, logs: Path) -> Iterator[ServerProcess]:
+    proc = start_server("--model", str(qwen3_dir), "--redis-url", redis_proc.url, "--cache-prefix", PREFIX,
+                        "--grpc-port", "0", "--max-batch-tokens", "96", log_dir=logs)
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def llm(qwen3_dir: Path, redis_proc: RedisProcess, server: ServerProcess) -> Iterator[Any]:
+    config = connector_config(redis_proc.url, server.url, PREFIX, timeout_ms=500)
+    with engine(qwen3_dir, config, limit_mm_per_prompt={"image": 1, "video": 1}, max_model_len=2048) as llm:
+        yield llm
+
+
+def _encode(server: ServerProcess, data: bytes, ret: str) -> dict[str, Any]:
+    body = {"items": [{"data": base64.b64encode(data).decode(), "modality": "video"}], "return": ret}
+    r = httpx.post(server.url + "/v1/encode", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return dict(r.json()["items"][0])
+
+
+def _rows(item: dict[str, Any]) -> np.ndarray:
+    return np.frombuffer(base64.b64decode(item["embedding"]), dtype="<f4").reshape(item["shape"]).copy()
+
+
+def _metadata_only(meta: dict[str, Any], mm_hash: str) -> dict[str, Any]:
+    import torch
+
+    item = {"video_grid_thw": torch.tensor([meta["video_grid_thw"]]), "timestamps": [meta["timestamps"]]}
+    return {"prompt": PROMPT, "multi_modal_data": {"video": item}, "multi_modal_uuids": {"video": [mm_hash]}}
+
+
+def _direct(rows: np.ndarray, meta: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    item = {"video_embeds": torch.tensor(rows), "video_grid_thw": torch.tensor([meta["video_grid_thw"]]),
+            "timestamps": [meta["timestamps"]]}
+    return {"prompt": PROMPT, "multi_modal_data": {"video": item}}
+
+
+def _vllm_loaded(data: bytes) -> tuple[Any, dict[str, Any]]:
+    """The frames and metadata vLLM's own loader gives for the file (its OpenAI server's path)."""
+    from vllm.multimodal.video import Qwen3VLVideoBackend
+
+    return Qwen3VLVideoBackend.load_bytes(data)
+
+
+def _plain(data: bytes, uuid: str) -> dict[str, Any]:
+    return {"prompt": PROMPT, "multi_modal_data": {"video": _vllm_loaded(data)}, "multi_modal_uuids": {"video": [uuid]}}
+
+
+@pytest.fixture(scope="module")
+def baseline(llm: Any, server: ServerProcess, videos: list[bytes]) -> dict[str, Any]:
+    handed = [_encode(server, v, "metadata") for v in videos]
+    rows = [_rows(_encode(server, v, "embeddings")) for v in videos]
+    metas = [h["meta"] for h in handed]
+    hashes = [h["hash"] for h in handed]
+    via_connector = greedy(llm, [_metadata_only(m, h) for m, h in zip(metas, hashes, strict=True)])
+    direct = greedy(llm, [_direct(r, m) for r, m in zip(rows, metas, strict=True)])
+    return {"metas": metas, "hashes": hashes, "rows": rows, "connector": via_connector, "direct": direct}
+
+
+def test_video_tokens_through_the_connector_equal_direct_video_embeds(llm: Any, baseline: dict[str, Any]) -> None:
+    """The oracle: metadata-only video items (grid + timestamps, uuid = mm_hash) give the tokens the
+    same rows given directly as video_embeds give; the connector served every video."""
+    assert baseline["connector"] == baseline["direct"]
+    counts = scheduler_connector(llm).counts
+    assert counts["hit"] >= len(VIDEOS) and counts["wrong_shape"] == 0, counts
+
+
+def test_zeros_in_the_store_change_the_video_answer(
+    llm: Any, server: ServerProcess, baseline: dict[str, Any], redis_proc: RedisProcess, videos: list[bytes]
+) -> None:
+    fingerprint = httpx.get(server.url + "/v1/model").json()["fingerprint"]
+    redis = redis_proc.client()
+    for h, meta, rows in zip(baseline["hashes"], baseline["metas"], baseline["rows"], strict=True):
+        redis.set(store_key(fingerprint, h, prefix=PREFIX), stored_value(np.zeros_like(rows), fingerprint, h, meta))
+    llm.llm_engine.reset_encoder_cache()
+    zeros = greedy(llm, [_metadata_only(m, h) for m, h in zip(baseline["metas"], baseline["hashes"], strict=True)])
+    assert zeros == greedy(llm, [_direct(np.zeros_like(r), m) for r, m in zip(baseline["rows"], baseline["metas"],
+                                                                             strict=True)])
+    for i, (zero, real) in enumerate(zip(zeros, baseline["connector"], strict=True)):
+        assert zero != real, f"video {i}: zeros gave the same tokens as its embedding"
+    for v in videos:
+        _encode(server, v, "metadata")  # the real values back
+
+
+def test_video_rows_and_tokens_match_vllms_own_loader_and_tower(
+    llm: Any, videos: list[bytes], baseline: dict[str, Any]
+) -> None:
+    """vLLM's own path on the file (its loader samples, its processor patches, its tower encodes)
+    gives encode-server's grid, timestamps and rows, and plain vLLM's greedy tokens equal the EPD
+    request's. Frames the processor does not resize: max |diff| <= 1e-3 x max |x| (PyAV and OpenCV
+    decode the same H.264 stream with FFmpeg; their YUV to RGB conversions may round apart by one
+    level). Resized ones also differ by the resize (PIL here, torchvision in vLLM): printed."""
+    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    own_tokens = greedy(llm, [_plain(v, f"video-pixels-{i}") for i, v in enumerate(videos)])
+    report = []
+    for i, (data, meta, rows) in enumerate(zip(videos, baseline["metas"], baseline["rows"], strict=True)):
+        _, vllm_meta = _vllm_loaded(data)
+        own = runner.encoder_cache[f"video-pixels-{i}"].float().cpu().numpy()
+        assert own.shape == rows.shape, (i, own.shape, rows.shape)
+        diff, scale = float(np.abs(own - rows).max()), float(np.abs(rows).max())
+        same = own_tokens[i] == baseline["connector"][i]
+        report.append(f"video {i} {VIDEOS[i]}: vLLM sampled {len(vllm_meta['frames_indices'])} frames "
+                      f"{vllm_meta['frames_indices']}, grid {meta['video_grid_thw']}, timestamps {meta['timestamps']}; "
+                      f"max |diff| {diff:.1e} (of {scale:.1f}); greedy {'equal' if same else 'DIFFER'}")
+        if i < UNRESIZED:
+            assert diff <= 1e-3 * max(1.0, scale), report[-1]
+            assert same, report[-1]
+    print("\n" + "\n".join(report))
+
+
+def test_video_token_parity_with_vllm_placeholders(llm: Any, server: ServerProcess, tmp_path: Path) -> None:
+    """/v1/tokens for a video, from its header alone, == vLLM's placeholder count (video pads) and
+    the grid and timestamps its processor computes, over lengths, rates, sizes and containers."""
+    from vllm import SamplingParams
+
+    specs = [(4, 2.0, 64, 64), (7, 3.0, 64, 96), (25, 25.0, 160, 90), (3, 1.0, 320, 240), (48, 24.0, 64, 64),
+             (60, 30.0, 200, 100), (9, 2.0, 34, 258)]
+    files = [_make(tmp_path, s) for s in specs] + [_make(tmp_path, (10, 5.0, 96, 64), "libvpx-vp9")]
+    body = {"items": [{"data": base64.b64encode(f).decode(), "modality": "video"} for f in files]}
+    r = httpx.post(server.url + "/v1/tokens", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    ours = r.json()["items"]
+    video_token = llm.llm_engine.model_config.hf_config.video_token_id
+    outs = llm.generate([_plain(f, f"count-{i}") for i, f in enumerate(files)],
+                        SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+    theirs = [o.prompt_token_ids.count(video_token) for o in outs]
+    assert [o["num_tokens"] for o in ours] == theirs, (ours, theirs)
+    for f, mine in zip(files, ours, strict=True):
+        frames, vllm_meta = _vllm_loaded(f)
+        assert len(vllm_meta["frames_indices"]) == len(frames)
+        grid_t = -(-len(frames) // 2)
+        assert mine["meta"]["video_grid_thw"][0] == grid_t, (mine, vllm_meta)
+        assert len(mine["meta"]["timestamps"]) == grid_t
+
+
+def test_a_video_for_an_image_only_family_is_refused(tmp_path: Path, logs: Path, videos: list[bytes]) -> None:
+    from tests.vllm.tiny_qwen import make_tiny_qwen2_5_vl
+
+    proc = start_server("--model", str(make_tiny_qwen2_5_vl(tmp_path / "q25")), "--grpc-port", "0", log_dir=logs)
+    try:
+        body = {"items": [{"data": base64.b64encode(videos[0]).decode(), "modality": "video"}]}
+        r = httpx.post(proc.url + "/v1/encode", json=body, timeout=30)
+        assert (r.status_code, r.json()["error"]["type"]) == (400, "unsupported_modality"), r.text
+    finally:
+        proc.stop()

@@ -8,6 +8,7 @@ however many requests (or items of one request) want it.
 from __future__ import annotations
 
 import asyncio
+import functools
 import io
 import logging
 import sys
@@ -198,7 +199,10 @@ class EncodeService:
         buffer = io.BytesIO()
         Image.new("RGB", (64, 64), (127, 127, 127)).save(buffer, format="JPEG")  # the path a JPEG takes
         loop = asyncio.get_running_loop()
-        prepared = await loop.run_in_executor(self._preprocess_pool, self._prepare, buffer.getvalue(), 0)
+        # The encoder's own ``prepare``, not ``_prepare``: a warm-up is no request's preprocessing
+        # (its metric counts requests' images) and holds no request's budget.
+        prepare = functools.partial(self.encoder.prepare, buffer.getvalue(), max_pixels=self.settings.max_image_pixels)
+        prepared = await loop.run_in_executor(self._preprocess_pool, prepare)
         await self.batcher.submit(prepared, prepared.cost_tokens)
 
     async def close(self) -> None:

@@ -26,6 +26,7 @@ from transformers import (
     CLIPConfig,
     CLIPImageProcessorPil,
     CLIPModel,
+    InternVLForConditionalGeneration,
     LlamaConfig,
     LlavaConfig,
     LlavaForConditionalGeneration,
@@ -51,6 +52,7 @@ __all__ = [
     "make_qwen2_5_vl",
     "make_qwen2_vl",
     "reference_clip_features",
+    "reference_internvl_features",
     "reference_llava_features",
     "reference_qwen_features",
 ]
@@ -178,6 +180,7 @@ def load_full_model(path: Path | str) -> PreTrainedModel:
     """
     model_type = AutoConfig.from_pretrained(path).model_type
     classes: dict[str, type[PreTrainedModel]] = {
+        "internvl": InternVLForConditionalGeneration,
         "clip": CLIPModel,
         "siglip": SiglipModel,
         "siglip2": Siglip2Model,
@@ -230,3 +233,15 @@ def reference_qwen_features(path: Path | str, image: Image.Image) -> tuple[torch
     grid = inputs["image_grid_thw"]
     features = model.get_image_features(inputs["pixel_values"], grid).pooler_output[0]
     return features, grid[0].tolist()
+
+
+@torch.inference_mode()
+def reference_internvl_features(path: Path | str, images: list[Image.Image]) -> list[torch.Tensor]:
+    """``InternVLForConditionalGeneration.get_image_features`` for a batch of images, as vLLM calls it
+    (last layer, CLS dropped, every image tiled as ``InternVLProcessor`` does): rows per image."""
+    model: Any = load_full_model(path)
+    inputs = AutoImageProcessor.from_pretrained(path)(images=images, crop_to_patches=True, return_tensors="pt")
+    features = model.get_image_features(
+        inputs["pixel_values"], vision_feature_layer=-1, vision_feature_select_strategy="default"
+    ).pooler_output
+    return [tiles.flatten(0, 1) for tiles in torch.split(features, inputs["num_patches"].tolist())]

@@ -23,6 +23,7 @@ from encode_server.core.wire import load_safetensors
 from tests import tiny_models
 from tests.images import image_bytes
 from tests.server import ServerProcess, start_server
+from tests.tiny.internvl import make_tiny_internvl
 
 FAMILIES = {
     # name: (builder, extra server args, reference)
@@ -31,6 +32,7 @@ FAMILIES = {
     "siglip": (lambda d: tiny_models.make_clip(d, kind="siglip"), (), "clip"),
     "llava": (tiny_models.make_llava, (), "llava"),
     "qwen2_5_vl": (tiny_models.make_qwen2_5_vl, (), "qwen"),
+    "internvl": (make_tiny_internvl, (), "internvl"),
 }
 
 
@@ -60,6 +62,9 @@ def _reference(name: str, path: Path, data: bytes) -> tuple[torch.Tensor, dict]:
         return tiny_models.reference_clip_features(path, image, output="pooled").reshape(1, -1), {}
     if kind == "llava":
         return tiny_models.reference_llava_features(path, image), {}
+    if kind == "internvl":
+        [features] = tiny_models.reference_internvl_features(path, [image])
+        return features, {"image_num_patches": features.shape[0] // 4}
     features, grid = tiny_models.reference_qwen_features(path, image)
     return features, {"image_grid_thw": grid}
 
@@ -112,7 +117,8 @@ def test_model_reports_its_family(family: tuple[str, Path, ServerProcess]) -> No
 
 
 def test_token_counts_follow_the_processor(family: tuple[str, Path, ServerProcess]) -> None:
-    """Qwen: N varies with the image and equals the processor's grid / merge**2; the others: fixed N."""
+    """Qwen: N varies with the image and equals the processor's grid / merge**2; InternVL: N is its
+    tiles x rows a tile; the others: fixed N."""
     name, path, server = family
     from transformers import AutoImageProcessor
 
@@ -126,7 +132,11 @@ def test_token_counts_follow_the_processor(family: tuple[str, Path, ServerProces
             grid = processor(images=_decode(data), return_tensors="pt")["image_grid_thw"][0].tolist()
             assert item["meta"]["image_grid_thw"] == grid
             assert item["num_tokens"] == int(np.prod(grid)) // processor.merge_size**2
-    if name == "qwen2_5_vl":
+        if name == "internvl":
+            tiles = processor(images=_decode(data), crop_to_patches=True)["num_patches"][0]
+            assert item["meta"] == {"image_num_patches": tiles}
+            assert item["num_tokens"] == tiles * 4
+    if name in ("qwen2_5_vl", "internvl"):
         assert len(counts) > 3, "sizes should give different token counts"
     else:
         assert len(counts) == 1, f"{name} is fixed-resolution, got N in {counts}"

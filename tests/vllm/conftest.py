@@ -69,9 +69,10 @@ def logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("logs")
 
 
-def engine_args(model: Path, ec_transfer_config: dict[str, Any] | None) -> dict[str, Any]:
+def engine_args(model: Path, ec_transfer_config: dict[str, Any] | None, **overrides: Any) -> dict[str, Any]:
     """The engine the tests start: float32 (the server's CPU dtype), eager, no prefix or processor
-    cache (a repeated request must reach the connector again, not vLLM's own caches)."""
+    cache (a repeated request must reach the connector again, not vLLM's own caches). ``overrides``:
+    other engine arguments (a family's ``mm_processor_kwargs``)."""
     args: dict[str, Any] = {
         "model": str(model),
         "dtype": "float32",
@@ -85,16 +86,16 @@ def engine_args(model: Path, ec_transfer_config: dict[str, Any] | None) -> dict[
     }
     if ec_transfer_config is not None:
         args["ec_transfer_config"] = ec_transfer_config
-    return args
+    return {**args, **overrides}
 
 
 @contextmanager
-def engine(model: Path, ec_transfer_config: dict[str, Any] | None = None) -> Iterator[Any]:
+def engine(model: Path, ec_transfer_config: dict[str, Any] | None = None, **overrides: Any) -> Iterator[Any]:
     """A vLLM ``LLM`` in this process, shut down (worker, EC connector) on exit."""
     from vllm import LLM
 
     started = time.perf_counter()
-    llm = LLM(**engine_args(model, ec_transfer_config))
+    llm = LLM(**engine_args(model, ec_transfer_config, **overrides))
     llm.startup_seconds = time.perf_counter() - started  # type: ignore[attr-defined]
     try:
         yield llm

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from tests.tiny.internvl import make_tiny_internvl
 from tests.tiny_models import make_clip, make_llava, make_qwen2_5_vl, make_qwen2_vl
 from tests.unit.encoders.util import noise_image
 
@@ -44,3 +45,8 @@ def image() -> Image.Image:
 @pytest.fixture(scope="session")
 def siglip2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_clip(tmp_path_factory.mktemp("siglip2"), kind="siglip2")
+
+
+@pytest.fixture(scope="session")
+def internvl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_internvl(tmp_path_factory.mktemp("internvl"))

@@ -26,6 +26,7 @@ from transformers import (
     CLIPConfig,
     CLIPImageProcessorPil,
     CLIPModel,
+    Gemma3ForConditionalGeneration,
     InternVLForConditionalGeneration,
     LlamaConfig,
     LlavaConfig,
@@ -52,6 +53,7 @@ __all__ = [
     "make_qwen2_5_vl",
     "make_qwen2_vl",
     "reference_clip_features",
+    "reference_gemma3_features",
     "reference_internvl_features",
     "reference_llava_features",
     "reference_qwen_features",
@@ -181,6 +183,7 @@ def load_full_model(path: Path | str) -> PreTrainedModel:
     model_type = AutoConfig.from_pretrained(path).model_type
     classes: dict[str, type[PreTrainedModel]] = {
         "internvl": InternVLForConditionalGeneration,
+        "gemma3": Gemma3ForConditionalGeneration,
         "clip": CLIPModel,
         "siglip": SiglipModel,
         "siglip2": Siglip2Model,
@@ -245,3 +248,11 @@ def reference_internvl_features(path: Path | str, images: list[Image.Image]) -> 
         inputs["pixel_values"], vision_feature_layer=-1, vision_feature_select_strategy="default"
     ).pooler_output
     return [tiles.flatten(0, 1) for tiles in torch.split(features, inputs["num_patches"].tolist())]
+
+
+@torch.inference_mode()
+def reference_gemma3_features(path: Path | str, images: list[Image.Image]) -> torch.Tensor:
+    """``Gemma3ForConditionalGeneration.get_image_features`` for a batch of images: B x N x D_llm."""
+    model: Any = load_full_model(path)
+    pixel_values = AutoImageProcessor.from_pretrained(path)(images=images, return_tensors="pt")["pixel_values"]
+    return model.get_image_features(pixel_values).pooler_output

@@ -17,19 +17,18 @@ image processor's saved attribute (whose class default is False).
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from typing import Any, cast
 
 import torch
 from PIL import Image
-from transformers import InternVLConfig
+from transformers import InternVLConfig, InternVLProcessor
 from transformers.models.internvl.modeling_internvl import InternVLMultiModalProjector, InternVLVisionModel
 
 from .base import EncodedTensor, PreparedImage
 from .family import Epd, Family
-from .hf import HFEncoder, LoadSpec, to_encoded
+from .hf import HFEncoder, LoadSpec, apply_call_defaults, to_encoded
 from .loading import CheckpointFiles, Layout, empty_module, load_vision_weights
 
 __all__ = ["FAMILY", "InternVLEncoder", "InternVLVision", "load_internvl"]
@@ -128,20 +127,16 @@ def _check_processor(files: CheckpointFiles, config: InternVLConfig, processor: 
     tile, tower = [int(size["height"]), int(size["width"])], [int(x) for x in vision.image_size]
     if tile != tower:
         raise ValueError(f"image processor tiles of {tile} px do not match the tower's {tower}")
-    processor_config = files.directory / "processor_config.json"
-    if processor_config.is_file():
-        seq_length = json.loads(processor_config.read_text()).get("image_seq_length")
-        if seq_length is not None and int(seq_length) != rows_per_tile:
-            raise ValueError(
-                f"processor_config.json image_seq_length {seq_length} != the tower's {rows_per_tile} rows a tile"
-            )
+    seq_length = files.processor_setting("image_seq_length")
+    if seq_length is not None and int(seq_length) != rows_per_tile:
+        raise ValueError(f"processor_config.json image_seq_length {seq_length} != the tower's {rows_per_tile} a tile")
 
 
 def load_internvl(files: CheckpointFiles, config: InternVLConfig, processor: Any, spec: LoadSpec) -> InternVLEncoder:
     """The InternVL adapter: InternViT and the projector from the checkpoint, the language model never read."""
     if spec.output not in OUTPUTS:
         raise ValueError(f"an InternVL model's output is its projected features ({OUTPUTS}), not {spec.output!r}")
-    processor.crop_to_patches = True  # what InternVLProcessor passes at call time (see the module docstring)
+    apply_call_defaults(processor, InternVLProcessor)  # crop_to_patches=True (see the module docstring)
     module = empty_module(lambda: InternVLVision(config, spec.dtype), spec.device, spec.dtype)
     digest = load_vision_weights(module, files, LAYOUTS)
     encoder = InternVLEncoder(module, processor, spec, digest)

@@ -24,7 +24,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from io import BufferedReader
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import blake3
 import torch
@@ -82,6 +82,12 @@ class CheckpointFiles:
         from huggingface_hub import hf_hub_download
 
         return Path(hf_hub_download(self.repo_id, filename, revision=self.revision))
+
+    def processor_setting(self, name: str) -> Any:
+        """A top-level setting of ``processor_config.json`` (the multimodal processor's, e.g.
+        ``image_seq_length``: the placeholder length vLLM expands an image to), None when absent."""
+        file = self.directory / "processor_config.json"
+        return json.loads(file.read_text()).get(name) if file.is_file() else None
 
     def weight_map(self) -> dict[str, str]:
         """Every tensor key in the checkpoint -> the safetensors file that holds it."""

@@ -23,6 +23,7 @@ from encode_server.core.wire import load_safetensors
 from tests import tiny_models
 from tests.images import image_bytes
 from tests.server import ServerProcess, start_server
+from tests.tiny.gemma3 import make_tiny_gemma3
 from tests.tiny.internvl import make_tiny_internvl
 
 FAMILIES = {
@@ -33,6 +34,7 @@ FAMILIES = {
     "llava": (tiny_models.make_llava, (), "llava"),
     "qwen2_5_vl": (tiny_models.make_qwen2_5_vl, (), "qwen"),
     "internvl": (make_tiny_internvl, (), "internvl"),
+    "gemma3": (make_tiny_gemma3, (), "gemma3"),
 }
 
 
@@ -62,6 +64,8 @@ def _reference(name: str, path: Path, data: bytes) -> tuple[torch.Tensor, dict]:
         return tiny_models.reference_clip_features(path, image, output="pooled").reshape(1, -1), {}
     if kind == "llava":
         return tiny_models.reference_llava_features(path, image), {}
+    if kind == "gemma3":
+        return tiny_models.reference_gemma3_features(path, [image])[0], {}
     if kind == "internvl":
         [features] = tiny_models.reference_internvl_features(path, [image])
         return features, {"image_num_patches": features.shape[0] // 4}

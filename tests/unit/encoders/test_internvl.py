@@ -14,26 +14,13 @@ from transformers import AutoImageProcessor
 
 from encode_server.encoders import load_encoder
 from encode_server.service import model_fingerprint
+from tests.tiny import copy_with_processor_settings as edited
 from tests.tiny import internvl
 from tests.tiny_models import load_full_model, reference_internvl_features
 from tests.unit.encoders.util import decode, noise_image, num_parameters
 
 # (width, height): one tile; 2x1 tiles + thumbnail; 3x2 + thumbnail; tall; a single pixel; extreme ratios
 SIZES = [(56, 56), (112, 56), (300, 200), (30, 400), (1, 1), (5000, 3), (3, 5000)]
-
-
-def _edit_processor(src: Path, dst: Path, **settings: Any) -> Path:
-    """A copy whose image processor (in whichever file holds it) has ``settings``."""
-    shutil.copytree(src, dst)
-    for name in ("preprocessor_config.json", "processor_config.json"):
-        file = dst / name
-        if file.is_file():
-            config = json.loads(file.read_text())
-            target = config.get("image_processor", config) if name == "processor_config.json" else config
-            if "size" in target or name == "preprocessor_config.json":
-                target.update(settings)
-            file.write_text(json.dumps(config))
-    return dst
 
 
 def test_output_is_bit_identical_to_get_image_features(internvl_dir: Path) -> None:
@@ -71,7 +58,7 @@ def test_num_tokens_are_the_processors_tiles(internvl_dir: Path, width: int, hei
 def test_tiles_whatever_the_saved_crop_to_patches_says(internvl_dir: Path, tmp_path: Path) -> None:
     """InternVLProcessor passes crop_to_patches=True at call time over the saved attribute, so a
     checkpoint saved with False is tiled all the same: same counts, same fingerprint."""
-    saved_false = _edit_processor(internvl_dir, tmp_path / "m", crop_to_patches=False)
+    saved_false = edited(internvl_dir, tmp_path / "m", crop_to_patches=False)
     assert AutoImageProcessor.from_pretrained(saved_false).crop_to_patches is False
     ours, theirs = load_encoder(str(internvl_dir), device="cpu"), load_encoder(str(saved_false), device="cpu")
     assert theirs.count_tokens(300, 200) == ours.count_tokens(300, 200) == (28, {"image_num_patches": 7})
@@ -79,7 +66,7 @@ def test_tiles_whatever_the_saved_crop_to_patches_says(internvl_dir: Path, tmp_p
 
 
 def test_the_fingerprint_covers_the_tiling(internvl_dir: Path, tmp_path: Path) -> None:
-    more = _edit_processor(internvl_dir, tmp_path / "m", max_patches=12)
+    more = edited(internvl_dir, tmp_path / "m", max_patches=12)
     ours, theirs = load_encoder(str(internvl_dir), device="cpu"), load_encoder(str(more), device="cpu")
     assert theirs.count_tokens(2000, 200)[0] > ours.count_tokens(2000, 200)[0]
     assert model_fingerprint(theirs.info) != model_fingerprint(ours.info)
@@ -87,7 +74,7 @@ def test_the_fingerprint_covers_the_tiling(internvl_dir: Path, tmp_path: Path) -
 
 def test_a_processor_that_disagrees_with_the_tower_is_refused(internvl_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="do not match the tower"):
-        load_encoder(str(_edit_processor(internvl_dir, tmp_path / "a", size={"height": 28, "width": 28})), device="cpu")
+        load_encoder(str(edited(internvl_dir, tmp_path / "a", size={"height": 28, "width": 28})), device="cpu")
     copy = shutil.copytree(internvl_dir, tmp_path / "b")
     config = json.loads((copy / "processor_config.json").read_text())
     (copy / "processor_config.json").write_text(json.dumps({**config, "image_seq_length": 256}))

@@ -179,9 +179,8 @@ def encode_server(model: Path, export: Path, log_dir: Path, dtype: str) -> Itera
         server.stop()
 
 
-def tree_peak_rss_mb(pid: int) -> float:
-    """Peak resident memory (VmHWM) summed over ``pid`` and its descendants: vLLM's API server
-    runs its engine core and worker as child processes."""
+def _tree(pid: int) -> list[int]:
+    """``pid`` and its descendants: vLLM's API server runs its engine core and worker as children."""
     children: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -189,15 +188,37 @@ def tree_peak_rss_mb(pid: int) -> float:
         except OSError:
             continue
         children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    total, todo = 0.0, [pid]
+    out, todo = [], [pid]
     while todo:
         p = todo.pop()
+        out.append(p)
         todo += children.get(p, [])
+    return out
+
+
+def tree_peak_rss_mb(pid: int) -> float:
+    """Peak resident memory (VmHWM) summed over the process tree."""
+    total = 0.0
+    for p in _tree(pid):
         try:
             status = Path(f"/proc/{p}/status").read_text()
         except OSError:
             continue
         total += next((int(line.split()[1]) / 1024 for line in status.splitlines() if line.startswith("VmHWM:")), 0.0)
+    return total
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """User + system CPU time of the process tree so far: where the cores went, which the load of a
+    shared machine changes far less than it changes wall time."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for p in _tree(pid):
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / tick
     return total
 
 
@@ -252,8 +273,11 @@ def compare(ours: Peer, theirs: Peer, plan: Plan, seed: int, *, repeats: bool = 
     """Interleaved rounds (who goes first alternates): unique images, then the same again."""
     tally: dict[str, dict[str, list[float]]] = {}
 
-    def record(peer: Peer, kind: str, wall: float, lat: list[float]) -> None:
-        t = tally.setdefault(f"{peer.name}|{kind}", {"wall": [], "lat": []})
+    def record(peer: Peer, kind: str, images: Sequence[tuple[bytes, str]], by_hash: bool = False) -> None:
+        cpu = tree_cpu_seconds(peer.pid)
+        wall, lat = burst(peer, images, by_hash)
+        t = tally.setdefault(f"{peer.name}|{kind}", {"wall": [], "lat": [], "cpu": []})
+        t["cpu"].append(tree_cpu_seconds(peer.pid) - cpu)
         t["wall"].append(wall)
         t["lat"] += lat
 
@@ -262,11 +286,11 @@ def compare(ours: Peer, theirs: Peer, plan: Plan, seed: int, *, repeats: bool = 
     for r in range(plan.rounds):
         images = png_images(seed + 1000 * r, plan.images)
         for peer in (ours, theirs) if r % 2 == 0 else (theirs, ours):
-            record(peer, "unique", *burst(peer, images))
+            record(peer, "unique", images)
             if repeats:
-                record(peer, "repeat", *burst(peer, images))
+                record(peer, "repeat", images)
                 if peer is ours:
-                    record(peer, "repeat_hash", *burst(peer, images, by_hash=True))
+                    record(peer, "repeat_hash", images, by_hash=True)
     out: dict[str, Any] = {}
     for key, t in tally.items():
         name, kind = key.split("|")
@@ -275,6 +299,7 @@ def compare(ours: Peer, theirs: Peer, plan: Plan, seed: int, *, repeats: bool = 
             "images_per_s": n / sum(t["wall"]),
             "available_p50_ms": _pct(t["lat"], 0.5),
             "available_p99_ms": _pct(t["lat"], 0.99),
+            "cpu_ms_per_image": 1000 * sum(t["cpu"]) / n,
         }
     return out
 
@@ -314,12 +339,13 @@ def table(result: dict[str, Any]) -> str:
     d = result["vs_vllm"]
     lines = ["| figure | value | goal |", "|---|---|---|"]
     lines += [f"| {k} | {result[k]:.3g} | {GOALS[k]} |" for k in KEYS]
-    lines += ["", "| server | kind | images/s | available p50 ms | p99 ms |", "|---|---|---|---|---|"]
+    lines += ["", "| server | kind | images/s | available p50 ms | p99 ms | CPU ms per image |",
+              "|---|---|---|---|---|---|"]
     for name, kinds in d.items():
         if isinstance(kinds, dict) and "unique" in kinds:
             for kind, v in kinds.items():
                 lines.append(f"| {name} | {kind} | {v['images_per_s']:.3g} | {v['available_p50_ms']:.1f} | "
-                             f"{v['available_p99_ms']:.1f} |")
+                             f"{v['available_p99_ms']:.1f} | {v['cpu_ms_per_image']:.1f} |")
     lines += ["", *(f"peak RSS {name}: {mb:.0f} MiB" for name, mb in d["rss_peak_mb"].items())]
     return "\n".join(lines)
 

@@ -45,6 +45,8 @@ from transformers import (
     SiglipModel,
 )
 
+from encode_server.encoders.qwen import as_patch_linear
+
 __all__ = [
     "SEED",
     "load_full_model",
@@ -173,12 +175,14 @@ def make_qwen2_vl(directory: Path | str) -> Path:
     return _save(Qwen2VLForConditionalGeneration(config).eval(), _qwen_processor(), directory)
 
 
-def load_full_model(path: Path | str) -> PreTrainedModel:
+def load_full_model(path: Path | str, *, conv_patch_embed: bool = False) -> PreTrainedModel:
     """The whole saved model, language model included, through HF's own ``from_pretrained``.
 
     Its tensors are then copied into fresh (aligned) memory: ``from_pretrained`` may leave them in
     the safetensors file's memory map at unaligned offsets, where CPU BLAS takes another kernel and
-    rounds differently (~1e-7), which would hide a real mismatch among benign ones.
+    rounds differently (~1e-7), which would hide a real mismatch among benign ones. A Qwen model's
+    patch embedding runs as the matmul the server (and vLLM) computes it as, unless
+    ``conv_patch_embed``: ``test_qwen.py`` checks that matmul against HF's own Conv3d.
     """
     model_type = AutoConfig.from_pretrained(path).model_type
     classes: dict[str, type[PreTrainedModel]] = {
@@ -194,6 +198,8 @@ def load_full_model(path: Path | str) -> PreTrainedModel:
     model = classes[model_type].from_pretrained(path, dtype=torch.float32).eval()
     for tensor in [*model.parameters(), *model.buffers()]:
         tensor.data = tensor.data.clone()
+    if model_type.startswith("qwen") and not conv_patch_embed:
+        as_patch_linear(model.model.visual)
     return model
 
 

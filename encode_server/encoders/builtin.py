@@ -18,7 +18,7 @@ from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTra
 
 from .hf import LoadSpec
 from .loading import empty_module, weights_digest
-from .qwen import OUTPUTS, QwenVisionEncoder
+from .qwen import OUTPUTS, QwenVisionEncoder, as_patch_linear
 
 __all__ = ["BUILTIN_MODELS", "load_builtin"]
 
@@ -67,8 +67,12 @@ def load_builtin(spec: LoadSpec) -> QwenVisionEncoder:
         raise ValueError(f"{spec.model_id}'s output is its merged features ({OUTPUTS}), not {spec.output!r}")
     state = _seeded_weights()
     config = _config()
-    module = empty_module(
-        lambda: Qwen2_5_VisionTransformerPretrainedModel._from_config(config, dtype=spec.dtype), spec.device, spec.dtype
+    module = as_patch_linear(
+        empty_module(
+            lambda: Qwen2_5_VisionTransformerPretrainedModel._from_config(config, dtype=spec.dtype),
+            spec.device,
+            spec.dtype,
+        )
     )
     module.load_state_dict(state, strict=True)
     return QwenVisionEncoder(

@@ -78,3 +78,26 @@ def test_the_limits_name_real_flags_and_variables() -> None:
             assert env == ENV_PREFIX + flag[2:].replace("-", "_").upper()
     named = {f for row in rows for f in re.findall(r"`(--[a-z-]+)`", row[0])}
     assert {"--max-request-bytes", "--max-items", "--max-image-pixels", "--max-queue", "--request-timeout"} <= named
+
+
+def test_the_vllm_page_lists_every_proxy_flag_and_its_variable() -> None:
+    """docs/vllm.md's table of encode-epd-proxy's flags is the proxy's command line, no more, no less."""
+    import inspect
+
+    from encode_client import proxy
+
+    flags = {o for a in proxy.build_parser()._actions for o in a.option_strings if o.startswith("--")} - {"--help"}
+    rows = _table("docs/vllm.md", ["flag (env)", "what"])
+    listed = {flag for row in rows for flag in re.findall(r"`(--[a-z-]+)`", row[0])}
+    assert listed == flags
+    source = inspect.getsource(proxy.build_parser)
+    defaults = {a.option_strings[0]: a.default for a in proxy.build_parser()._actions}
+    for row in rows:
+        for env in re.findall(r"`([A-Z][A-Z_]+)`", row[0]):
+            assert f'os.environ.get("{env}")' in source, env
+        flag = re.findall(r"`(--[a-z-]+)`", row[0])[0]
+        default = defaults[flag]
+        if isinstance(default, (str, float)) and flag not in ("--api-key", "--api-keys", "--vllm-api-key"):
+            assert f"(default `{default}`)" in row[1], (flag, default)
+        elif isinstance(default, tuple):
+            assert f"(default `{default[0]}:{default[1]}`)" in row[1], (flag, default)

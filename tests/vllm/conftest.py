@@ -178,3 +178,64 @@ def metric(text: str, name: str, **labels: str) -> float:
         if all(f'{k}="{v}"' in head for k, v in labels.items()):
             total += float(value)
     return total
+
+
+# -- the EPD stack over HTTP (test_proxy.py, test_security.py): one vLLM OpenAI server for both --
+
+REDIS_URL = os.environ.get("ENCODE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+EPD_PREFIX = f"test-vllm-epd-{os.getpid()}"
+
+
+@pytest.fixture(scope="session")
+def epd_server(model_dir: Path, logs: Path) -> Iterator[Any]:
+    """encode-server on the shared Redis, under the session's own prefix (deleted at the end)."""
+    import redis
+
+    from tests.redis_procs import delete_prefix
+    from tests.server import start_server
+
+    proc = start_server(
+        "--model", str(model_dir), "--redis-url", REDIS_URL, "--cache-prefix", EPD_PREFIX, "--grpc-port", "0",
+        log_dir=logs,
+    )
+    yield proc
+    proc.stop()
+    delete_prefix(redis.Redis.from_url(REDIS_URL), EPD_PREFIX)
+
+
+@pytest.fixture(scope="session")
+def vllm_server(model_dir: Path, epd_server: Any, logs: Path) -> Iterator[dict[str, Any]]:
+    """vLLM's OpenAI server, an EC consumer of ``epd_server``'s Redis prefix (every tenant's keys)."""
+    from tests.vllm.epd_stack import vllm_openai_server
+
+    extra = {"redis_url": REDIS_URL, "encoder_url": epd_server.url, "prefix": EPD_PREFIX}
+    with vllm_openai_server(model_dir, extra, logs) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def relay(vllm_server: dict[str, Any]) -> Iterator[Any]:
+    """The recording relay every proxy of the tests sends to vLLM through."""
+    from tests.vllm.epd_stack import Relay
+
+    r = Relay(vllm_server["port"])
+    r.start()
+    yield r
+    r.close()
+
+
+@contextmanager
+def running_proxy(upstream: str, encoders: Sequence[str], **options: Any) -> Iterator[Any]:
+    """An ``EPDProxy`` in a thread of this process, shut down on exit."""
+    import threading
+
+    from encode_client.proxy import EPDProxy
+
+    proxy = EPDProxy(("127.0.0.1", 0), upstream, list(encoders), timeout=120, **options)
+    thread = threading.Thread(target=proxy.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield proxy
+    finally:
+        proxy.shutdown()
+        proxy.server_close()

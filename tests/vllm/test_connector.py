@@ -322,6 +322,9 @@ def test_fault_redis_down_then_back(
         ({"redis_url": "redis://127.0.0.1:1/0"}, "needs fingerprint or encoder_url"),
         ({"redis_url": "redis://x", "fingerprint": "ab" * 32, "prefx": "typo"}, "unknown keys"),
         ({"redis_url": "redis://x", "fingerprint": "ab" * 32, "timeout_ms": 0}, "timeout_ms"),
+        # One connector for one tenant let plain identifiers read that tenant's keys; identifiers
+        # now name their tenant (issue 18), so the setting is refused rather than half-honoured.
+        ({"redis_url": "redis://x", "fingerprint": "ab" * 32, "tenant": "acme"}, "'tenant' is gone"),
     ],
 )
 def test_connector_settings_are_checked_at_start(extra: dict[str, Any], words: str) -> None:

@@ -2,20 +2,37 @@
 worker that takes its image embeddings from encode-server (an EC consumer, see
 ``encode_client.vllm_connector``).
 
-Every image part (``{"type": "image_url", "image_url": {"url": "data:image/...;base64,..."}}``) is
-handed to encode-server first (hash only; the bytes go only for images no tier holds), with
-``"return": "metadata"``, so that its embedding is in the shared tier when the request leaves; the
-part is then replaced by a metadata-only embeddings part keyed by the image's ``mm_hash``::
+Every image part (``{"type": "image_url", "image_url": {"url": "data:image/...;base64,..."}}``, or
+the Responses form ``{"type": "input_image", "image_url": "data:..."}``) is handed to encode-server
+first (hash only; the bytes go only for images no tier holds), with ``"return": "metadata"``, so
+that its embedding is in the shared tier when the request leaves; the part is then replaced by a
+metadata-only embeddings part named by the identifier of the image's store key
+(``encode_client.keys``: the ``mm_hash``, or ``t:{tenant_digest}:{mm_hash}`` for a tenant)::
 
-    {"type": "image_embeds", "image_embeds": {"image_grid_thw": [1, 16, 22]}, "uuid": "<mm_hash>"}
+    {"type": "image_embeds", "image_embeds": {"image_grid_thw": [1, 16, 22]}, "uuid": "<identifier>"}
 
 The prefill worker sees no pixels: vLLM sizes the image's placeholder from the metadata and asks
-its EC connector for ``uuid``, which reads the embedding from the shared tier.
+its EC connector for the identifier, which reads the embedding from the shared tier.
+
+vLLM keeps what it computed for an item (encoder output, processed inputs, prefix blocks) under
+the item's identifier, for every later request that names it. So the rewrite lets no client name
+an item (``check_chat_request``; each refusal is an ``EPDError`` naming the part):
+
+- a part carrying a ``uuid``, whatever its type, is refused (vLLM reads a ``uuid`` on any part,
+  even on a ``text`` part that also carries an ``image_url``);
+- ``image_embeds`` / ``video_embeds`` / ``audio_embeds`` parts are refused, unless the caller is
+  trusted (``trust_client_embeds``): then each is named by the content hash of its payload,
+  ``e:...``, never the client's ``uuid``, so it is served only to requests that send that payload;
+- a part without a string ``type`` is refused (vLLM guesses an untyped part's kind from its keys);
+- ``mm_processor_kwargs`` and ``media_io_kwargs`` are refused: encode-server preprocesses every
+  image under its fingerprint, so a per-request setting could not apply (folding them into the
+  identifier would name an embedding nobody computed); ``kv_transfer_params``
+  and ``ec_transfer_params`` are refused: they steer vLLM's transfer connectors, which only the
+  serving system may do.
 
 Only ``data:`` URLs are accepted: fetching ``http(s)://`` URLs would make the proxy an open fetcher
-(SSRF), so such a part is refused with a clear error naming it. Parts that already carry
-``image_embeds`` pass through unchanged. Works for models whose embeddings vLLM sizes from
-encode-server's metadata: Qwen2-VL and Qwen2.5-VL (``image_grid_thw``).
+(SSRF), so such a part is refused with a clear error naming it. Works for models whose embeddings
+vLLM sizes from encode-server's metadata: Qwen2-VL and Qwen2.5-VL (``image_grid_thw``).
 """
 
 from __future__ import annotations
@@ -23,18 +40,50 @@ from __future__ import annotations
 import base64
 import binascii
 import copy
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from encode_client._client import AsyncClient, Client
-from encode_client._types import Result
+from blake3 import blake3
 
-__all__ = ["EPDError", "ImagePart", "find_image_parts", "rewrite_chat_request", "rewrite_chat_request_async"]
+from encode_client._client import AsyncClient, Client
+from encode_client._images import mm_hash
+from encode_client._types import Result
+from encode_client.keys import embeds_identifier, epd_identifier
+
+__all__ = [
+    "EMBEDS_PARTS",
+    "IMAGE_PARTS",
+    "REFUSED_FIELDS",
+    "ChatPlan",
+    "EPDError",
+    "EmbedsPart",
+    "ImagePart",
+    "cache_salt",
+    "check_chat_request",
+    "check_request_fields",
+    "find_image_parts",
+    "rewrite_chat_request",
+    "rewrite_chat_request_async",
+]
+
+IMAGE_PARTS = frozenset({"image_url", "input_image"})
+EMBEDS_PARTS = frozenset({"image_embeds", "video_embeds", "audio_embeds"})
+REFUSED_FIELDS: dict[str, str] = {
+    "mm_processor_kwargs": "encode-server preprocesses every image under its fingerprint; a per-request "
+    "preprocessing setting cannot apply to it",
+    "media_io_kwargs": "encode-server decodes every image itself; per-request media loading settings cannot "
+    "apply to it",
+    "kv_transfer_params": "it steers vLLM's KV transfer connector, which only the serving system may do",
+    "ec_transfer_params": "it steers vLLM's encoder-cache connector, which only the serving system may do",
+}
+_SALT_DOMAIN = "encode-server/epd/cache-salt/v1"
 
 
 class EPDError(ValueError):
-    """A request the EPD path cannot rewrite; ``where`` names the part (``messages[1].content[0]``)."""
+    """A request the EPD path cannot rewrite; ``where`` names the part (``messages[1].content[0]``)
+    or the field (``mm_processor_kwargs``)."""
 
     def __init__(self, message: str, where: str | None = None) -> None:
         super().__init__(f"{where}: {message}" if where else message)
@@ -49,7 +98,29 @@ class ImagePart:
 
     @property
     def where(self) -> str:
-        return f"messages[{self.message}].content[{self.part}]"
+        return _where(self.message, self.part)
+
+
+@dataclass(frozen=True)
+class EmbedsPart:
+    """A trusted caller's embeddings part: its type and payload, re-keyed by content."""
+
+    message: int
+    part: int
+    type: str
+    payload: Any
+
+
+@dataclass(frozen=True)
+class ChatPlan:
+    """What the rewrite will do: the images to hand off, the trusted embeddings to re-key."""
+
+    images: list[ImagePart]
+    embeds: list[EmbedsPart]
+
+
+def _where(message: int, part: int) -> str:
+    return f"messages[{message}].content[{part}]"
 
 
 def _data_url_bytes(url: object, where: str) -> bytes:
@@ -67,59 +138,117 @@ def _data_url_bytes(url: object, where: str) -> bytes:
         raise EPDError("the data: URL's payload is not valid base64", where) from None
 
 
-def find_image_parts(body: Mapping[str, Any]) -> list[ImagePart]:
-    """The image parts of ``body["messages"]``, decoded, in order."""
+def check_request_fields(body: Mapping[str, Any]) -> None:
+    """Refuse the body fields in :data:`REFUSED_FIELDS` (set to anything but null or ``{}``)."""
+    for name, why in REFUSED_FIELDS.items():
+        if body.get(name) not in (None, {}):
+            raise EPDError(f"refused: {why}", name)
+
+
+def check_chat_request(body: Mapping[str, Any], *, trust_client_embeds: bool = False) -> ChatPlan:
+    """Check ``body`` against the rules of the module docstring; the parts the rewrite replaces."""
+    check_request_fields(body)
     messages = body.get("messages")
     if not isinstance(messages, list):
         raise EPDError("messages must be a list")
-    out = []
+    images: list[ImagePart] = []
+    embeds: list[EmbedsPart] = []
     for m, message in enumerate(messages):
         content = message.get("content") if isinstance(message, Mapping) else None
         if not isinstance(content, list):
             continue
         for p, part in enumerate(content):
-            if not isinstance(part, Mapping) or part.get("type") != "image_url":
-                continue
-            where = f"messages[{m}].content[{p}]"
-            image_url = part.get("image_url")
-            url = image_url.get("url") if isinstance(image_url, Mapping) else image_url
-            out.append(ImagePart(m, p, _data_url_bytes(url, where)))
-    return out
+            if not isinstance(part, Mapping):
+                continue  # a string is text; vLLM refuses anything else
+            where, kind = _where(m, p), part.get("type")
+            if not isinstance(kind, str):
+                raise EPDError(
+                    "a content part needs a string 'type' (vLLM guesses an untyped part's kind from its keys)", where
+                )
+            if kind in EMBEDS_PARTS:
+                if not trust_client_embeds:
+                    raise EPDError(
+                        f"{kind} parts from clients are refused: vLLM would keep this embedding for every request "
+                        "naming its identifier (a proxy for trusted callers may allow them: --trust-client-embeds)",
+                        where,
+                    )
+                if part.get(kind) is None:
+                    raise EPDError(f"a {kind} part needs its {kind!r} payload", where)
+                embeds.append(EmbedsPart(m, p, kind, part[kind]))
+            elif "uuid" in part:
+                raise EPDError(
+                    "a client's uuid is refused: vLLM would serve whatever it caches under it to every request "
+                    "naming it; the proxy names every image by its bytes",
+                    where,
+                )
+            elif kind in IMAGE_PARTS:
+                image_url = part.get("image_url")
+                url = image_url.get("url") if isinstance(image_url, Mapping) else image_url
+                images.append(ImagePart(m, p, _data_url_bytes(url, where)))
+    return ChatPlan(images, embeds)
 
 
-def _embeds_part(result: Result) -> dict[str, Any]:
-    return {"type": "image_embeds", "image_embeds": dict(result.meta), "uuid": result.hash}
+def find_image_parts(body: Mapping[str, Any], *, trust_client_embeds: bool = False) -> list[ImagePart]:
+    """The image parts of ``body["messages"]``, decoded, in order (after ``check_chat_request``)."""
+    return check_chat_request(body, trust_client_embeds=trust_client_embeds).images
 
 
-def _apply(body: Mapping[str, Any], parts: list[ImagePart], results: list[Result]) -> dict[str, Any]:
+def cache_salt(tenant: str | None, client_salt: object = None) -> str:
+    """vLLM's prefix-cache salt for a request of ``tenant`` (None: a caller without one).
+
+    Derived, never the client's: two tenants' requests never share a cached prefix block (which
+    would tell one how fast the other's prompt was), and a client's own salt only subdivides its
+    tenant's space."""
+    canonical = json.dumps([_SALT_DOMAIN, tenant, client_salt], sort_keys=True, separators=(",", ":"))
+    return blake3(canonical.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def _image_identifier(part: ImagePart, result: Result) -> str:
+    if result.status == "miss" or not result.meta:
+        raise EPDError(f"encode-server returned no metadata for image {result.hash} ({result.status})", part.where)
+    own = mm_hash(part.data)
+    try:
+        return epd_identifier(result.key, own) if result.key is not None else own
+    except ValueError as exc:
+        raise EPDError(f"encode-server's answer does not name this image: {exc}", part.where) from None
+
+
+def _apply(body: Mapping[str, Any], plan: ChatPlan, results: list[Result]) -> dict[str, Any]:
     out = copy.deepcopy(dict(body))
-    for part, result in zip(parts, results, strict=True):
-        if result.status == "miss" or not result.meta:
-            raise EPDError(f"encode-server returned no metadata for image {result.hash} ({result.status})", part.where)
-        out["messages"][part.message]["content"][part.part] = _embeds_part(result)
+    for part, result in zip(plan.images, results, strict=True):
+        out["messages"][part.message]["content"][part.part] = {
+            "type": "image_embeds",
+            "image_embeds": dict(result.meta),
+            "uuid": _image_identifier(part, result),
+        }
+    for e in plan.embeds:  # rebuilt from type and payload only: no other key of the client's goes on
+        out["messages"][e.message]["content"][e.part] = {
+            "type": e.type,
+            e.type: copy.deepcopy(e.payload),
+            "uuid": embeds_identifier(e.type, e.payload),
+        }
     return out
 
 
-def rewrite_chat_request(body: Mapping[str, Any], client: Client) -> tuple[dict[str, Any], list[Result]]:
-    """``body`` with each image part replaced by its metadata-only, ``uuid``-keyed embeddings part.
+def rewrite_chat_request(
+    body: Mapping[str, Any], client: Client, *, trust_client_embeds: bool = False
+) -> tuple[dict[str, Any], list[Result]]:
+    """``body`` with each image part replaced by its metadata-only embeddings part, named by its
+    identifier; ``trust_client_embeds`` lets embeddings parts through, re-keyed by content.
 
     Each image is in encode-server's shared tier when this returns (``client.hand_off``). Raises
-    ``EPDError`` for a part it cannot read, and the client's errors (``ServerError``,
+    ``EPDError`` for a part it cannot read or refuses, and the client's errors (``ServerError``,
     ``ReplicaUnavailable``) when encode-server refuses or does not answer. ``body`` is not changed.
     """
-    parts = find_image_parts(body)
-    if not parts:
-        return copy.deepcopy(dict(body)), []
-    results = client.hand_off([p.data for p in parts])
-    return _apply(body, parts, results), results
+    plan = check_chat_request(body, trust_client_embeds=trust_client_embeds)
+    results = client.hand_off([p.data for p in plan.images]) if plan.images else []
+    return _apply(body, plan, results), results
 
 
 async def rewrite_chat_request_async(
-    body: Mapping[str, Any], client: AsyncClient
+    body: Mapping[str, Any], client: AsyncClient, *, trust_client_embeds: bool = False
 ) -> tuple[dict[str, Any], list[Result]]:
     """``rewrite_chat_request`` with an ``AsyncClient``."""
-    parts = find_image_parts(body)
-    if not parts:
-        return copy.deepcopy(dict(body)), []
-    results = await client.hand_off([p.data for p in parts])
-    return _apply(body, parts, results), results
+    plan = check_chat_request(body, trust_client_embeds=trust_client_embeds)
+    results = await client.hand_off([p.data for p in plan.images]) if plan.images else []
+    return _apply(body, plan, results), results

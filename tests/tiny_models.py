@@ -31,6 +31,7 @@ from transformers import (
     LlamaConfig,
     LlavaConfig,
     LlavaForConditionalGeneration,
+    Mistral3ForConditionalGeneration,
     PreTrainedModel,
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
@@ -58,6 +59,7 @@ __all__ = [
     "reference_gemma3_features",
     "reference_internvl_features",
     "reference_llava_features",
+    "reference_mistral3_features",
     "reference_qwen_features",
 ]
 
@@ -188,6 +190,7 @@ def load_full_model(path: Path | str, *, conv_patch_embed: bool = False) -> PreT
     classes: dict[str, type[PreTrainedModel]] = {
         "internvl": InternVLForConditionalGeneration,
         "gemma3": Gemma3ForConditionalGeneration,
+        "mistral3": Mistral3ForConditionalGeneration,
         "clip": CLIPModel,
         "siglip": SiglipModel,
         "siglip2": Siglip2Model,
@@ -262,3 +265,16 @@ def reference_gemma3_features(path: Path | str, images: list[Image.Image]) -> to
     model: Any = load_full_model(path)
     pixel_values = AutoImageProcessor.from_pretrained(path)(images=images, return_tensors="pt")["pixel_values"]
     return model.get_image_features(pixel_values).pooler_output
+
+
+@torch.inference_mode()
+def reference_mistral3_features(path: Path | str, image: Image.Image) -> torch.Tensor:
+    """``Mistral3ForConditionalGeneration.get_image_features`` for one image, with the image processor
+    called as ``PixtralProcessor`` calls it (patch size x merge size): rows x D_llm. (transformers
+    5.24 fails on an image of one row: it squeezes the row dimension away.)"""
+    model: Any = load_full_model(path)
+    merged = model.config.vision_config.patch_size * model.config.spatial_merge_size
+    processor = AutoImageProcessor.from_pretrained(path)
+    inputs = processor(images=image, patch_size={"height": merged, "width": merged}, return_tensors="pt")
+    features = model.get_image_features(inputs["pixel_values"], inputs["image_sizes"], vision_feature_layer=-1)
+    return features.pooler_output[0]

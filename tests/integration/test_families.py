@@ -25,6 +25,7 @@ from tests.images import image_bytes
 from tests.server import ServerProcess, start_server
 from tests.tiny.gemma3 import make_tiny_gemma3
 from tests.tiny.internvl import make_tiny_internvl
+from tests.tiny.mistral3 import make_tiny_mistral3
 
 FAMILIES = {
     # name: (builder, extra server args, reference)
@@ -35,6 +36,7 @@ FAMILIES = {
     "qwen2_5_vl": (tiny_models.make_qwen2_5_vl, (), "qwen"),
     "internvl": (make_tiny_internvl, (), "internvl"),
     "gemma3": (make_tiny_gemma3, (), "gemma3"),
+    "mistral3": (make_tiny_mistral3, (), "mistral3"),
 }
 
 
@@ -64,6 +66,9 @@ def _reference(name: str, path: Path, data: bytes) -> tuple[torch.Tensor, dict]:
         return tiny_models.reference_clip_features(path, image, output="pooled").reshape(1, -1), {}
     if kind == "llava":
         return tiny_models.reference_llava_features(path, image), {}
+    if kind == "mistral3":
+        features = tiny_models.reference_mistral3_features(path, image)
+        return features, {}
     if kind == "gemma3":
         return tiny_models.reference_gemma3_features(path, [image])[0], {}
     if kind == "internvl":
@@ -140,7 +145,7 @@ def test_token_counts_follow_the_processor(family: tuple[str, Path, ServerProces
             tiles = processor(images=_decode(data), crop_to_patches=True)["num_patches"][0]
             assert item["meta"] == {"image_num_patches": tiles}
             assert item["num_tokens"] == tiles * 4
-    if name in ("qwen2_5_vl", "internvl"):
+    if name in ("qwen2_5_vl", "internvl", "mistral3"):
         assert len(counts) > 3, "sizes should give different token counts"
     else:
         assert len(counts) == 1, f"{name} is fixed-resolution, got N in {counts}"

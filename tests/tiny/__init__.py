@@ -29,3 +29,22 @@ def copy_with_processor_settings(checkpoint: Path, copy: Path, **settings: Any) 
             target.update(settings)
             file.write_text(json.dumps(config))
     return copy
+
+
+def save_processor(
+    path: Path, build: Any, image_processor: Any, tokenizer: Any, processor_config: dict[str, Any]
+) -> None:
+    """Save the model's multimodal processor (``build()``), or, where it cannot be built (it needs
+    torchvision, which the server's venv lacks, for a video processor or by declaration), its parts:
+    the image processor, the tokenizer and ``processor_config.json``. The server reads only the
+    image processor and ``processor_config.json``; vLLM's venv builds the whole processor."""
+    try:
+        processor = build()
+    except (ImportError, TypeError):
+        processor = None
+    if processor is not None:
+        processor.save_pretrained(path)
+        return
+    image_processor.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    (path / "processor_config.json").write_text(json.dumps(processor_config))

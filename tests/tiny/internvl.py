@@ -10,10 +10,10 @@ in any case.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
+from tests.tiny import save_processor
 from tests.tiny.tokenizer import randomize, token_ids, word_tokenizer
 
 SEED = 2025
@@ -98,22 +98,16 @@ def make_tiny_internvl(
     image_processor = GotOcr2ImageProcessorPil(
         size={"height": TILE, "width": TILE}, crop_to_patches=True, min_patches=1, max_patches=max_patches
     )
-    try:  # needs torchvision: the vLLM venv has it, the server's does not (nor needs it)
-        from transformers import InternVLVideoProcessor
+
+    def build() -> Any:
+        from transformers import InternVLVideoProcessor  # needs torchvision
 
         video_processor = InternVLVideoProcessor(size={"height": TILE, "width": TILE})
-    except ImportError:
-        video_processor = None
-    if video_processor is None:
-        image_processor.save_pretrained(path)
-        tokenizer.save_pretrained(path)
-        (path / "processor_config.json").write_text(
-            json.dumps({"processor_class": "InternVLProcessor", "image_seq_length": ROWS_PER_TILE})
+        return InternVLProcessor(
+            image_processor=image_processor, tokenizer=tokenizer, video_processor=video_processor,
+            image_seq_length=ROWS_PER_TILE, chat_template=CHAT_TEMPLATE,
         )
-        return path
-    processor = InternVLProcessor(
-        image_processor=image_processor, tokenizer=tokenizer, video_processor=video_processor,
-        image_seq_length=ROWS_PER_TILE, chat_template=CHAT_TEMPLATE,
-    )
-    processor.save_pretrained(path)
+
+    processor_config = {"processor_class": "InternVLProcessor", "image_seq_length": ROWS_PER_TILE}
+    save_processor(path, build, image_processor, tokenizer, processor_config)
     return path

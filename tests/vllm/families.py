@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.tiny import gemma3, internvl
+from tests.tiny import gemma3, internvl, mistral3
 
 
 @dataclass(frozen=True)
@@ -71,5 +71,14 @@ CASES = [
         sizes=[(64, 64), (112, 56), (300, 200), (30, 400)],
         parity_sizes=PARITY_SIZES,
         fixed_rows=True,
+    ),
+    FamilyCase(
+        name="mistral3",
+        build=mistral3.make_tiny_mistral3,
+        prompt=mistral3.prompt,
+        # 2x2 merged patches; 3x4; scaled down to the longest edge; a single row (20 px, padded up)
+        sizes=[(56, 56), (112, 84), (300, 200), (20, 20)],
+        parity_sizes=PARITY_SIZES,
+        variants={"longest_edge_112": Variant({"size": {"longest_edge": 112}})},
     ),
 ]

@@ -9,6 +9,7 @@ from PIL import Image
 
 from tests.tiny.gemma3 import make_tiny_gemma3
 from tests.tiny.internvl import make_tiny_internvl
+from tests.tiny.mistral3 import make_tiny_mistral3
 from tests.tiny_models import make_clip, make_llava, make_qwen2_5_vl, make_qwen2_vl
 from tests.unit.encoders.util import noise_image
 
@@ -56,3 +57,8 @@ def internvl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def gemma3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_gemma3(tmp_path_factory.mktemp("gemma3"))
+
+
+@pytest.fixture(scope="session")
+def mistral3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_mistral3(tmp_path_factory.mktemp("mistral3"))

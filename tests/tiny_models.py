@@ -27,6 +27,7 @@ from transformers import (
     CLIPImageProcessorPil,
     CLIPModel,
     Gemma3ForConditionalGeneration,
+    Glm4vForConditionalGeneration,
     InternVLForConditionalGeneration,
     LlamaConfig,
     LlavaConfig,
@@ -191,6 +192,7 @@ def load_full_model(path: Path | str, *, conv_patch_embed: bool = False) -> PreT
         "internvl": InternVLForConditionalGeneration,
         "gemma3": Gemma3ForConditionalGeneration,
         "mistral3": Mistral3ForConditionalGeneration,
+        "glm4v": Glm4vForConditionalGeneration,
         "clip": CLIPModel,
         "siglip": SiglipModel,
         "siglip2": Siglip2Model,
@@ -244,7 +246,7 @@ def reference_qwen_features(path: Path | str, image: Image.Image) -> tuple[torch
     inputs = _inputs(path, image)
     grid = inputs["image_grid_thw"]
     features = model.get_image_features(inputs["pixel_values"], grid).pooler_output[0]
-    return features, grid[0].tolist()
+    return features, grid[0].tolist()  # GLM-4.1V's get_image_features has the same signature
 
 
 @torch.inference_mode()

@@ -24,6 +24,7 @@ from tests import tiny_models
 from tests.images import image_bytes
 from tests.server import ServerProcess, start_server
 from tests.tiny.gemma3 import make_tiny_gemma3
+from tests.tiny.glm4v import make_tiny_glm4v
 from tests.tiny.internvl import make_tiny_internvl
 from tests.tiny.mistral3 import make_tiny_mistral3
 
@@ -37,6 +38,7 @@ FAMILIES = {
     "internvl": (make_tiny_internvl, (), "internvl"),
     "gemma3": (make_tiny_gemma3, (), "gemma3"),
     "mistral3": (make_tiny_mistral3, (), "mistral3"),
+    "glm4v": (make_tiny_glm4v, (), "qwen"),  # the same get_image_features and meta
 }
 
 
@@ -137,7 +139,7 @@ def test_token_counts_follow_the_processor(family: tuple[str, Path, ServerProces
         data = image_bytes("PNG", w, h, seed=w * h)
         item = _encode(server, [{"data": base64.b64encode(data).decode()}]).json()["items"][0]
         counts.add(item["num_tokens"])
-        if name == "qwen2_5_vl":
+        if name in ("qwen2_5_vl", "glm4v"):
             grid = processor(images=_decode(data), return_tensors="pt")["image_grid_thw"][0].tolist()
             assert item["meta"]["image_grid_thw"] == grid
             assert item["num_tokens"] == int(np.prod(grid)) // processor.merge_size**2
@@ -145,7 +147,7 @@ def test_token_counts_follow_the_processor(family: tuple[str, Path, ServerProces
             tiles = processor(images=_decode(data), crop_to_patches=True)["num_patches"][0]
             assert item["meta"] == {"image_num_patches": tiles}
             assert item["num_tokens"] == tiles * 4
-    if name in ("qwen2_5_vl", "internvl", "mistral3"):
+    if name in ("qwen2_5_vl", "internvl", "mistral3", "glm4v"):
         assert len(counts) > 3, "sizes should give different token counts"
     else:
         assert len(counts) == 1, f"{name} is fixed-resolution, got N in {counts}"

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.tiny import gemma3, internvl, mistral3
+from tests.tiny import gemma3, glm4v, internvl, mistral3
 
 
 @dataclass(frozen=True)
@@ -33,8 +33,12 @@ class FamilyCase:
     prompt: Callable[[int], str]  # a prompt with n image placeholders, as vLLM's LLM.generate takes it
     sizes: list[tuple[int, int]]  # the images of the EPD tests (width, height)
     parity_sizes: list[tuple[int, int]]  # /v1/tokens against vLLM's placeholder count
-    # vLLM takes a whole image_embeds tensor for this family (the oracle); Gemma 3 and Mistral 3 refuse it.
-    takes_image_embeds: bool = False
+    # How vLLM takes this family's embedding given directly (the oracle): the item for
+    # multi_modal_data["image"] from (embedding, the item's meta); None where vLLM refuses
+    # embeddings for the family (Gemma 3, Mistral 3).
+    image_embeds: Callable[[Any, dict[str, Any]], Any] | None = None
+    # Where it refuses them: what vLLM raises for a whole image_embeds tensor.
+    refusal: tuple[type[Exception], str] = (TypeError, r"Expected type: .*ImageProcessorItems")
     # The engine's mm_processor_kwargs. use_fast False: vLLM's HF processor on its PIL backend, the
     # one encode-server's venv (no torchvision) has, so both resize alike and parity is exact.
     engine_processor_kwargs: dict[str, Any] = field(default_factory=lambda: {"use_fast": False})
@@ -60,7 +64,7 @@ CASES = [
         # one tile; 2 tiles + thumbnail; 3x2 tiles + thumbnail; a tall one
         sizes=[(56, 56), (112, 56), (300, 200), (30, 400)],
         parity_sizes=PARITY_SIZES,
-        takes_image_embeds=True,
+        image_embeds=lambda embedding, meta: [embedding],  # a whole tensor; its rows size the placeholder
         variants={"max_patches_12": Variant({"max_patches": 12, "min_patches": 2})},
     ),
     FamilyCase(
@@ -80,5 +84,17 @@ CASES = [
         sizes=[(56, 56), (112, 84), (300, 200), (20, 20)],
         parity_sizes=PARITY_SIZES,
         variants={"longest_edge_112": Variant({"size": {"longest_edge": 112}})},
+    ),
+    FamilyCase(
+        name="glm4v",
+        build=glm4v.make_tiny_glm4v,
+        prompt=glm4v.prompt,
+        # multiples of 28 inside the budget (not resized); resized; scaled down into the budget
+        sizes=[(56, 56), (112, 84), (300, 200), (30, 400)],
+        parity_sizes=PARITY_SIZES,
+        variants={"wider": Variant({"size": {"shortest_edge": 2 * 112 * 112, "longest_edge": 2 * 448 * 448}})},
+        # a whole tensor is not an image item for its parser; {image_embeds, image_grid_thw} goes to the
+        # HF processor as if it were two images
+        refusal=(KeyError, "Modality 'image' not found"),
     ),
 ]

@@ -151,12 +151,13 @@ def test_zeros_in_the_store_change_the_answer(
         value = stored_value(zeros, fingerprint, result.hash, result.meta)
         redis.set(store_key(fingerprint, result.hash, prefix=prefix), value)
         requests.append(_request(case, pil(data), result.hash))
-        direct.append(_request(case, [torch.tensor(zeros)]))
+        if case.image_embeds is not None:
+            direct.append(_request(case, case.image_embeds(torch.tensor(zeros), result.meta)))
     llm.llm_engine.reset_encoder_cache()
     zero_tokens = greedy(llm, requests)
     for i, (zero, real) in enumerate(zip(zero_tokens, baseline["connector"], strict=True)):
         assert zero != real, f"{case.sizes[i]}: zeros gave the same tokens as its embedding"
-    if case.takes_image_embeds:
+    if case.image_embeds is not None:
         assert zero_tokens == _one_by_one(llm, direct)
     client.hand_off(baseline["images"])  # the server writes its (local-tier) embeddings back over the zeros
     llm.llm_engine.reset_encoder_cache()
@@ -175,12 +176,16 @@ def test_image_embeds_oracle_or_refusal(case: FamilyCase, llm: Any, baseline: di
     uuid by vLLM's own decision, checked here, not only read from its source)."""
     import torch
 
-    direct = [_request(case, [torch.tensor(e)]) for e in baseline["embeddings"]]
-    if not case.takes_image_embeds:
-        with pytest.raises(TypeError, match=r"Expected type: .*ImageProcessorItems"):
-            greedy(llm, direct[:1])
+    if case.image_embeds is None:
+        whole = [_request(case, [torch.tensor(e)]) for e in baseline["embeddings"][:1]]
+        error, words = case.refusal
+        with pytest.raises(error, match=words):
+            greedy(llm, whole)
         return
-    direct = [_request(case, [torch.tensor(e)]) for e in baseline["embeddings"]]
+    direct = [
+        _request(case, case.image_embeds(torch.tensor(e), r.meta))
+        for e, r in zip(baseline["embeddings"], baseline["results"], strict=True)
+    ]
     assert _one_by_one(llm, direct) == baseline["connector"]
 
 

@@ -8,6 +8,7 @@ import pytest
 from PIL import Image
 
 from tests.tiny.gemma3 import make_tiny_gemma3
+from tests.tiny.glm4v import make_tiny_glm4v
 from tests.tiny.internvl import make_tiny_internvl
 from tests.tiny.mistral3 import make_tiny_mistral3
 from tests.tiny_models import make_clip, make_llava, make_qwen2_5_vl, make_qwen2_vl
@@ -62,3 +63,8 @@ def gemma3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def mistral3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_mistral3(tmp_path_factory.mktemp("mistral3"))
+
+
+@pytest.fixture(scope="session")
+def glm4v_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_glm4v(tmp_path_factory.mktemp("glm4v"))

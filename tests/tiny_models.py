@@ -26,9 +26,13 @@ from transformers import (
     CLIPConfig,
     CLIPImageProcessorPil,
     CLIPModel,
+    Gemma3ForConditionalGeneration,
+    Glm4vForConditionalGeneration,
+    InternVLForConditionalGeneration,
     LlamaConfig,
     LlavaConfig,
     LlavaForConditionalGeneration,
+    Mistral3ForConditionalGeneration,
     PreTrainedModel,
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
@@ -54,7 +58,10 @@ __all__ = [
     "make_qwen2_vl",
     "make_qwen3",
     "reference_clip_features",
+    "reference_gemma3_features",
+    "reference_internvl_features",
     "reference_llava_features",
+    "reference_mistral3_features",
     "reference_qwen3_features",
     "reference_qwen_features",
 ]
@@ -184,6 +191,10 @@ def load_full_model(path: Path | str, *, conv_patch_embed: bool = False) -> PreT
     """
     model_type = AutoConfig.from_pretrained(path).model_type
     classes: dict[str, type[PreTrainedModel]] = {
+        "internvl": InternVLForConditionalGeneration,
+        "gemma3": Gemma3ForConditionalGeneration,
+        "mistral3": Mistral3ForConditionalGeneration,
+        "glm4v": Glm4vForConditionalGeneration,
         "clip": CLIPModel,
         "siglip": SiglipModel,
         "siglip2": Siglip2Model,
@@ -241,7 +252,7 @@ def reference_qwen_features(path: Path | str, image: Image.Image) -> tuple[torch
     inputs = _inputs(path, image)
     grid = inputs["image_grid_thw"]
     features = model.get_image_features(inputs["pixel_values"], grid).pooler_output[0]
-    return features, grid[0].tolist()
+    return features, grid[0].tolist()  # GLM-4.1V's get_image_features has the same signature
 
 
 def make_qwen3(directory: Path | str, kind: str = "qwen3_vl", **kwargs: Any) -> Path:
@@ -263,3 +274,36 @@ def reference_qwen3_features(path: Path | str, image: Image.Image) -> tuple[torc
     output = model.get_image_features(inputs["pixel_values"], grid)
     deepstack = [features[0] for features in (getattr(output, "deepstack_features", None) or [])]
     return torch.cat([output.pooler_output[0], *deepstack], dim=-1), grid[0].tolist()
+
+
+@torch.inference_mode()
+def reference_internvl_features(path: Path | str, images: list[Image.Image]) -> list[torch.Tensor]:
+    """``InternVLForConditionalGeneration.get_image_features`` for a batch of images, as vLLM calls it
+    (last layer, CLS dropped, every image tiled as ``InternVLProcessor`` does): rows per image."""
+    model: Any = load_full_model(path)
+    inputs = AutoImageProcessor.from_pretrained(path)(images=images, crop_to_patches=True, return_tensors="pt")
+    features = model.get_image_features(
+        inputs["pixel_values"], vision_feature_layer=-1, vision_feature_select_strategy="default"
+    ).pooler_output
+    return [tiles.flatten(0, 1) for tiles in torch.split(features, inputs["num_patches"].tolist())]
+
+
+@torch.inference_mode()
+def reference_gemma3_features(path: Path | str, images: list[Image.Image]) -> torch.Tensor:
+    """``Gemma3ForConditionalGeneration.get_image_features`` for a batch of images: B x N x D_llm."""
+    model: Any = load_full_model(path)
+    pixel_values = AutoImageProcessor.from_pretrained(path)(images=images, return_tensors="pt")["pixel_values"]
+    return model.get_image_features(pixel_values).pooler_output
+
+
+@torch.inference_mode()
+def reference_mistral3_features(path: Path | str, image: Image.Image) -> torch.Tensor:
+    """``Mistral3ForConditionalGeneration.get_image_features`` for one image, with the image processor
+    called as ``PixtralProcessor`` calls it (patch size x merge size): rows x D_llm. (transformers
+    5.24 fails on an image of one row: it squeezes the row dimension away.)"""
+    model: Any = load_full_model(path)
+    merged = model.config.vision_config.patch_size * model.config.spatial_merge_size
+    processor = AutoImageProcessor.from_pretrained(path)
+    inputs = processor(images=image, patch_size={"height": merged, "width": merged}, return_tensors="pt")
+    features = model.get_image_features(inputs["pixel_values"], inputs["image_sizes"], vision_feature_layer=-1)
+    return features.pooler_output[0]

@@ -22,7 +22,7 @@ import logging
 
 from transformers import AutoConfig, AutoImageProcessor
 
-from . import clip, llava, qwen, qwen3_vl, siglip2
+from . import clip, gemma3, glm4v, internvl, llava, mistral3, qwen, qwen3_vl, siglip2
 from .base import EncodedTensor, EncoderInfo, PreparedImage, VisionEncoder
 from .batched import BatchedPipeline
 from .builtin import BUILTIN_MODELS, load_builtin
@@ -48,7 +48,10 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 # Every family the server serves: adding one is its module (ending with its FAMILY) and a line here.
-FAMILIES: tuple[Family, ...] = (clip.FAMILY, siglip2.FAMILY, llava.FAMILY, qwen.FAMILY, qwen3_vl.FAMILY)
+FAMILIES: tuple[Family, ...] = (
+    clip.FAMILY, siglip2.FAMILY, llava.FAMILY, qwen.FAMILY, qwen3_vl.FAMILY, internvl.FAMILY, gemma3.FAMILY,
+    mistral3.FAMILY, glm4v.FAMILY,
+)
 _BY_MODEL_TYPE = by_model_type(FAMILIES)
 SUPPORTED_MODEL_TYPES = tuple(_BY_MODEL_TYPE)
 

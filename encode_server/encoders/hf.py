@@ -23,6 +23,7 @@ __all__ = [
     "DTYPES",
     "HFEncoder",
     "LoadSpec",
+    "apply_call_defaults",
     "architecture",
     "dtype_name",
     "processor_config",
@@ -73,6 +74,26 @@ def processor_config(processor: Any) -> dict[str, Any]:
     config: dict[str, Any] = json.loads(processor.to_json_string())
     config["processor_class"] = type(processor).__name__
     return config
+
+
+def apply_call_defaults(processor: Any, processor_class: type) -> dict[str, Any]:
+    """Set on ``processor`` the image settings that the model's ``ProcessorMixin`` passes at call
+    time; returns them.
+
+    Those outrank the image processor's saved attributes (transformers merges a processor's own
+    defaults, not the image processor's, into every call), so a checkpoint saved with another value
+    is processed with these by transformers and by vLLM alike (InternVL's ``crop_to_patches=True``,
+    Gemma 3's ``do_pan_and_scan=False``). Setting them makes the fingerprint and ``count_tokens``
+    follow what is run.
+    """
+    defaults = getattr(processor_class, "images_kwargs", None)  # transformers 5.24
+    if defaults is None:  # older releases: the processor's kwargs TypedDict
+        defaults = getattr(getattr(processor_class, "valid_processor_kwargs", None), "_defaults", {})
+        defaults = defaults.get("images_kwargs", {})
+    applied = {k: v for k, v in defaults.items() if k != "return_tensors"}
+    for name, value in applied.items():
+        setattr(processor, name, value)
+    return applied
 
 
 # Keys that say where or by what a config was written, not what the model computes.

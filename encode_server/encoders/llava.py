@@ -31,6 +31,10 @@ LAYOUTS: list[Layout] = [
 ]
 
 
+# Towers with one input size, hence a fixed N (``FixedResolutionEncoder``).
+_FIXED_TOWERS = ("clip_vision_model", "siglip_vision_model")
+
+
 class LlavaVision(torch.nn.Module):
     """``LlavaModel`` without its language model: same attribute names, hence the same weight keys."""
 
@@ -77,6 +81,12 @@ def load_llava(files: CheckpointFiles, config: LlavaConfig, processor: Any, spec
     """The LLaVA adapter: tower and projector from the checkpoint, the language model never read."""
     if spec.output not in OUTPUTS:
         raise ValueError(f"a LLaVA model's output is its projected features ({OUTPUTS}), not {spec.output!r}")
+    tower_type = getattr(config.vision_config, "model_type", None)
+    if tower_type not in _FIXED_TOWERS:
+        raise ValueError(
+            f"{spec.model_id}: a LLaVA model with a {tower_type} tower (Pixtral-12B's HF format, for one) is not "
+            f"served; this family takes fixed-resolution towers ({', '.join(_FIXED_TOWERS)})"
+        )
     module = empty_module(lambda: LlavaVision(config, spec.dtype), spec.device, spec.dtype)
     digest = load_vision_weights(module, files, LAYOUTS)
     return LlavaEncoder(module, processor, spec, digest)

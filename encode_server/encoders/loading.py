@@ -106,6 +106,12 @@ class CheckpointFiles:
         separate = self.directory / "video_preprocessor_config.json"
         return dict(json.loads(separate.read_text())) if separate.is_file() else None
 
+    def processor_setting(self, name: str) -> Any:
+        """A top-level setting of ``processor_config.json`` (the multimodal processor's, e.g.
+        ``image_seq_length``: the placeholder length vLLM expands an image to), None when absent."""
+        file = self.directory / "processor_config.json"
+        return json.loads(file.read_text()).get(name) if file.is_file() else None
+
     def weight_map(self) -> dict[str, str]:
         """Every tensor key in the checkpoint -> the safetensors file that holds it."""
         indexes = sorted(self.directory.glob("*.safetensors.index.json"), key=lambda p: p.name != _INDEX_NAME)

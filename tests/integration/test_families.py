@@ -23,6 +23,10 @@ from encode_server.core.wire import load_safetensors
 from tests import tiny_models
 from tests.images import image_bytes
 from tests.server import ServerProcess, start_server
+from tests.tiny.gemma3 import make_tiny_gemma3
+from tests.tiny.glm4v import make_tiny_glm4v
+from tests.tiny.internvl import make_tiny_internvl
+from tests.tiny.mistral3 import make_tiny_mistral3
 
 FAMILIES = {
     # name: (builder, extra server args, reference)
@@ -32,6 +36,10 @@ FAMILIES = {
     "llava": (tiny_models.make_llava, (), "llava"),
     "qwen2_5_vl": (tiny_models.make_qwen2_5_vl, (), "qwen"),
     "qwen3_vl": (tiny_models.make_qwen3, (), "qwen3"),
+    "internvl": (make_tiny_internvl, (), "internvl"),
+    "gemma3": (make_tiny_gemma3, (), "gemma3"),
+    "mistral3": (make_tiny_mistral3, (), "mistral3"),
+    "glm4v": (make_tiny_glm4v, (), "qwen"),  # the same get_image_features and meta
 }
 
 
@@ -61,6 +69,14 @@ def _reference(name: str, path: Path, data: bytes) -> tuple[torch.Tensor, dict]:
         return tiny_models.reference_clip_features(path, image, output="pooled").reshape(1, -1), {}
     if kind == "llava":
         return tiny_models.reference_llava_features(path, image), {}
+    if kind == "mistral3":
+        features = tiny_models.reference_mistral3_features(path, image)
+        return features, {}
+    if kind == "gemma3":
+        return tiny_models.reference_gemma3_features(path, [image])[0], {}
+    if kind == "internvl":
+        [features] = tiny_models.reference_internvl_features(path, [image])
+        return features, {"image_num_patches": features.shape[0] // 4}
     reference = tiny_models.reference_qwen3_features if kind == "qwen3" else tiny_models.reference_qwen_features
     features, grid = reference(path, image)
     return features, {"image_grid_thw": grid}
@@ -114,7 +130,8 @@ def test_model_reports_its_family(family: tuple[str, Path, ServerProcess]) -> No
 
 
 def test_token_counts_follow_the_processor(family: tuple[str, Path, ServerProcess]) -> None:
-    """Qwen: N varies with the image and equals the processor's grid / merge**2; the others: fixed N."""
+    """Qwen: N varies with the image and equals the processor's grid / merge**2; InternVL: N is its
+    tiles x rows a tile; the others: fixed N."""
     name, path, server = family
     from transformers import AutoImageProcessor
 
@@ -124,11 +141,15 @@ def test_token_counts_follow_the_processor(family: tuple[str, Path, ServerProces
         data = image_bytes("PNG", w, h, seed=w * h)
         item = _encode(server, [{"data": base64.b64encode(data).decode()}]).json()["items"][0]
         counts.add(item["num_tokens"])
-        if name.startswith("qwen"):
+        if name.startswith("qwen") or name == "glm4v":
             grid = processor(images=_decode(data), return_tensors="pt")["image_grid_thw"][0].tolist()
             assert item["meta"]["image_grid_thw"] == grid
             assert item["num_tokens"] == int(np.prod(grid)) // processor.merge_size**2
-    if name.startswith("qwen"):
+        if name == "internvl":
+            tiles = processor(images=_decode(data), crop_to_patches=True)["num_patches"][0]
+            assert item["meta"] == {"image_num_patches": tiles}
+            assert item["num_tokens"] == tiles * 4
+    if name.startswith("qwen") or name in ("internvl", "mistral3", "glm4v"):
         assert len(counts) > 3, "sizes should give different token counts"
     else:
         assert len(counts) == 1, f"{name} is fixed-resolution, got N in {counts}"

@@ -72,7 +72,8 @@ def logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def engine_args(model: Path, ec_transfer_config: dict[str, Any] | None, **overrides: Any) -> dict[str, Any]:
     """The engine the tests start: float32 (the server's CPU dtype), eager, no prefix or processor
     cache (a repeated request must reach the connector again, not vLLM's own caches). ``overrides``
-    replace any of these (a family whose CPU kernels need bfloat16, video limits)."""
+    replace any of these or add others (a family whose CPU kernels need bfloat16, video limits, a
+    family's ``mm_processor_kwargs``)."""
     args: dict[str, Any] = {
         "model": str(model),
         "dtype": "float32",

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -112,9 +112,12 @@ class Relay(threading.Thread):
 
 
 @contextlib.contextmanager
-def vllm_openai_server(model_dir: Path, ec_extra: dict[str, Any], logs: Path) -> Iterator[dict[str, Any]]:
+def vllm_openai_server(
+    model_dir: Path, ec_extra: dict[str, Any], logs: Path, extra_args: Sequence[str] = ()
+) -> Iterator[dict[str, Any]]:
     """vLLM's OpenAI server (``vllm serve``'s flags) in its own process group, ended by its PID;
-    the EC consumer with ``EncodeServerECConnector`` and ``ec_extra`` as its extra config."""
+    the EC consumer with ``EncodeServerECConnector`` and ``ec_extra`` as its extra config;
+    ``extra_args``: more of ``vllm serve``'s flags (a family's ``--mm-processor-kwargs``)."""
     port = free_port()
     ec = {
         "ec_connector": "EncodeServerECConnector",
@@ -129,6 +132,7 @@ def vllm_openai_server(model_dir: Path, ec_extra: dict[str, Any], logs: Path) ->
         "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
         "--enforce-eager", "--max-model-len", "1024", "--no-enable-prefix-caching", "--mm-processor-cache-gb", "0",
         "--limit-mm-per-prompt", json.dumps({"image": 4, "video": 0}), "--ec-transfer-config", json.dumps(ec),
+        *extra_args,
     ]
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # the engine in the server's process: starts faster
     log_path = logs / f"vllm-{port}.log"

@@ -5,14 +5,24 @@ worker that takes its image embeddings from encode-server (an EC consumer, see
 Every image part (``{"type": "image_url", "image_url": {"url": "data:image/...;base64,..."}}``, or
 the Responses form ``{"type": "input_image", "image_url": "data:..."}``) is handed to encode-server
 first (hash only; the bytes go only for images no tier holds), with ``"return": "metadata"``, so
-that its embedding is in the shared tier when the request leaves; the part is then replaced by a
-metadata-only embeddings part named by the identifier of the image's store key
-(``encode_client.keys``: the ``mm_hash``, or ``t:{tenant_digest}:{mm_hash}`` for a tenant)::
+that its embedding is in the shared tier when the request leaves; the part is then rewritten in
+the EPD mode of the family encode-server serves (``GET /v1/model``'s ``family.epd``, read by
+``EpdContract``: vLLM's decision per family) and named by the identifier of the image's store key
+(``encode_client.keys``: the ``mm_hash``, or ``t:{tenant_digest}:{mm_hash}`` for a tenant):
+
+- ``pixel_free`` (Qwen2-VL, Qwen2.5-VL): a metadata-only embeddings part carrying exactly the
+  fields the family declares; the prefill worker sees no pixels, vLLM sizes the placeholder from
+  the metadata::
 
     {"type": "image_embeds", "image_embeds": {"image_grid_thw": [1, 16, 22]}, "uuid": "<identifier>"}
 
-The prefill worker sees no pixels: vLLM sizes the image's placeholder from the metadata and asks
-its EC connector for the identifier, which reads the embedding from the shared tier.
+- ``pixels_uuid`` (InternVL, Gemma 3, ...: vLLM takes no metadata-only item for them): the image
+  part itself, with the identifier added; vLLM's processor sizes the placeholder from the pixels::
+
+    {"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}, "uuid": "<identifier>"}
+
+Either way vLLM asks its EC connector for the identifier, which reads the embedding from the shared
+tier, and its own tower does not run for the image.
 
 vLLM keeps what it computed for an item (encoder output, processed inputs, prefix blocks) under
 the item's identifier, for every later request that names it. So the rewrite lets no client name
@@ -31,8 +41,7 @@ an item (``check_chat_request``; each refusal is an ``EPDError`` naming the part
   serving system may do.
 
 Only ``data:`` URLs are accepted: fetching ``http(s)://`` URLs would make the proxy an open fetcher
-(SSRF), so such a part is refused with a clear error naming it. Works for models whose embeddings
-vLLM sizes from encode-server's metadata: Qwen2-VL and Qwen2.5-VL (``image_grid_thw``).
+(SSRF), so such a part is refused with a clear error naming it.
 """
 
 from __future__ import annotations
@@ -41,7 +50,7 @@ import base64
 import binascii
 import copy
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,6 +68,8 @@ __all__ = [
     "ChatPlan",
     "EPDError",
     "EmbedsPart",
+    "EpdContract",
+    "EpdContractError",
     "ImagePart",
     "cache_salt",
     "check_chat_request",
@@ -90,11 +101,47 @@ class EPDError(ValueError):
         self.where = where
 
 
+class EpdContractError(RuntimeError):
+    """encode-server's model cannot be consumed through the EPD path (no family, or a family no vLLM
+    prefill consumes): a deployment error, not the request's."""
+
+
+@dataclass(frozen=True)
+class EpdContract:
+    """How a vLLM prefill takes the served family's images: ``GET /v1/model``'s ``family.epd``.
+
+    ``mode`` is ``pixel_free`` (``fields``: per modality, the metadata keys a metadata-only item
+    carries) or ``pixels_uuid`` (the image stays in the request, with its identifier)."""
+
+    mode: str
+    fields: Mapping[str, tuple[str, ...]]
+
+    @classmethod
+    def from_model(cls, model: Mapping[str, Any]) -> EpdContract:
+        family = model.get("family")
+        if not isinstance(family, Mapping):
+            raise EpdContractError("encode-server's GET /v1/model names no model family (a server older than families)")
+        epd = family.get("epd")
+        if not isinstance(epd, Mapping):
+            raise EpdContractError(
+                f"encode-server serves {model.get('id')} (family {family.get('name')}), which no vLLM prefill "
+                "consumes through the EPD path"
+            )
+        mode, fields = epd.get("mode"), epd.get("fields") or {}
+        if mode not in ("pixel_free", "pixels_uuid") or not isinstance(fields, Mapping):
+            raise EpdContractError(f"encode-server's EPD contract is not one this client knows: {dict(epd)}")
+        if mode == "pixel_free" and not fields.get("image"):
+            raise EpdContractError("encode-server's pixel-free contract names no image fields")
+        return cls(str(mode), {str(m): tuple(str(f) for f in names) for m, names in fields.items()})
+
+
 @dataclass(frozen=True)
 class ImagePart:
     message: int
     part: int
     data: bytes
+    kind: str = "image_url"  # or the Responses form, "input_image"
+    url: str = ""  # the data: URL, as the client sent it
 
     @property
     def where(self) -> str:
@@ -184,7 +231,8 @@ def check_chat_request(body: Mapping[str, Any], *, trust_client_embeds: bool = F
             elif kind in IMAGE_PARTS:
                 image_url = part.get("image_url")
                 url = image_url.get("url") if isinstance(image_url, Mapping) else image_url
-                images.append(ImagePart(m, p, _data_url_bytes(url, where)))
+                data = _data_url_bytes(url, where)  # url is a data: URL string from here on
+                images.append(ImagePart(m, p, data, kind, str(url)))
     return ChatPlan(images, embeds)
 
 
@@ -213,14 +261,26 @@ def _image_identifier(part: ImagePart, result: Result) -> str:
         raise EPDError(f"encode-server's answer does not name this image: {exc}", part.where) from None
 
 
-def _apply(body: Mapping[str, Any], plan: ChatPlan, results: list[Result]) -> dict[str, Any]:
+def _image_part(part: ImagePart, result: Result, contract: EpdContract) -> dict[str, Any]:
+    """The part vLLM gets for one image, rebuilt from what was checked only (no other key of the client's)."""
+    identifier = _image_identifier(part, result)
+    if contract.mode == "pixels_uuid":
+        image_url: Any = {"url": part.url} if part.kind == "image_url" else part.url
+        return {"type": part.kind, "image_url": image_url, "uuid": identifier}
+    fields = contract.fields["image"]
+    missing = [f for f in fields if f not in result.meta]
+    if missing:
+        raise EPDError(f"encode-server's metadata for image {result.hash} lacks {missing}", part.where)
+    return {"type": "image_embeds", "image_embeds": {f: result.meta[f] for f in fields}, "uuid": identifier}
+
+
+def _apply(
+    body: Mapping[str, Any], plan: ChatPlan, results: list[Result], contract: EpdContract | None
+) -> dict[str, Any]:
     out = copy.deepcopy(dict(body))
     for part, result in zip(plan.images, results, strict=True):
-        out["messages"][part.message]["content"][part.part] = {
-            "type": "image_embeds",
-            "image_embeds": dict(result.meta),
-            "uuid": _image_identifier(part, result),
-        }
+        assert contract is not None  # read whenever there are images
+        out["messages"][part.message]["content"][part.part] = _image_part(part, result, contract)
     for e in plan.embeds:  # rebuilt from type and payload only: no other key of the client's goes on
         out["messages"][e.message]["content"][e.part] = {
             "type": e.type,
@@ -231,24 +291,44 @@ def _apply(body: Mapping[str, Any], plan: ChatPlan, results: list[Result]) -> di
 
 
 def rewrite_chat_request(
-    body: Mapping[str, Any], client: Client, *, trust_client_embeds: bool = False
+    body: Mapping[str, Any],
+    client: Client,
+    *,
+    trust_client_embeds: bool = False,
+    contract: EpdContract | Callable[[], EpdContract] | None = None,
 ) -> tuple[dict[str, Any], list[Result]]:
-    """``body`` with each image part replaced by its metadata-only embeddings part, named by its
-    identifier; ``trust_client_embeds`` lets embeddings parts through, re-keyed by content.
+    """``body`` with each image part rewritten in the served family's EPD mode (module docstring),
+    named by its identifier; ``trust_client_embeds`` lets embeddings parts through, re-keyed by
+    content. ``contract``: the family's contract, or a callable giving it (the proxy's, which reads
+    it once), used only when the request has an image; None: read from ``client.model()`` then.
 
     Each image is in encode-server's shared tier when this returns (``client.hand_off``). Raises
-    ``EPDError`` for a part it cannot read or refuses, and the client's errors (``ServerError``,
-    ``ReplicaUnavailable``) when encode-server refuses or does not answer. ``body`` is not changed.
+    ``EPDError`` for a part it cannot read or refuses, ``EpdContractError`` when the served model
+    has no EPD contract, and the client's errors (``ServerError``, ``ReplicaUnavailable``) when
+    encode-server refuses or does not answer. ``body`` is not changed.
     """
     plan = check_chat_request(body, trust_client_embeds=trust_client_embeds)
-    results = client.hand_off([p.data for p in plan.images]) if plan.images else []
-    return _apply(body, plan, results), results
+    if not plan.images:
+        return _apply(body, plan, [], None), []
+    contract = contract() if callable(contract) else contract or EpdContract.from_model(client.model())
+    results = client.hand_off([p.data for p in plan.images])
+    return _apply(body, plan, results, contract), results
 
 
 async def rewrite_chat_request_async(
-    body: Mapping[str, Any], client: AsyncClient, *, trust_client_embeds: bool = False
+    body: Mapping[str, Any],
+    client: AsyncClient,
+    *,
+    trust_client_embeds: bool = False,
+    contract: EpdContract | Callable[[], EpdContract] | None = None,
 ) -> tuple[dict[str, Any], list[Result]]:
-    """``rewrite_chat_request`` with an ``AsyncClient``."""
+    """``rewrite_chat_request`` with an ``AsyncClient`` (a callable ``contract`` is called in the loop)."""
     plan = check_chat_request(body, trust_client_embeds=trust_client_embeds)
-    results = await client.hand_off([p.data for p in plan.images]) if plan.images else []
-    return _apply(body, plan, results), results
+    if not plan.images:
+        return _apply(body, plan, [], None), []
+    if callable(contract):
+        contract = contract()
+    elif contract is None:
+        contract = EpdContract.from_model(await client.model())
+    results = await client.hand_off([p.data for p in plan.images])
+    return _apply(body, plan, results, contract), results

@@ -2,8 +2,9 @@
 
 Users change one URL (their OpenAI base URL, to the proxy's); the proxy rewrites each
 ``POST /v1/chat/completions`` with ``encode_client.epd.rewrite_chat_request`` (images go to
-encode-server, the prefill server gets only an identifier computed from the bytes + metadata) and
-forwards it, and every answer, streamed (SSE) or not, comes back unchanged::
+encode-server; the prefill server gets an identifier computed from the bytes, with the metadata or
+the image itself as the served family's EPD mode says, read once from encode-server's
+``GET /v1/model``) and forwards it, and every answer, streamed (SSE) or not, comes back unchanged::
 
     encode-epd-proxy --listen 0.0.0.0:8080 --vllm http://prefill:8000 --encoder http://encode-server:8000
 
@@ -17,7 +18,8 @@ caller's ``Authorization`` never reaches vLLM (``--vllm-api-key`` is sent there 
 
 Errors in OpenAI's shape: a part the proxy cannot read or refuses is a 400 naming it
 (``messages[0].content[1]``); a missing or unknown key is a 401; encode-server refusing an image
-passes its 4xx on; encode-server or vLLM not answering is a 503 / 502. Standard library HTTP
+passes its 4xx on; encode-server or vLLM not answering is a 503 / 502; encode-server serving a
+model no vLLM prefill consumes through EPD is a 502 ``encoder_error``. Standard library HTTP
 server (one thread per connection) plus httpx: no dependency beyond the client's own.
 """
 
@@ -38,7 +40,14 @@ import httpx
 from encode_client._callers import Caller, Callers
 from encode_client._client import Client
 from encode_client._errors import ReplicaUnavailable, ServerError
-from encode_client.epd import EPDError, cache_salt, check_request_fields, rewrite_chat_request
+from encode_client.epd import (
+    EpdContract,
+    EpdContractError,
+    EPDError,
+    cache_salt,
+    check_request_fields,
+    rewrite_chat_request,
+)
 
 __all__ = ["FORWARDED", "OPEN_PATHS", "EPDProxy", "build_parser", "main"]
 
@@ -96,11 +105,19 @@ class EPDProxy(ThreadingHTTPServer):
             k: Client(list(encoder_urls), api_key=k, response="json", timeout=encoder_timeout) for k in keys
         }
         self.upstream = httpx.Client(timeout=httpx.Timeout(timeout, connect=5.0))
+        self._contract: EpdContract | None = None
         super().__init__(listen, _Handler)
 
     def encoder_for(self, caller: Caller | None) -> Client:
         """The encode-server client that speaks for ``caller`` (with its key, hence its tenant)."""
         return self.encoders[caller.key if caller is not None else next(iter(self.encoders))]
+
+    def contract(self, caller: Caller | None) -> EpdContract:
+        """The served family's EPD contract, read from encode-server once (two threads racing read it
+        twice, harmlessly); a failed read is retried by the next request."""
+        if self._contract is None:
+            self._contract = EpdContract.from_model(self.encoder_for(caller).model())
+        return self._contract
 
     @property
     def url(self) -> str:
@@ -174,13 +191,16 @@ class _Handler(BaseHTTPRequestHandler):
                     raise EPDError("the body must be a JSON object")
                 if path == _CHAT:
                     rewritten, results = rewrite_chat_request(
-                        request, self.server.encoder_for(caller), trust_client_embeds=self.server.trust_client_embeds
+                        request, self.server.encoder_for(caller), trust_client_embeds=self.server.trust_client_embeds,
+                        contract=lambda: self.server.contract(caller),
                     )
                     images = len(results)
                 else:
                     check_request_fields(request)
                     rewritten = dict(request)
                 rewritten["cache_salt"] = cache_salt(caller.tenant if caller else None, request.get("cache_salt"))
+            except EpdContractError as exc:
+                return self._send(502, _openai_error(502, f"encode-server: {exc}", "encoder_error"))
             except (ValueError, EPDError) as exc:  # JSONDecodeError is a ValueError
                 param = exc.where if isinstance(exc, EPDError) else None
                 return self._send(400, _openai_error(400, str(exc), "invalid_request_error", param))

@@ -7,6 +7,10 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from tests.tiny.gemma3 import make_tiny_gemma3
+from tests.tiny.glm4v import make_tiny_glm4v
+from tests.tiny.internvl import make_tiny_internvl
+from tests.tiny.mistral3 import make_tiny_mistral3
 from tests.tiny_models import make_clip, make_llava, make_qwen2_5_vl, make_qwen2_vl
 from tests.unit.encoders.util import noise_image
 
@@ -44,3 +48,23 @@ def image() -> Image.Image:
 @pytest.fixture(scope="session")
 def siglip2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_clip(tmp_path_factory.mktemp("siglip2"), kind="siglip2")
+
+
+@pytest.fixture(scope="session")
+def internvl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_internvl(tmp_path_factory.mktemp("internvl"))
+
+
+@pytest.fixture(scope="session")
+def gemma3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_gemma3(tmp_path_factory.mktemp("gemma3"))
+
+
+@pytest.fixture(scope="session")
+def mistral3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_mistral3(tmp_path_factory.mktemp("mistral3"))
+
+
+@pytest.fixture(scope="session")
+def glm4v_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_glm4v(tmp_path_factory.mktemp("glm4v"))

@@ -35,3 +35,17 @@ def test_holds_no_language_model(llava_dir: Path) -> None:
 def test_pooled_output_is_refused(llava_dir: Path) -> None:
     with pytest.raises(ValueError, match="projected"):
         load_encoder(str(llava_dir), device="cpu", output="pooled")
+
+
+def test_a_variable_resolution_tower_is_refused_clearly(llava_dir: Path, tmp_path: Path) -> None:
+    """Pixtral-12B's HF format is a ``llava`` model with a Pixtral tower: N varies with the image, which
+    this fixed-N family cannot count; a clear error at start, not an AttributeError."""
+    import json
+    import shutil
+
+    copy = shutil.copytree(llava_dir, tmp_path / "m")
+    config = json.loads((copy / "config.json").read_text())
+    config["vision_config"]["model_type"] = "pixtral"
+    (copy / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="pixtral tower"):
+        load_encoder(str(copy), device="cpu")

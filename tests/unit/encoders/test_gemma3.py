@@ -1,0 +1,88 @@
+"""Gemma 3: SigLIP pooled to ``mm_tokens_per_image`` rows, equal to ``get_image_features``; pan-and-scan
+off as ``Gemma3Processor`` calls it; a processor or a layout vLLM could not serve is refused."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from encode_server.encoders import load_encoder
+from encode_server.service import model_fingerprint
+from tests.tiny import copy_with_processor_settings as edited
+from tests.tiny import gemma3
+from tests.tiny_models import load_full_model, reference_gemma3_features
+from tests.unit.encoders.util import decode, noise_image, num_parameters
+
+# at the tower's size; resized down, up; a single pixel; extreme aspect ratios
+SIZES = [(64, 64), (112, 56), (300, 200), (30, 400), (1, 1), (5000, 3), (3, 5000)]
+
+
+def test_output_is_bit_identical_to_get_image_features(gemma3_dir: Path) -> None:
+    encoder = load_encoder(str(gemma3_dir), device="cpu")
+    for i, (w, h) in enumerate(SIZES):
+        image = noise_image(w, h, seed=i)
+        prepared = encoder.preprocess(image)
+        [encoded] = encoder.forward([prepared])
+        [reference] = reference_gemma3_features(gemma3_dir, [image])
+        assert torch.equal(decode(encoded), reference), (w, h)
+        assert prepared.num_tokens == gemma3.MM_TOKENS and encoder.count_tokens(w, h) == (gemma3.MM_TOKENS, {})
+    assert (encoder.info.kind, encoder.info.output, encoder.info.hidden_size) == ("gemma3", "projected", 64)
+
+
+def test_a_batch_equals_the_models_own_batched_call(gemma3_dir: Path) -> None:
+    encoder = load_encoder(str(gemma3_dir), device="cpu")
+    images = [noise_image(w, h, seed=10 + i) for i, (w, h) in enumerate(SIZES[:4])]
+    batched = encoder.forward([encoder.preprocess(image) for image in images])
+    for encoded, reference in zip(batched, reference_gemma3_features(gemma3_dir, images), strict=True):
+        assert torch.equal(decode(encoded), reference)
+
+
+def test_pan_and_scan_saved_on_is_not_applied(gemma3_dir: Path, tmp_path: Path) -> None:
+    """Gemma3Processor passes do_pan_and_scan=False at call time over the saved attribute, and vLLM
+    sizes its placeholder from the same merged default: one crop, the same rows and fingerprint."""
+    saved_on = edited(gemma3_dir, tmp_path / "m", do_pan_and_scan=True, pan_and_scan_min_crop_size=8)
+    ours, theirs = load_encoder(str(gemma3_dir), device="cpu"), load_encoder(str(saved_on), device="cpu")
+    wide = noise_image(640, 64)
+    prepared = theirs.preprocess(wide)
+    assert prepared.inputs["pixel_values"].shape[0] == 1, "pan-and-scan crops were cut"
+    assert prepared.num_tokens == ours.preprocess(wide).num_tokens == gemma3.MM_TOKENS
+    assert model_fingerprint(theirs.info) == model_fingerprint(ours.info)
+
+
+def test_a_processor_that_disagrees_with_the_tower_is_refused(gemma3_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="the tower takes 64 px"):
+        load_encoder(str(edited(gemma3_dir, tmp_path / "a", size={"height": 32, "width": 32})), device="cpu")
+    copy = shutil.copytree(gemma3_dir, tmp_path / "b")
+    config = json.loads((copy / "processor_config.json").read_text())
+    (copy / "processor_config.json").write_text(json.dumps({**config, "image_seq_length": 256}))
+    with pytest.raises(ValueError, match="image_seq_length 256 != mm_tokens_per_image 16"):
+        load_encoder(str(copy), device="cpu")
+
+
+def test_siglip_without_its_vision_model_level_is_refused(gemma3_dir: Path, tmp_path: Path) -> None:
+    """The layout transformers 5's save_pretrained writes (no ``vision_model.``), which vLLM's loader
+    cannot read either: a clear error naming the tensors, not a half-loaded tower."""
+    copy = shutil.copytree(gemma3_dir, tmp_path / "m")
+    state = load_file(copy / "model.safetensors")
+    save_file({k.replace("vision_tower.vision_model.", "vision_tower."): v for k, v in state.items()},
+              copy / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="does not match Gemma3Vision"):
+        load_encoder(str(copy), device="cpu")
+
+
+def test_holds_no_language_model(gemma3_dir: Path) -> None:
+    encoder: Any = load_encoder(str(gemma3_dir), device="cpu")
+    full: Any = load_full_model(gemma3_dir)
+    vision = num_parameters(full.model.vision_tower, full.model.multi_modal_projector)
+    assert encoder.info.num_parameters == num_parameters(encoder.module) == vision < num_parameters(full)
+
+
+def test_pooled_output_is_refused(gemma3_dir: Path) -> None:
+    with pytest.raises(ValueError, match="projected"):
+        load_encoder(str(gemma3_dir), device="cpu", output="pooled")

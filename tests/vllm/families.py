@@ -1,0 +1,100 @@
+"""One test config per image family that vLLM consumes in the pixels-and-uuid EPD mode.
+
+``test_image_families.py`` runs the same proof for each case, one vLLM engine at a time: greedy
+tokens through the connector (pixels + uuid) equal vLLM's own on the same pixels, zeros stored
+under the key change them, encode-server's embedding equals vLLM's own tower, and /v1/tokens
+equals vLLM's placeholder count over many sizes and processor settings. Adding a family is a tiny
+checkpoint builder (tests/tiny/) and a ``FamilyCase`` here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tests.tiny import gemma3, glm4v, internvl, mistral3
+
+
+@dataclass(frozen=True)
+class Variant:
+    """Other processor settings: written into the copied checkpoint the second server loads
+    (``processor_config.json``'s ``image_processor`` and ``preprocessor_config.json``), and given to
+    vLLM as the request's ``mm_processor_kwargs``."""
+
+    settings: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class FamilyCase:
+    name: str  # the family name GET /v1/model publishes
+    build: Callable[[Path], Path]  # the tiny checkpoint
+    prompt: Callable[[int], str]  # a prompt with n image placeholders, as vLLM's LLM.generate takes it
+    sizes: list[tuple[int, int]]  # the images of the EPD tests (width, height)
+    parity_sizes: list[tuple[int, int]]  # /v1/tokens against vLLM's placeholder count
+    # How vLLM takes this family's embedding given directly (the oracle): the item for
+    # multi_modal_data["image"] from (embedding, the item's meta); None where vLLM refuses
+    # embeddings for the family (Gemma 3, Mistral 3).
+    image_embeds: Callable[[Any, dict[str, Any]], Any] | None = None
+    # Where it refuses them: what vLLM raises for a whole image_embeds tensor.
+    refusal: tuple[type[Exception], str] = (TypeError, r"Expected type: .*ImageProcessorItems")
+    # The engine's mm_processor_kwargs. use_fast False: vLLM's HF processor on its PIL backend, the
+    # one encode-server's venv (no torchvision) has, so both resize alike and parity is exact.
+    engine_processor_kwargs: dict[str, Any] = field(default_factory=lambda: {"use_fast": False})
+    variants: dict[str, Variant] = field(default_factory=dict)
+    fixed_rows: bool = False  # every image takes the same N (the parity sizes must then agree)
+
+    def __str__(self) -> str:
+        return self.name
+
+
+# Sizes across aspect ratios and scales: tile grids from 1 to the most, thumbnails, crops.
+PARITY_SIZES = [
+    (1, 1), (28, 28), (56, 56), (64, 48), (100, 100), (111, 97), (112, 56), (56, 112), (150, 100),
+    (224, 224), (225, 223), (300, 300), (640, 480), (480, 640), (1024, 64), (64, 1024), (333, 57),
+    (57, 333), (800, 30), (30, 800), (999, 998), (13, 200), (200, 13), (1920, 1080), (77, 1500),
+]
+
+CASES = [
+    FamilyCase(
+        name="internvl",
+        build=internvl.make_tiny_internvl,
+        prompt=internvl.prompt,
+        # one tile; 2 tiles + thumbnail; 3x2 tiles + thumbnail; a tall one
+        sizes=[(56, 56), (112, 56), (300, 200), (30, 400)],
+        parity_sizes=PARITY_SIZES,
+        image_embeds=lambda embedding, meta: [embedding],  # a whole tensor; its rows size the placeholder
+        variants={"max_patches_12": Variant({"max_patches": 12, "min_patches": 2})},
+    ),
+    FamilyCase(
+        name="gemma3",
+        build=gemma3.make_tiny_gemma3,
+        prompt=gemma3.prompt,
+        # square at the tower's size (not resized), then resized down, up, and to another aspect ratio
+        sizes=[(64, 64), (112, 56), (300, 200), (30, 400)],
+        parity_sizes=PARITY_SIZES,
+        fixed_rows=True,
+    ),
+    FamilyCase(
+        name="mistral3",
+        build=mistral3.make_tiny_mistral3,
+        prompt=mistral3.prompt,
+        # 2x2 merged patches; 3x4; scaled down to the longest edge; a single row (20 px, padded up)
+        sizes=[(56, 56), (112, 84), (300, 200), (20, 20)],
+        parity_sizes=PARITY_SIZES,
+        variants={"longest_edge_112": Variant({"size": {"longest_edge": 112}})},
+    ),
+    FamilyCase(
+        name="glm4v",
+        build=glm4v.make_tiny_glm4v,
+        prompt=glm4v.prompt,
+        # multiples of 28 inside the budget (not resized); resized; scaled down into the budget
+        sizes=[(56, 56), (112, 84), (300, 200), (30, 400)],
+        parity_sizes=PARITY_SIZES,
+        variants={"wider": Variant({"size": {"shortest_edge": 2 * 112 * 112, "longest_edge": 2 * 448 * 448}})},
+        # a whole tensor is not an image item for its parser; {image_embeds, image_grid_thw} goes to the
+        # HF processor as if it were two images
+        refusal=(KeyError, "Modality 'image' not found"),
+    ),
+]

@@ -110,13 +110,13 @@ class InternVLEncoder(HFEncoder):
         tiles = self._tiles(width, height)
         return tiles * self.rows_per_tile, {"image_num_patches": tiles}
 
-    def forward(self, batch: Sequence[PreparedImage]) -> list[EncodedTensor]:
-        if not batch:
-            return []
-        pixel_values = self._to_device([item.inputs["pixel_values"] for item in batch])
+    def cost_of(self, num_tokens: int, meta: dict[str, Any]) -> int:
+        return int(meta["image_num_patches"]) * self.tokens_per_tile
+
+    def _forward(self, batch: Sequence[PreparedImage], inputs: dict[str, torch.Tensor]) -> list[EncodedTensor]:
         with torch.inference_mode():
-            rows = self.module(pixel_values).to("cpu")
-        tiles = [item.inputs["pixel_values"].shape[0] for item in batch]
+            rows = self._to_host(self.module(inputs["pixel_values"]))
+        tiles = [int(item.meta["image_num_patches"]) for item in batch]
         return [to_encoded(item.flatten(0, 1)) for item in torch.split(rows, tiles)]
 
 

@@ -24,6 +24,8 @@ from PIL import Image
 from transformers import Mistral3Config, PixtralVisionModel
 from transformers.models.mistral3.modeling_mistral3 import Mistral3MultiModalProjector
 
+from encode_server.core.errors import EncodeServerError
+
 from .base import EncodedTensor, PreparedImage
 from .family import Epd, Family
 from .hf import HFEncoder, LoadSpec, to_encoded
@@ -97,14 +99,20 @@ class Mistral3Encoder(HFEncoder):
         h, w = self._size(width, height)
         return (h // self.merged) * (w // self.merged), {"image_sizes": [h, w]}
 
-    def forward(self, batch: Sequence[PreparedImage]) -> list[EncodedTensor]:
-        out = []
-        with torch.inference_mode():
-            for item in batch:
-                pixel_values = self._to_device([item.inputs["pixel_values"]])
-                image_sizes = item.inputs["image_sizes"].to(self.device)
-                out.append(to_encoded(self.module(pixel_values, image_sizes).to("cpu")))
+    def cost_of(self, num_tokens: int, meta: dict[str, Any]) -> int:
+        height, width = meta["image_sizes"]
+        return (int(height) // self.patch) * (int(width) // self.patch)
+
+    def forward(self, batch: Sequence[PreparedImage]) -> list[EncodedTensor | EncodeServerError]:
+        """One pass per image: each keeps its own aspect ratio, so their pixels do not stack."""
+        out: list[EncodedTensor | EncodeServerError] = []
+        for item in batch:  # a loop, not a comprehension: zero-argument super() needs this frame
+            out += super().forward([item])
         return out
+
+    def _forward(self, batch: Sequence[PreparedImage], inputs: dict[str, torch.Tensor]) -> list[EncodedTensor]:
+        with torch.inference_mode():
+            return [to_encoded(self._to_host(self.module(inputs["pixel_values"], inputs["image_sizes"])))]
 
 
 def _check(files: CheckpointFiles, config: Mistral3Config, processor: Any) -> None:

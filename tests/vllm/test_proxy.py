@@ -2,7 +2,8 @@
 ``EncodeServerECConnector``), with encode-server and Redis beside them, all on loopback.
 
 A recording TCP relay sits between the proxy and vLLM, so the test sees every byte the prefill
-server received: no image bytes, only ``uuid`` + ``image_grid_thw``.
+server received: no image bytes, only ``uuid`` + ``image_grid_thw``. The consumer is tower-free (the
+documented setup); plain vLLM with its tower answers the same chat on the pixels.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def _encoded_and_hits(server: ServerProcess) -> tuple[float, float]:
 
 
 def test_chat_through_the_proxy_sends_no_pixels_to_vllm(
-    proxy: EPDProxy, relay: Relay, server: ServerProcess, vllm_server: dict[str, Any]
+    proxy: EPDProxy, relay: Relay, server: ServerProcess, plain_vllm: dict[str, Any]
 ) -> None:
     encoded, hits, mark = *_encoded_and_hits(server), relay.mark()
     first, first_ms = _post(proxy.url, chat(IMAGES))
@@ -74,8 +75,8 @@ def test_chat_through_the_proxy_sends_no_pixels_to_vllm(
     assert second.json()["choices"][0]["message"]["content"] == answer
     assert _encoded_and_hits(server) == (encoded + len(IMAGES), hits + len(IMAGES))
 
-    # The same request with its pixels, straight to vLLM: vLLM encodes the images itself.
-    direct, direct_ms = _post(vllm_server["url"], chat(IMAGES))
+    # The same request with its pixels, straight to plain vLLM: it encodes the images with its tower.
+    direct, direct_ms = _post(plain_vllm["url"], chat(IMAGES))
     assert direct.status_code == 200, direct.text
     assert direct.json()["choices"][0]["message"]["content"] == answer
     print(

@@ -143,12 +143,52 @@ def test_pixels_are_refused_and_the_engine_serves_on(llm: Any, baseline: dict[st
     assert greedy(llm, [metadata_only(baseline["grids"][0], baseline["hashes"][0])]) == [baseline["connector"][0]]
 
 
-# -- faults: no encoder to fall back to; each request fails cleanly, the engine serves the next --
+# -- faults. An image handed off through ``server`` is still in its local tier when Redis has no
+# valid value: the connector fetches it from there, and the answer is unchanged. One handed off
+# through ``lone`` (no local tier) is nowhere else: the request fails cleanly, and the engine then
+# serves the next request. A tower-free engine has no encoder of its own to fall back to.
 
 
-def _check_failed_then_served(llm: Any, baseline: dict[str, Any], index: int, counter: str) -> None:
-    """The metadata-only request for image ``index`` ends with an error (no tokens, no hang), the
-    connector counted why, and the engine then answers another image's request correctly."""
+@pytest.fixture(scope="module")
+def lone(model_dir: Path, redis_proc: RedisProcess, logs: Path) -> Iterator[ServerProcess]:
+    """A second encode-server on the same Redis and prefix, without a local tier (--cache-mb 0)."""
+    proc = start_server(
+        "--model", str(model_dir), "--redis-url", redis_proc.url, "--cache-prefix", PREFIX,
+        "--grpc-port", "0", "--redis-timeout-ms", "300", "--dtype", "float32", "--cache-mb", "0", log_dir=logs,
+    )
+    yield proc
+    proc.stop()
+
+
+LONE_IMAGES = [png(w, h, seed=100 + i) for i, (w, h) in enumerate(SIZES[:4])]
+
+
+@pytest.fixture(scope="module")
+def lone_baseline(llm: Any, lone: ServerProcess) -> dict[str, Any]:
+    with Client(lone.url, response="json", timeout=60) as c:
+        return epd_baseline(llm, c, LONE_IMAGES)
+
+
+def _served(llm: Any, baseline: dict[str, Any], index: int) -> list[int]:
+    llm.llm_engine.reset_encoder_cache()
+    return greedy(llm, [metadata_only(baseline["grids"][index], baseline["hashes"][index])])[0]
+
+
+def _check_from_the_encoder(llm: Any, baseline: dict[str, Any], index: int, counter: str) -> None:
+    """Redis has no valid value for image ``index`` (``counter`` says why); the connector fetched
+    it from encode-server's local tier, and the tokens are the EPD answer (== direct embeds)."""
+    connector = scheduler_connector(llm)
+    before = dict(connector.counts)
+    assert _served(llm, baseline, index) == baseline["connector"][index] == baseline["direct"][index]
+    after = connector.counts
+    assert after[counter] > before.get(counter, 0), (counter, before, dict(after))
+    assert after["from_encoder"] == before.get("from_encoder", 0) + 1, (before, dict(after))
+    assert after["unavailable"] == before.get("unavailable", 0)
+
+
+def _check_failed_then_served(llm: Any, baseline: dict[str, Any], index: int, counter: str, then: Any) -> None:
+    """Image ``index`` is valid nowhere: its metadata-only request ends with an error (no tokens,
+    no hang), the connector counted why, and the engine then answers ``then`` correctly."""
     connector = scheduler_connector(llm)
     before = dict(connector.counts)
     h, grid = baseline["hashes"][index], baseline["grids"][index]
@@ -159,62 +199,114 @@ def _check_failed_then_served(llm: Any, baseline: dict[str, Any], index: int, co
     assert time.perf_counter() - started < 60
     after = connector.counts
     assert after[counter] > before.get(counter, 0), (counter, before, dict(after))
+    asked = ("encoder_absent", "encoder_corrupt", "encoder_wrong_shape")
+    assert sum(after[c] - before.get(c, 0) for c in asked) == 1, "encode-server was asked, with no valid value"
     assert after["unavailable"] > before.get("unavailable", 0)
     assert after["local_fallback"] == before.get("local_fallback", 0), "a tower-free engine encodes nothing"
-    other = (index + 1) % len(IMAGES)
-    if counter != "redis_error":
-        assert greedy(llm, [metadata_only(baseline["grids"][other], baseline["hashes"][other])]) == [
-            baseline["connector"][other]
-        ], "the engine did not serve the next request"
+    then()
 
 
-def test_fault_value_evicted(llm: Any, baseline: dict[str, Any], redis_proc: RedisProcess, fingerprint: str) -> None:
-    h = baseline["hashes"][0]
-    assert redis_proc.client().delete(store_key(fingerprint, h, prefix=PREFIX)) == 1
-    _check_failed_then_served(llm, baseline, 0, "absent")
+def _both(
+    llm: Any, baseline: dict[str, Any], lone_baseline: dict[str, Any], index: int, counter: str, spoil: Any
+) -> None:
+    """``spoil(baseline, index)`` the Redis value of an image the server holds and of one it does
+    not; the first is served from the server, the second fails and the engine serves the first."""
+    spoil(baseline, index)
+    spoil(lone_baseline, index)
+    _check_from_the_encoder(llm, baseline, index, counter)
+    _check_failed_then_served(
+        llm, lone_baseline, index, counter,
+        lambda: _check_from_the_encoder(llm, baseline, index, counter),
+    )
 
 
-def test_fault_corrupt_value(llm: Any, baseline: dict[str, Any], redis_proc: RedisProcess, fingerprint: str) -> None:
-    key = store_key(fingerprint, baseline["hashes"][1], prefix=PREFIX)
-    blob = redis_proc.client().get(key)
-    assert blob is not None
-    redis_proc.client().set(key, blob[: len(blob) // 2])  # a truncated write
-    _check_failed_then_served(llm, baseline, 1, "corrupt")
+def test_fault_value_evicted(
+    llm: Any, baseline: dict[str, Any], lone_baseline: dict[str, Any], redis_proc: RedisProcess, fingerprint: str
+) -> None:
+    """The issue's case: the embedding deleted from Redis, still in encode-server's local tier."""
+
+    def evict(b: dict[str, Any], i: int) -> None:
+        redis_proc.client().delete(store_key(fingerprint, b["hashes"][i], prefix=PREFIX))
+
+    _both(llm, baseline, lone_baseline, 0, "absent", evict)
+
+
+def test_fault_corrupt_value(
+    llm: Any, baseline: dict[str, Any], lone_baseline: dict[str, Any], redis_proc: RedisProcess, fingerprint: str
+) -> None:
+    def truncate(b: dict[str, Any], i: int) -> None:
+        key = store_key(fingerprint, b["hashes"][i], prefix=PREFIX)
+        blob = redis_proc.client().get(key)
+        redis_proc.client().set(key, (blob or b"x")[: len(blob or b"x") // 2])  # a truncated write
+
+    _both(llm, baseline, lone_baseline, 1, "corrupt", truncate)
 
 
 def test_fault_wrong_row_count(
-    llm: Any, baseline: dict[str, Any], redis_proc: RedisProcess, fingerprint: str
+    llm: Any, baseline: dict[str, Any], lone_baseline: dict[str, Any], redis_proc: RedisProcess, fingerprint: str
 ) -> None:
     """A well-formed value with one row too many: vLLM would not notice; the connector does."""
-    h, grid, emb = baseline["hashes"][2], baseline["grids"][2], baseline["embeddings"][2]
-    longer = np.concatenate([emb, emb[:1]])
-    redis_proc.client().set(
-        store_key(fingerprint, h, prefix=PREFIX), stored_value(longer, fingerprint, h, {"image_grid_thw": grid})
-    )
-    _check_failed_then_served(llm, baseline, 2, "wrong_shape")
+
+    def longer(b: dict[str, Any], i: int) -> None:
+        h, grid, emb = b["hashes"][i], b["grids"][i], b["embeddings"][i]
+        value = stored_value(np.concatenate([emb, emb[:1]]), fingerprint, h, {"image_grid_thw": grid})
+        redis_proc.client().set(store_key(fingerprint, h, prefix=PREFIX), value)
+
+    _both(llm, baseline, lone_baseline, 2, "wrong_shape", longer)
 
 
 def test_fault_redis_down_then_back(
-    llm: Any, client: Client, baseline: dict[str, Any], redis_proc: RedisProcess
+    llm: Any, client: Client, baseline: dict[str, Any], lone_baseline: dict[str, Any], redis_proc: RedisProcess
 ) -> None:
-    """Redis killed: metadata-only requests fail fast with an error; Redis back (same port): the
-    EPD path works again, for every image."""
+    """Redis killed: images encode-server holds are served from it, the others fail fast with an
+    error; Redis back (same port): the EPD path works again, for every image."""
     redis_proc.kill()
     try:
-        _check_failed_then_served(llm, baseline, 3, "redis_error")
+        _check_from_the_encoder(llm, baseline, 3, "redis_error")
+        _check_failed_then_served(
+            llm, lone_baseline, 3, "redis_error", lambda: _check_from_the_encoder(llm, baseline, 4, "redis_error")
+        )
     finally:
         redis_proc.start()
     client.hand_off(IMAGES)  # refill the new, empty Redis from the server's local tier
     time.sleep(1.2)  # the connector's down_for_s
+    connector = scheduler_connector(llm)
+    before = connector.counts["from_redis"]
     llm.llm_engine.reset_encoder_cache()
     requests = [metadata_only(g, h) for g, h in zip(baseline["grids"], baseline["hashes"], strict=True)]
     assert greedy(llm, requests) == baseline["connector"]
+    assert connector.counts["from_redis"] == before + len(IMAGES)
+
+
+def test_without_the_fallback_a_value_redis_lost_fails_the_request(
+    model_dir: Path, redis_proc: RedisProcess, server: ServerProcess, baseline: dict[str, Any], fingerprint: str,
+    llm: Any,
+) -> None:
+    """``encoder_fallback: false`` is the connector before this fallback: the same eviction fails
+    the request although encode-server holds the image (the issue's 500), which the tests above
+    would show if the fallback did nothing."""
+    from encode_client.vllm_connector import ConnectorSettings
+
+    extra = connector_config(redis_proc.url, server.url, PREFIX, encoder_fallback=False)["ec_connector_extra_config"]
+    assert ConnectorSettings.from_extra(extra).encoder_fallback is False
+    connector = scheduler_connector(llm)
+    connector.settings, kept = ConnectorSettings.from_extra(extra), connector.settings
+    try:
+        redis_proc.client().delete(store_key(fingerprint, baseline["hashes"][5], prefix=PREFIX))
+        llm.llm_engine.reset_encoder_cache()
+        reason, _ = outcome(llm, metadata_only(baseline["grids"][5], baseline["hashes"][5]))
+        assert reason == "error"
+    finally:
+        connector.settings = kept
+    assert _served(llm, baseline, 5) == baseline["connector"][5], "with the fallback: served"
 
 
 @pytest.mark.parametrize(
     ("extra", "words"),
     [
         ({}, "needs redis_url"),
+        ({"redis_url": "redis://x", "encoder_url": ["http://a:1", "ftp://b"]}, "encoder_url must be"),
+        ({"redis_url": "redis://x", "fingerprint": "ab" * 32, "encoder_timeout_ms": 0}, "encoder_timeout_ms"),
         ({"redis_url": "redis://127.0.0.1:1/0"}, "needs fingerprint or encoder_url"),
         ({"redis_url": "redis://x", "fingerprint": "ab" * 32, "prefx": "typo"}, "unknown keys"),
         ({"redis_url": "redis://x", "fingerprint": "ab" * 32, "timeout_ms": 0}, "timeout_ms"),

@@ -105,3 +105,26 @@ def test_unreadable_image_is_a_400_naming_the_part(proxy: EPDProxy) -> None:
     body["messages"][0]["content"][0]["image_url"]["url"] = "data:image/png;base64,@@@"
     r, _ = _post(proxy.url, body)
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].content[0]"
+
+
+def test_an_embedding_only_in_encode_servers_local_tier_still_answers(
+    server: ServerProcess, vllm_server: dict[str, Any], plain_vllm: dict[str, Any]
+) -> None:
+    """The issue's case over HTTP: the embedding deleted from Redis, still in encode-server's
+    local tier; the metadata-only chat sent straight to the tower-free consumer (no proxy, so no
+    second hand-off refills Redis) is answered, equal to plain vLLM's answer on the pixels
+    (before the fallback: 500 InternalServerError)."""
+    import redis
+    from encode_client import Client
+    from encode_client.epd import rewrite_chat_request
+
+    from tests.vllm.conftest import REDIS_URL
+
+    image = png(112, 84, seed=72)
+    with Client(server.url, response="json") as client:
+        rewritten, results = rewrite_chat_request(chat([image]), client)
+    assert redis.Redis.from_url(REDIS_URL).delete(results[0].key) == 1
+    r, _ = _post(vllm_server["url"], rewritten)
+    assert r.status_code == 200, r.text
+    direct, _ = _post(plain_vllm["url"], chat([image]))
+    assert r.json()["choices"][0]["message"]["content"] == direct.json()["choices"][0]["message"]["content"]

@@ -76,12 +76,15 @@ TOWER_FREE_LIMITS = {"image": 0, "video": 0}
 TOWER_LIMITS = {"image": 4, "video": 0}
 
 
-def engine_args(model: Path, ec_transfer_config: dict[str, Any] | None, *, tower: bool = False) -> dict[str, Any]:
-    """The engine the tests start: float32, eager, no prefix or processor cache (a repeated request
-    must reach the connector again, not vLLM's own caches); tower-free unless ``tower``."""
+def engine_args(
+    model: Path, ec_transfer_config: dict[str, Any] | None, *, tower: bool = False, dtype: str = "float32"
+) -> dict[str, Any]:
+    """The engine the tests start: float32 (unless ``dtype``), eager, no prefix or processor cache
+    (a repeated request must reach the connector again, not vLLM's own caches); tower-free unless
+    ``tower``."""
     args: dict[str, Any] = {
         "model": str(model),
-        "dtype": "float32",
+        "dtype": dtype,
         "enforce_eager": True,
         "max_model_len": 1024,
         "max_num_seqs": 8,
@@ -96,12 +99,14 @@ def engine_args(model: Path, ec_transfer_config: dict[str, Any] | None, *, tower
 
 
 @contextmanager
-def engine(model: Path, ec_transfer_config: dict[str, Any] | None = None, *, tower: bool = False) -> Iterator[Any]:
+def engine(
+    model: Path, ec_transfer_config: dict[str, Any] | None = None, *, tower: bool = False, dtype: str = "float32"
+) -> Iterator[Any]:
     """A vLLM ``LLM`` in this process, shut down (worker, EC connector) on exit."""
     from vllm import LLM
 
     started = time.perf_counter()
-    llm = LLM(**engine_args(model, ec_transfer_config, tower=tower))
+    llm = LLM(**engine_args(model, ec_transfer_config, tower=tower, dtype=dtype))
     llm.startup_seconds = time.perf_counter() - started  # type: ignore[attr-defined]
     try:
         yield llm
@@ -228,7 +233,7 @@ def epd_server(model_dir: Path, logs: Path) -> Iterator[Any]:
 
     proc = start_server(
         "--model", str(model_dir), "--redis-url", REDIS_URL, "--cache-prefix", EPD_PREFIX, "--grpc-port", "0",
-        log_dir=logs,
+        "--dtype", "float32", log_dir=logs,
     )
     yield proc
     proc.stop()

@@ -183,7 +183,7 @@ def test_token_parity_with_vllm_placeholders(
         config["size"] = {"shortest_edge": settings["min_pixels"], "longest_edge": settings["max_pixels"]}
         config.update(settings)
         (copy / "preprocessor_config.json").write_text(json.dumps(config))
-        other = start_server("--model", str(copy), "--grpc-port", "0", log_dir=logs)
+        other = start_server("--model", str(copy), "--grpc-port", "0", "--dtype", "float32", log_dir=logs)
         url = other.url
     try:
         ours = _server_tokens(url, PARITY_SIZES)

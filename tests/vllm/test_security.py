@@ -208,7 +208,7 @@ def tenant_server(model_dir: Path, logs: Path, epd_server: ServerProcess) -> Ite
     spec = ",".join(f"{t}:{k}" for t, k in KEYS.items())
     proc = start_server(
         "--model", str(model_dir), "--redis-url", REDIS_URL, "--cache-prefix", EPD_PREFIX, "--grpc-port", "0",
-        "--tenant-isolation", "--api-keys", spec, log_dir=logs,
+        "--tenant-isolation", "--api-keys", spec, "--dtype", "float32", log_dir=logs,
     )
     yield proc
     proc.stop()

@@ -200,6 +200,7 @@ class EncodeServerECConnector(ECConnectorBase):
         self._loads: dict[str, PreparedLoad] = {}
         self._unavailable: set[str] = set()
         self._metadata_fields: dict[str, set[str]] = {}
+        self._dtype_warned: set[str] = set()
         self._model_config = model_config
         log.info(
             "encode-server EC connector (%s side): redis %s, prefix %r, embeddings [N, %d] as %s",
@@ -424,9 +425,26 @@ class EncodeServerECConnector(ECConnectorBase):
         if value.dtype not in _TORCH_DTYPES or math.prod(shape) == 0:
             self.counts[prefix + "corrupt"] += 1
             return None
+        self._check_dtype(value.dtype, source)
         self.counts["hit"] += 1
         self.counts["from_" + source] += 1
         return PreparedLoad(identifier, value.dtype, (shape[0], shape[1]), value.data)
+
+    def _check_dtype(self, stored: str, source: str) -> None:
+        """Warn once per stored dtype that is not the engine's: the value is converted, and vLLM's
+        own tower would have computed in the engine's dtype, so answers may differ from it."""
+        engine = str(self.dtype).removeprefix("torch.")
+        if stored == engine or stored in self._dtype_warned:
+            return
+        self._dtype_warned.add(stored)
+        self.counts["dtype_mismatch"] += 1
+        log.warning(
+            "DTYPE MISMATCH: embeddings from %s are %s, this engine runs %s. They are converted, but vLLM's "
+            "own tower would have computed in %s, so answers may differ from it. Run encode-server with "
+            "--dtype auto (it then picks what vLLM's auto picks for the checkpoint) or --dtype %s. "
+            "(Logged once per dtype.)",
+            source, stored, engine, engine, engine,
+        )
 
 
 def _redact(url: str) -> str:

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -56,9 +56,11 @@ def post_chat(url: str, body: dict[str, Any], key: str | None = None) -> httpx.R
 class Relay(threading.Thread):
     """A loopback TCP relay that keeps every byte sent towards the upstream."""
 
-    def __init__(self, upstream_port: int) -> None:
+    def __init__(self, upstream_port: int, before_forward: Callable[[bytes], None] | None = None) -> None:
+        """``before_forward(chunk)`` runs before each chunk towards the upstream is sent on."""
         super().__init__(daemon=True)
         self.upstream_port = upstream_port
+        self.before_forward = before_forward
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.received = bytearray()
@@ -99,6 +101,8 @@ class Relay(threading.Thread):
                 if record:
                     with self.lock:
                         self.received += chunk
+                    if self.before_forward is not None:
+                        self.before_forward(chunk)
                 dst.sendall(chunk)
         except OSError:
             pass

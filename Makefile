@@ -21,7 +21,7 @@ $(STAMP): $(BIN)/python pyproject.toml clients/python/pyproject.toml $(TORCH_REQ
 		echo "no GPU found: installing the CPU build of $$(grep -v '^#' $(TORCH_REQ)) first"; \
 		$(BIN)/python -m pip install --quiet -r $(TORCH_REQ); \
 	fi
-	$(BIN)/python -m pip install --quiet -e '.[dev]' -e './clients/python[store]'
+	$(BIN)/python -m pip install --quiet -e '.[dev]' -e './clients/python[store,proxy]'
 	@touch $(STAMP)
 
 install: $(STAMP)
@@ -124,12 +124,15 @@ openapi: install
 
 # The side-by-side figures of issue 9 (bench/results/latest.json and PNGs; S4 reuses bench/tiers.py),
 # then encode-server against vLLM's own encoder instance (its keys merged into latest.json; builds
-# the vLLM environment first when missing), then the request-memory burst. The older benches run alone: python -m bench.batching,
-# python -m bench.tiers. A GPU: bench/gpu_check.sh (make gpu-wheels first; make gpu-rehearsal here).
+# the vLLM environment first when missing), then the request-memory burst, then the latency
+# encode-epd-proxy adds against vLLM directly (64 concurrent streaming chats). The older benches run
+# alone: python -m bench.batching, python -m bench.tiers. A GPU: bench/gpu_check.sh (make gpu-wheels
+# first; make gpu-rehearsal here).
 bench: install tools
 	$(BIN)/python -m bench.serving
 	$(BIN)/python -m bench.vllm_peer
 	$(BIN)/python -m bench.memory_burst
+	$(BIN)/python -m bench.proxy
 
 # 10 minutes of mixed load with Redis paused once (the figures in docs/robustness.md); the tests
 # run its 60-second form.

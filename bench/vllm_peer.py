@@ -16,8 +16,9 @@ is done only once the file a prefill worker reads exists:
 
 Both servers run at once and the rounds alternate who goes first, so the load of a shared machine
 falls on both alike. encode-server runs in the dtype vLLM's ``auto`` picks for this checkpoint
-(bfloat16), so both produce the same tensor; the full run also measures encode-server's own
-default dtype on the CPU (float32).
+(bfloat16, which its own ``--dtype auto`` now picks too; the flag is given to say so), so both
+produce the same tensor; the full run also measures encode-server in float32, its CPU default
+before it followed vLLM's ``auto``.
 
 Keys merged into ``bench/results/latest.json`` (``--out``): ``vs_vllm_unique`` and
 ``vs_vllm_repeat`` (encode-server's images/s over vLLM's E's: unique images, then the same images
@@ -71,7 +72,7 @@ GOALS = {"vs_vllm_unique": ">= 1.3", "vs_vllm_repeat": ">= 5", "vs_vllm_repeat_h
 class Plan:
     rounds: int = 4
     images: int = 24  # unique images per round and server
-    default_dtype: bool = True  # also encode-server at its own default dtype
+    default_dtype: bool = True  # also encode-server in float32 (its CPU default before it followed vLLM's auto)
 
 
 QUICK = Plan(rounds=2, images=4, default_dtype=False)
@@ -317,7 +318,7 @@ def run(plan: Plan) -> dict[str, Any]:
             detail.update(compare(ours, theirs, plan, seed=1))
             ours_rss = tree_peak_rss_mb(ours.pid)
         if plan.default_dtype:
-            with encode_server(model, work / "export-es-default", work, "") as ours_default:
+            with encode_server(model, work / "export-es-default", work, "float32") as ours_default:
                 default = compare(ours_default, theirs, Plan(2, plan.images), seed=500_000, repeats=False)
                 detail[ours_default.name] = default[ours_default.name]
                 detail["vLLM E (second comparison)"] = default[theirs.name]

@@ -163,8 +163,9 @@ class EncodeServer:
         await service.start()
         info = encoder.info
         log.info(
-            "model %s loaded and warm in %.2f s: kind=%s device=%s dtype=%s fingerprint=%s",
-            info.model_id, time.perf_counter() - started, info.kind, info.device, info.dtype, service.fingerprint,
+            "model %s loaded and warm in %.2f s: kind=%s device=%s dtype=%s (%s) fingerprint=%s",
+            info.model_id, time.perf_counter() - started, info.kind, info.device, info.dtype, encoder.dtype_reason,
+            service.fingerprint,
         )
         if info.meaningless:
             log.warning(

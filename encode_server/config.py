@@ -40,7 +40,9 @@ class Settings:
     device: str = _opt("auto", "auto (CUDA when present, else CPU), cpu, cuda or cuda:N")
     dtype: str = _opt(
         "auto",
-        "compute and output dtype; auto: bfloat16 on CUDA, float32 on the CPU",
+        "compute and output dtype; auto: for a family with an EPD contract, what vLLM's auto picks for the "
+        "checkpoint and device (a bfloat16 checkpoint runs in bfloat16 where supported); otherwise bfloat16 on CUDA, "
+        "float32 on the CPU; GET /v1/model says which and why",
         choices=("auto", "float32", "bfloat16", "float16"),
     )
     preprocess_device: str = _opt(

@@ -353,6 +353,7 @@ class EncodeService:
             "family": family.describe() if (family := self.encoder.family) is not None else None,
             "output": info.output,
             "dtype": info.dtype,
+            "dtype_reason": self.encoder.dtype_reason,
             "device": info.device,
             "hidden_size": info.hidden_size,
             "num_parameters": info.num_parameters,

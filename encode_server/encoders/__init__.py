@@ -16,8 +16,8 @@ import os
 # OMP_WAIT_POLICY wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import dataclasses
 import json
+from typing import Any
 import logging
 
 from transformers import AutoConfig, AutoImageProcessor
@@ -27,7 +27,7 @@ from .base import EncodedTensor, EncoderInfo, PreparedImage, VisionEncoder
 from .batched import BatchedPipeline
 from .builtin import BUILTIN_MODELS, load_builtin
 from .family import Epd, Family, by_model_type
-from .hf import HFEncoder, LoadSpec, resolve_device, resolve_dtype
+from .hf import DTYPES, HFEncoder, LoadSpec, checkpoint_dtype, resolve_device, resolve_dtype
 from .loading import CheckpointFiles, check_local_model
 
 __all__ = [
@@ -71,7 +71,10 @@ def load_encoder(
     """Load ``model``'s vision encoder, ready for ``prepare``/``forward``.
 
     ``device``: ``auto`` (CUDA if present, else CPU) or a torch device string. ``dtype``: ``auto``
-    (bfloat16 on CUDA, float32 on CPU), ``float32``, ``bfloat16`` or ``float16``. ``output``:
+    (for a family with an EPD contract, what vLLM 0.32's ``auto`` picks for the checkpoint and
+    device, since a vLLM prefill consumes its embeddings; otherwise bfloat16 on CUDA, float32 on
+    the CPU: ``hf.resolve_dtype``; ``encoder.dtype_reason`` says why), ``float32``, ``bfloat16``
+    or ``float16``. ``output``:
     ``hidden`` or ``pooled`` for CLIP/SigLIP; a VLM has one output (LLaVA ``projected``, Qwen
     ``merged``), which ``hidden``, the default, selects. ``revision``: a hub branch, tag or commit.
     ``preprocess_device``: ``cpu`` (Pillow decodes and the image processor runs per image, in the
@@ -81,8 +84,7 @@ def load_encoder(
     if preprocess_device not in PREPROCESS_DEVICES:
         raise ValueError(f"preprocess_device must be one of {PREPROCESS_DEVICES}, not {preprocess_device!r}")
     torch_device = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype, torch_device)
-    encoder = _load(model, revision, LoadSpec(model, revision, torch_device, torch_dtype, output))
+    encoder = _load(model, revision, dtype, torch_device, output)
     if preprocess_device == "model" or (preprocess_device == "auto" and torch_device.type == "cuda"):
         if not isinstance(encoder, HFEncoder):
             raise ValueError(f"{model} cannot preprocess on its device")
@@ -95,23 +97,33 @@ def load_encoder(
     return encoder
 
 
-def _load(model: str, revision: str | None, spec: LoadSpec) -> VisionEncoder:
+def _load(model: str, revision: str | None, dtype: str, torch_device: Any, output: str) -> VisionEncoder:
     if model.startswith("builtin:"):
-        encoder = load_builtin(spec)
+        choice = resolve_dtype(dtype, torch_device)
+        encoder = load_builtin(LoadSpec(model, revision, torch_device, DTYPES[choice.dtype], output))
         encoder.family = qwen.FAMILY
+        encoder.dtype_reason = choice.reason
         return encoder
     files = CheckpointFiles.resolve(model, revision)
     config_file = files.directory / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{model} has no config.json")
-    model_type = json.loads(config_file.read_text()).get("model_type")
+    raw_config = json.loads(config_file.read_text())
+    model_type = raw_config.get("model_type")
     family = _BY_MODEL_TYPE.get(model_type)
     if family is None:
         raise ValueError(
             f"{model}: model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
+    if family.epd is not None:  # a vLLM prefill consumes these embeddings: its auto decides
+        found, source = checkpoint_dtype(files.directory, raw_config)
+        choice = resolve_dtype(dtype, torch_device, checkpoint=found, source=source, model_type=str(model_type))
+    else:
+        choice = resolve_dtype(dtype, torch_device, family=family.name)
     config = AutoConfig.from_pretrained(files.directory)
     processor = AutoImageProcessor.from_pretrained(files.directory)
-    encoder = family.load(files, config, processor, dataclasses.replace(spec, revision=files.revision or revision))
+    spec = LoadSpec(model, files.revision or revision, torch_device, DTYPES[choice.dtype], output)
+    encoder = family.load(files, config, processor, spec)
     encoder.family = family
+    encoder.dtype_reason = choice.reason
     return encoder

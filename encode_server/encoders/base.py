@@ -81,6 +81,7 @@ class VisionEncoder(ABC):
 
     info: EncoderInfo
     family: Family | None = None  # set by ``load_encoder``: what the server publishes about it
+    dtype_reason: str = ""  # set by ``load_encoder``: why this dtype (``GET /v1/model``)
 
     @abstractmethod
     def preprocess(self, image: Image.Image) -> PreparedImage:

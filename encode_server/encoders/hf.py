@@ -6,14 +6,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import platform
+import subprocess
+import sys
 from abc import abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from PIL import Image
 
+from encode_server.core.dtypes import DtypeChoice, auto_dtype, normalize_dtype, widest_dtype
 from encode_server.core.errors import EncodeServerError
 
 from .base import EncodedTensor, EncoderInfo, PreparedImage, VisionEncoder
@@ -25,7 +30,9 @@ __all__ = [
     "LoadSpec",
     "apply_call_defaults",
     "architecture",
+    "checkpoint_dtype",
     "dtype_name",
+    "platform_dtypes",
     "processor_config",
     "resolve_device",
     "resolve_dtype",
@@ -45,13 +52,78 @@ def resolve_device(device: str) -> torch.device:
     return resolved
 
 
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """``auto``: bfloat16 on CUDA, float32 elsewhere (CPU half precision is slow and less exact)."""
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, not {dtype!r}")
-    return DTYPES[dtype]
+def platform_dtypes(device: torch.device) -> tuple[list[str], bool, str]:
+    """(the dtypes vLLM 0.32's platform supports on ``device``, most preferred first; whether it is
+    a POWER CPU; the device in words), as ``vllm/platforms/{cuda,cpu}.py`` say."""
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        where = f"{torch.cuda.get_device_name(device)} (compute capability {major}.{minor})"
+        if (major, minor) >= (8, 0):
+            return ["bfloat16", "float16", "float32"], False, where
+        if (major, minor) >= (6, 0):
+            return ["float16", "float32"], False, where
+        return ["float32"], False, where
+    machine = platform.machine().lower()
+    where = f"the CPU ({machine})"
+    if machine.startswith("ppc"):
+        return ["bfloat16", "float32", "float16"], True, where
+    if sys.platform == "darwin" and machine.startswith(("arm", "aarch")):
+        probe = subprocess.run(["sysctl", "-n", "hw.optional.arm.FEAT_BF16"], capture_output=True, check=False)
+        if probe.stdout.strip() != b"1":
+            return ["float16", "float32"], False, where
+    return ["bfloat16", "float16", "float32"], False, where
+
+
+def resolve_dtype(
+    dtype: str,
+    device: torch.device,
+    *,
+    checkpoint: str | None = None,
+    source: str = "",
+    model_type: str | None = None,
+    family: str | None = None,
+) -> DtypeChoice:
+    """The compute dtype and why. ``auto`` for a checkpoint a vLLM prefill consumes (``model_type``
+    set; ``checkpoint`` its dtype, read from ``source``): vLLM 0.32's ``auto`` (``core.dtypes``).
+    ``auto`` otherwise (the builtin model; a ``family`` without an EPD contract): bfloat16 on CUDA,
+    float32 elsewhere (CPU half precision is slower on many CPUs, and less exact). Anything else:
+    as given."""
+    if dtype != "auto":
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, not {dtype!r}")
+        return DtypeChoice(dtype, f"--dtype {dtype}")
+    if model_type is None:
+        chosen = "bfloat16" if device.type == "cuda" else "float32"
+        why = f"family {family} has no EPD contract (no vLLM prefill consumes it)" if family else (
+            "the builtin model has no checkpoint dtype"
+        )
+        return DtypeChoice(chosen, f"auto: {chosen} on {device.type}, as {why}")
+    supported, power_cpu, where = platform_dtypes(device)
+    chosen = auto_dtype(checkpoint, model_type, supported, power_cpu=power_cpu)
+    found = f"the checkpoint is {checkpoint} ({source})" if checkpoint else "the checkpoint names no dtype (float32)"
+    reason = f"auto, as vLLM 0.32 chooses: {found}; {where} supports {', '.join(supported)}"
+    return DtypeChoice(chosen, f"{reason} -> {chosen}")
+
+
+def checkpoint_dtype(directory: Path, config: Mapping[str, Any]) -> tuple[str | None, str]:
+    """The checkpoint's dtype as vLLM reads it, and where it was found: ``config.json``'s
+    ``dtype``/``torch_dtype``, then its text, vision and encoder configs', then the widest dtype of
+    the local safetensors weights' headers; (None, "") when none says."""
+    scopes = [("config.json", config)]
+    for sub in ("text_config", "vision_config", "encoder_config"):
+        if isinstance(config.get(sub), Mapping):
+            scopes.append((f"config.json {sub}", config[sub]))
+    for where, scope in scopes:
+        for key in ("dtype", "torch_dtype"):
+            if (name := normalize_dtype(scope.get(key))) is not None:
+                return name, f"{where} {key}"
+    found: list[str] = []
+    for file in sorted(directory.glob("*.safetensors")):
+        with file.open("rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        found += [info["dtype"] for key, info in header.items() if key != "__metadata__"]
+    widest = widest_dtype(found)
+    return (widest, "the safetensors weights") if widest else (None, "")
 
 
 def dtype_name(dtype: torch.dtype) -> str:

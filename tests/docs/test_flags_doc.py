@@ -103,7 +103,8 @@ def test_the_vllm_page_lists_every_proxy_flag_and_its_variable() -> None:
             assert f'os.environ.get("{env}")' in source, env
         flag = re.findall(r"`(--[a-z-]+)`", row[0])[0]
         default = defaults[flag]
-        if isinstance(default, (str, float)) and flag not in ("--api-key", "--api-keys", "--vllm-api-key"):
+        plain = isinstance(default, (str, float, int)) and not isinstance(default, bool)
+        if plain and flag not in ("--api-key", "--api-keys", "--vllm-api-key"):
             assert f"(default `{default}`)" in row[1], (flag, default)
         elif isinstance(default, tuple):
             assert f"(default `{default[0]}:{default[1]}`)" in row[1], (flag, default)

@@ -76,3 +76,23 @@ def test_every_reject_reason_is_documented() -> None:
     assert bullet, "docs/metrics.md has no `reason` bullet"
     named = set(re.findall(r"`([a-z_]+)` \(", bullet.group(1)))
     assert named == set(REJECT_REASONS)
+
+
+def test_every_proxy_metric_is_documented_with_its_type_and_labels() -> None:
+    """The proxy's table (``proxy metric``) is its metrics module, no more, no less."""
+    from encode_client._proxy_metrics import NAMESPACE as PROXY
+    from encode_client._proxy_metrics import ProxyMetrics
+
+    exposed_proxy = {}
+    for attr in vars(ProxyMetrics()).values():
+        if attr.__class__.__module__.startswith("prometheus_client.metrics"):
+            exposed_proxy[attr._name + ("_total" if isinstance(attr, Counter) else "")] = (
+                attr._type, tuple(attr._labelnames)
+            )
+    rows = {}
+    for table in tables(DOC):
+        if table[0][:3] == ["proxy metric", "type", "labels"]:
+            for row in table[1:]:
+                rows[row[0].strip("`")] = (row[1], tuple(re.findall(r"`([a-z_]+)`", row[2])))
+    assert len(exposed_proxy) >= 10 and all(n.startswith(PROXY + "_") for n in exposed_proxy)
+    assert rows == exposed_proxy

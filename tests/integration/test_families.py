@@ -34,12 +34,14 @@ FAMILIES = {
     "clip-pooled": (lambda d: tiny_models.make_clip(d, kind="clip"), ("--output", "pooled"), "clip-pooled"),
     "siglip": (lambda d: tiny_models.make_clip(d, kind="siglip"), (), "clip"),
     "llava": (tiny_models.make_llava, (), "llava"),
-    "qwen2_5_vl": (tiny_models.make_qwen2_5_vl, (), "qwen"),
-    "qwen3_vl": (tiny_models.make_qwen3, (), "qwen3"),
-    "internvl": (make_tiny_internvl, (), "internvl"),
-    "gemma3": (make_tiny_gemma3, (), "gemma3"),
-    "mistral3": (make_tiny_mistral3, (), "mistral3"),
-    "glm4v": (make_tiny_glm4v, (), "qwen"),  # the same get_image_features and meta
+    # float32 named: a family vLLM consumes follows vLLM's auto, which runs a float32 checkpoint in
+    # bfloat16 on this CPU (test_dtype.py); the comparison here is with the float32 full model.
+    "qwen2_5_vl": (tiny_models.make_qwen2_5_vl, ("--dtype", "float32"), "qwen"),
+    "qwen3_vl": (tiny_models.make_qwen3, ("--dtype", "float32"), "qwen3"),
+    "internvl": (make_tiny_internvl, ("--dtype", "float32"), "internvl"),
+    "gemma3": (make_tiny_gemma3, ("--dtype", "float32"), "gemma3"),
+    "mistral3": (make_tiny_mistral3, ("--dtype", "float32"), "mistral3"),
+    "glm4v": (make_tiny_glm4v, ("--dtype", "float32"), "qwen"),  # the same get_image_features and meta
 }
 
 

@@ -69,18 +69,29 @@ def logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("logs")
 
 
-def engine_args(model: Path, ec_transfer_config: dict[str, Any] | None, **overrides: Any) -> dict[str, Any]:
-    """The engine the tests start: float32 (the server's CPU dtype), eager, no prefix or processor
-    cache (a repeated request must reach the connector again, not vLLM's own caches). ``overrides``
-    replace any of these or add others (a family whose CPU kernels need bfloat16, video limits, a
-    family's ``mm_processor_kwargs``)."""
+# The tower-free consumer (the documented EPD setup): every modality's limit 0, so vLLM builds no
+# vision tower and skips its encoder profiling, and accepts only embeddings items (metadata + uuid,
+# or the tensor itself). The engine with the tower is for the tests that need vLLM to see pixels
+# (and for the families whose EPD mode is pixels + uuid: their prefill keeps its tower).
+TOWER_FREE_LIMITS = {"image": 0, "video": 0}
+TOWER_LIMITS = {"image": 4, "video": 0}
+
+
+def engine_args(
+    model: Path, ec_transfer_config: dict[str, Any] | None, *, tower: bool = False, dtype: str = "float32",
+    **overrides: Any,
+) -> dict[str, Any]:
+    """The engine the tests start: float32 (unless ``dtype``), eager, no prefix or processor cache
+    (a repeated request must reach the connector again, not vLLM's own caches); tower-free unless
+    ``tower``. ``overrides`` replace any of these or add others (video limits, a family's
+    ``mm_processor_kwargs``)."""
     args: dict[str, Any] = {
         "model": str(model),
-        "dtype": "float32",
+        "dtype": dtype,
         "enforce_eager": True,
         "max_model_len": 1024,
         "max_num_seqs": 8,
-        "limit_mm_per_prompt": {"image": 4, "video": 0},
+        "limit_mm_per_prompt": TOWER_LIMITS if tower else TOWER_FREE_LIMITS,
         "enable_prefix_caching": False,
         "mm_processor_cache_gb": 0,
         "seed": 0,
@@ -91,12 +102,15 @@ def engine_args(model: Path, ec_transfer_config: dict[str, Any] | None, **overri
 
 
 @contextmanager
-def engine(model: Path, ec_transfer_config: dict[str, Any] | None = None, **overrides: Any) -> Iterator[Any]:
+def engine(
+    model: Path, ec_transfer_config: dict[str, Any] | None = None, *, tower: bool = False, dtype: str = "float32",
+    **overrides: Any,
+) -> Iterator[Any]:
     """A vLLM ``LLM`` in this process, shut down (worker, EC connector) on exit."""
     from vllm import LLM
 
     started = time.perf_counter()
-    llm = LLM(**engine_args(model, ec_transfer_config, **overrides))
+    llm = LLM(**engine_args(model, ec_transfer_config, tower=tower, dtype=dtype, **overrides))
     llm.startup_seconds = time.perf_counter() - started  # type: ignore[attr-defined]
     try:
         yield llm
@@ -104,6 +118,17 @@ def engine(model: Path, ec_transfer_config: dict[str, Any] | None = None, **over
         llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()
+
+
+def model_runner(llm: Any) -> Any:
+    """The worker's model runner of an in-process engine (its encoder cache, its model)."""
+    return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+
+
+def tower_parameters(llm: Any) -> int:
+    """How many parameters of vLLM's vision tower the engine holds (0: tower-free)."""
+    model = model_runner(llm).get_model()
+    return sum(p.numel() for name, p in model.named_parameters() if name.startswith("visual."))
 
 
 def connector_config(redis_url: str, encoder_url: str, prefix: str, **extra: Any) -> dict[str, Any]:
@@ -169,6 +194,21 @@ def stored_value(embedding: Any, fingerprint: str, mm_hash: str, meta: dict[str,
     return dump_value(fingerprint, mm_hash, from_numpy("embedding", np.asarray(embedding, dtype="<f4")), meta)
 
 
+def epd_baseline(llm: Any, client: Any, images: Sequence[bytes]) -> dict[str, Any]:
+    """Hand ``images`` off to encode-server (``client``), then the greedy tokens of the EPD request
+    (metadata only, uuid = mm_hash) and of the same embeddings given to vLLM directly."""
+    results = client.hand_off(list(images))
+    grids = [r.meta["image_grid_thw"] for r in results]
+    hashes = [r.hash for r in results]
+    embeddings = [r.numpy() for r in client.encode(list(images))]
+    started = time.perf_counter()
+    via_connector = greedy(llm, [metadata_only(g, h) for g, h in zip(grids, hashes, strict=True)])
+    seconds = time.perf_counter() - started
+    direct = greedy(llm, [direct_embeds(e, g) for e, g in zip(embeddings, grids, strict=True)])
+    print(f"\n{len(images)} EPD requests (metadata only) in one batch: {seconds * 1000:.0f} ms")
+    return {"grids": grids, "hashes": hashes, "embeddings": embeddings, "connector": via_connector, "direct": direct}
+
+
 def metric(text: str, name: str, **labels: str) -> float:
     """The sum of a Prometheus sample's values whose labels include ``labels``."""
     total = 0.0
@@ -197,7 +237,7 @@ def epd_server(model_dir: Path, logs: Path) -> Iterator[Any]:
 
     proc = start_server(
         "--model", str(model_dir), "--redis-url", REDIS_URL, "--cache-prefix", EPD_PREFIX, "--grpc-port", "0",
-        log_dir=logs,
+        "--dtype", "float32", log_dir=logs,
     )
     yield proc
     proc.stop()
@@ -206,11 +246,22 @@ def epd_server(model_dir: Path, logs: Path) -> Iterator[Any]:
 
 @pytest.fixture(scope="session")
 def vllm_server(model_dir: Path, epd_server: Any, logs: Path) -> Iterator[dict[str, Any]]:
-    """vLLM's OpenAI server, an EC consumer of ``epd_server``'s Redis prefix (every tenant's keys)."""
+    """vLLM's OpenAI server, a tower-free EC consumer of ``epd_server``'s Redis prefix (every
+    tenant's keys): what docs/vllm.md tells an operator to run."""
     from tests.vllm.epd_stack import vllm_openai_server
 
     extra = {"redis_url": REDIS_URL, "encoder_url": epd_server.url, "prefix": EPD_PREFIX}
     with vllm_openai_server(model_dir, extra, logs) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def plain_vllm(model_dir: Path, logs: Path) -> Iterator[dict[str, Any]]:
+    """Plain vLLM's OpenAI server with its own tower and no connector: the oracle that answers on
+    the pixels, shared by every test that needs one."""
+    from tests.vllm.epd_stack import vllm_openai_server
+
+    with vllm_openai_server(model_dir, None, logs, tower=True) as server:
         yield server
 
 

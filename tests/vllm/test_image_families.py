@@ -47,7 +47,7 @@ def checkpoint(case: FamilyCase, tmp_path_factory: pytest.TempPathFactory) -> Pa
 def server(case: FamilyCase, checkpoint: Path, redis_proc: RedisProcess, logs: Path) -> Iterator[ServerProcess]:
     proc = start_server(
         "--model", str(checkpoint), "--redis-url", redis_proc.url, "--cache-prefix", f"{PREFIX}-{case.name}",
-        "--grpc-port", "0", log_dir=logs,
+        "--grpc-port", "0", "--dtype", "float32", log_dir=logs,
     )
     yield proc
     proc.stop()
@@ -62,7 +62,8 @@ def client(server: ServerProcess) -> Iterator[Client]:
 @pytest.fixture(scope="module")
 def llm(case: FamilyCase, checkpoint: Path, redis_proc: RedisProcess, server: ServerProcess) -> Iterator[Any]:
     config = connector_config(redis_proc.url, server.url, f"{PREFIX}-{case.name}", timeout_ms=1000)
-    with engine(checkpoint, config, mm_processor_kwargs=case.engine_processor_kwargs) as llm:
+    # pixels + uuid: the prefill sees the image, so its engine keeps its tower (never run for it)
+    with engine(checkpoint, config, tower=True, mm_processor_kwargs=case.engine_processor_kwargs) as llm:
         print(f"\n{case.name}: vLLM engine (EC consumer) started in {llm.startup_seconds:.1f} s")
         yield llm
 

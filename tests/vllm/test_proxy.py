@@ -2,7 +2,8 @@
 ``EncodeServerECConnector``), with encode-server and Redis beside them, all on loopback.
 
 A recording TCP relay sits between the proxy and vLLM, so the test sees every byte the prefill
-server received: no image bytes, only ``uuid`` + ``image_grid_thw``.
+server received: no image bytes, only ``uuid`` + ``image_grid_thw``. The consumer is tower-free (the
+documented setup); plain vLLM with its tower answers the same chat on the pixels.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def _encoded_and_hits(server: ServerProcess) -> tuple[float, float]:
 
 
 def test_chat_through_the_proxy_sends_no_pixels_to_vllm(
-    proxy: EPDProxy, relay: Relay, server: ServerProcess, vllm_server: dict[str, Any]
+    proxy: EPDProxy, relay: Relay, server: ServerProcess, plain_vllm: dict[str, Any]
 ) -> None:
     encoded, hits, mark = *_encoded_and_hits(server), relay.mark()
     first, first_ms = _post(proxy.url, chat(IMAGES))
@@ -74,8 +75,8 @@ def test_chat_through_the_proxy_sends_no_pixels_to_vllm(
     assert second.json()["choices"][0]["message"]["content"] == answer
     assert _encoded_and_hits(server) == (encoded + len(IMAGES), hits + len(IMAGES))
 
-    # The same request with its pixels, straight to vLLM: vLLM encodes the images itself.
-    direct, direct_ms = _post(vllm_server["url"], chat(IMAGES))
+    # The same request with its pixels, straight to plain vLLM: it encodes the images with its tower.
+    direct, direct_ms = _post(plain_vllm["url"], chat(IMAGES))
     assert direct.status_code == 200, direct.text
     assert direct.json()["choices"][0]["message"]["content"] == answer
     print(
@@ -104,3 +105,107 @@ def test_unreadable_image_is_a_400_naming_the_part(proxy: EPDProxy) -> None:
     body["messages"][0]["content"][0]["image_url"]["url"] = "data:image/png;base64,@@@"
     r, _ = _post(proxy.url, body)
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].content[0]"
+
+
+def test_an_embedding_only_in_encode_servers_local_tier_still_answers(
+    server: ServerProcess, vllm_server: dict[str, Any], plain_vllm: dict[str, Any]
+) -> None:
+    """The issue's case over HTTP: the embedding deleted from Redis, still in encode-server's
+    local tier; the metadata-only chat sent straight to the tower-free consumer (no proxy, so no
+    second hand-off refills Redis) is answered, equal to plain vLLM's answer on the pixels
+    (before the fallback: 500 InternalServerError)."""
+    import redis
+    from encode_client import Client
+    from encode_client.epd import rewrite_chat_request
+
+    from tests.vllm.conftest import REDIS_URL
+
+    image = png(112, 84, seed=72)
+    with Client(server.url, response="json") as client:
+        rewritten, results = rewrite_chat_request(chat([image]), client)
+    assert redis.Redis.from_url(REDIS_URL).delete(results[0].key) == 1
+    r, _ = _post(vllm_server["url"], rewritten)
+    assert r.status_code == 200, r.text
+    direct, _ = _post(plain_vllm["url"], chat([image]))
+    assert r.json()["choices"][0]["message"]["content"] == direct.json()["choices"][0]["message"]["content"]
+
+
+def test_vllms_own_failure_is_what_the_proxy_retries(server: ServerProcess, vllm_server: dict[str, Any]) -> None:
+    """The answers of the real tower-free consumer for an image no tier holds (Redis nor
+    encode-server), streamed and not, are what the proxy's retry recognises (and what
+    tests/proxy_upstream.py plays)."""
+    from encode_client._vllm_failure import StreamGate, is_generation_error
+
+    unknown = png(56, 56, seed=73)
+    body = {**chat([]), "messages": [{"role": "user", "content": [
+        {"type": "image_embeds", "image_embeds": {"image_grid_thw": [1, 4, 4]}, "uuid": mm_hash(unknown)},
+        {"type": "text", "text": "describe the image"}]}]}
+    r, _ = _post(vllm_server["url"], body)
+    assert is_generation_error(r.status_code, r.content), (r.status_code, r.text)
+    gate = StreamGate()
+    with httpx.stream("POST", vllm_server["url"] + "/v1/chat/completions", json={**body, "stream": True},
+                      timeout=120) as streamed:
+        assert streamed.status_code == 200
+        for chunk in streamed.iter_raw():
+            gate.feed(chunk)
+    assert gate.failed, "vLLM's streamed failure was not recognised"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_an_embedding_lost_between_hand_off_and_prefill_is_retried(
+    model_dir: Any, logs: Any, vllm_server: dict[str, Any], plain_vllm: dict[str, Any], stream: bool
+) -> None:
+    """Redis loses the value after the proxy handed the image off (a relay deletes the key as the
+    request goes to vLLM) and no E holds it (the proxy's encode-server has no local tier): vLLM
+    fails the request; the proxy hands the image off again (re-encoded) and retries; the user gets
+    plain vLLM's answer on the pixels."""
+    import json as json_
+
+    import redis
+
+    from tests.server import start_server
+    from tests.vllm.conftest import EPD_PREFIX, REDIS_URL
+
+    store = redis.Redis.from_url(REDIS_URL)
+    lost: list[str] = []
+
+    def evict_once(chunk: bytes) -> None:
+        if not lost and b'"uuid"' in chunk:
+            keys = list(store.scan_iter(f"{EPD_PREFIX}:*{mm_hash(image)}"))
+            lost.extend(k.decode() for k in keys)
+            store.delete(*keys)
+
+    image = png(112, 84, seed=74 + stream)
+    lone = start_server(
+        "--model", str(model_dir), "--redis-url", REDIS_URL, "--cache-prefix", EPD_PREFIX, "--grpc-port", "0",
+        "--dtype", "float32", "--cache-mb", "0", log_dir=logs,
+    )
+    evicting = Relay(vllm_server["port"], before_forward=evict_once)
+    evicting.start()
+    try:
+        with running_proxy(evicting.url, [lone.url]) as proxy:
+            body = chat([image], stream=stream)
+            if stream:
+                with httpx.stream("POST", proxy.url + "/v1/chat/completions", json=body, timeout=120) as r:
+                    assert r.status_code == 200
+                    events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+                assert events[-1] == "[DONE]" and "error" not in "".join(events)
+                text = "".join(json_.loads(e)["choices"][0]["delta"].get("content") or "" for e in events[:-1])
+            else:
+                r = httpx.post(proxy.url + "/v1/chat/completions", json=body, timeout=120)
+                assert r.status_code == 200, r.text
+                text = r.json()["choices"][0]["message"]["content"]
+            metrics = httpx.get(proxy.url + "/metrics", timeout=10).text
+        assert lost, "the relay evicted the value"
+        assert metric(metrics, "encode_epd_proxy_retries_total", reason="prefill_error") == 1
+        assert evicting.since(0).count(b"POST /v1/chat/completions") == 2
+        assert text == plain_answer(plain_vllm, image)
+    finally:
+        evicting.close()
+        lone.stop()
+
+
+def plain_answer(plain_vllm: dict[str, Any], image: bytes) -> str:
+    r, _ = _post(plain_vllm["url"], chat([image]))
+    assert r.status_code == 200, r.text
+    return str(r.json()["choices"][0]["message"]["content"])

@@ -47,7 +47,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def server(checkpoint: Path, logs: Path) -> Iterator[ServerProcess]:
     proc = start_server(
         "--model", str(checkpoint), "--redis-url", REDIS_URL, "--cache-prefix", PREFIX, "--grpc-port", "0",
-        log_dir=logs,
+        "--dtype", "float32", log_dir=logs,
     )
     yield proc
     proc.stop()
@@ -58,7 +58,7 @@ def server(checkpoint: Path, logs: Path) -> Iterator[ServerProcess]:
 def vllm(checkpoint: Path, server: ServerProcess, logs: Path) -> Iterator[dict[str, Any]]:
     extra = {"redis_url": REDIS_URL, "encoder_url": server.url, "prefix": PREFIX}
     args = ["--mm-processor-kwargs", json.dumps({"use_fast": False})]
-    with vllm_openai_server(checkpoint, extra, logs, extra_args=args) as running:
+    with vllm_openai_server(checkpoint, extra, logs, extra_args=args, tower=True) as running:
         yield running
 
 

@@ -65,7 +65,7 @@ def redis_proc() -> Iterator[RedisProcess]:
 @pytest.fixture(scope="module")
 def server(qwen3_dir: Path, redis_proc: RedisProcess, logs: Path) -> Iterator[ServerProcess]:
     proc = start_server("--model", str(qwen3_dir), "--redis-url", redis_proc.url, "--cache-prefix", PREFIX,
-                        "--grpc-port", "0", "--max-batch-tokens", "96", log_dir=logs)
+                        "--grpc-port", "0", "--max-batch-tokens", "96", "--dtype", "float32", log_dir=logs)
     yield proc
     proc.stop()
 

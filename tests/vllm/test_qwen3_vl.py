@@ -65,7 +65,7 @@ def redis_proc(kind: str) -> Iterator[RedisProcess]:
 def server(qwen3_dir: Path, redis_proc: RedisProcess, logs: Path) -> Iterator[ServerProcess]:
     proc = start_server(
         "--model", str(qwen3_dir), "--redis-url", redis_proc.url, "--cache-prefix", PREFIX,
-        "--grpc-port", "0", log_dir=logs,
+        "--grpc-port", "0", "--dtype", "float32", log_dir=logs,
     )
     yield proc
     proc.stop()
@@ -81,7 +81,7 @@ def client(server: ServerProcess) -> Iterator[Client]:
 def llm(kind: str, qwen3_dir: Path, redis_proc: RedisProcess, server: ServerProcess) -> Iterator[Any]:
     config = connector_config(redis_proc.url, server.url, PREFIX, timeout_ms=500)
     dtype = ENGINE_DTYPE.get(kind, "float32")
-    with engine(qwen3_dir, config, dtype=dtype) as llm:
+    with engine(qwen3_dir, config, tower=True, dtype=dtype) as llm:  # plain vLLM on the pixels too
         print(f"\n{kind}: vLLM engine (EC consumer, {dtype}) started in {llm.startup_seconds:.1f} s")
         yield llm
 

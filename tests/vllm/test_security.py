@@ -6,7 +6,8 @@ names it. The attacks name a victim's image (its ``mm_hash``, which anyone can c
 victim sends it; the victim's answer must then still be plain vLLM's answer on the pixels.
 Every victim image is sent by one test only, so no test depends on what another left in vLLM.
 
-Shares the session's vLLM server and encode-server with test_proxy.py (conftest.py).
+Shares the session's vLLM servers (the tower-free consumer behind the proxy, plain vLLM with its
+tower for the answers on the pixels) and encode-server with test_proxy.py (conftest.py).
 """
 
 from __future__ import annotations
@@ -81,13 +82,13 @@ def answer(r: httpx.Response) -> str:
     return str(r.json()["choices"][0]["message"]["content"])
 
 
-def plain(vllm_server: dict[str, Any], image: bytes) -> str:
-    """vLLM's own answer on the pixels (no uuid: vLLM hashes the item itself)."""
-    return answer(post_chat(vllm_server["url"], chat([image])))
+def plain(plain_vllm: dict[str, Any], image: bytes) -> str:
+    """Plain vLLM's own answer on the pixels (its tower; no uuid: vLLM hashes the item itself)."""
+    return answer(post_chat(plain_vllm["url"], chat([image])))
 
 
 def given(vllm_server: dict[str, Any], payload: dict[str, Any]) -> str:
-    """vLLM's own answer for an embedding given directly (no uuid)."""
+    """vLLM's own answer for an embedding given directly (no uuid; the tower-free consumer takes it)."""
     return answer(post_chat(vllm_server["url"], chat([], {"type": "image_embeds", "image_embeds": payload})))
 
 
@@ -107,7 +108,7 @@ ATTACKS = {
 
 @pytest.mark.parametrize("attack", ATTACKS, ids=list(ATTACKS))
 def test_an_attack_through_the_proxy_is_refused_and_the_victim_sees_its_pixels(
-    attack: str, proxy: EPDProxy, relay: Relay, vllm_server: dict[str, Any], geometry: Geometry
+    attack: str, proxy: EPDProxy, relay: Relay, plain_vllm: dict[str, Any], geometry: Geometry
 ) -> None:
     """Each shape is one vLLM 0.32 caches under the client's uuid (the control test below shows
     two of them poisoning vLLM when sent to it directly; the old proxy forwarded all four)."""
@@ -117,7 +118,7 @@ def test_an_attack_through_the_proxy_is_refused_and_the_victim_sees_its_pixels(
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "messages[0].content[0]"
     assert relay.since(mark) == b"", "a refused request reached vLLM"
-    assert answer(post_chat(proxy.url, chat([victim]))) == plain(vllm_server, victim)
+    assert answer(post_chat(proxy.url, chat([victim]))) == plain(plain_vllm, victim)
 
 
 ROUTE_ATTACKS = {  # both poison vLLM when forwarded (measured against the old proxy, which forwarded every route)
@@ -134,36 +135,45 @@ ROUTE_ATTACKS = {  # both poison vLLM when forwarded (measured against the old p
 
 @pytest.mark.parametrize("route", ROUTE_ATTACKS)
 def test_an_attack_on_another_vllm_route_is_not_forwarded(
-    route: str, proxy: EPDProxy, relay: Relay, vllm_server: dict[str, Any]
+    route: str, proxy: EPDProxy, relay: Relay, plain_vllm: dict[str, Any]
 ) -> None:
     victim = png(*SIZE, seed=1815 + list(ROUTE_ATTACKS).index(route))
     mark = relay.mark()
     r = httpx.post(proxy.url + route, json=ROUTE_ATTACKS[route](mm_hash(victim)), timeout=120)
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error", r.text
     assert relay.since(mark) == b""
-    assert answer(post_chat(proxy.url, chat([victim]))) == plain(vllm_server, victim)
+    assert answer(post_chat(proxy.url, chat([victim]))) == plain(plain_vllm, victim)
 
 
-@pytest.mark.parametrize(
-    ("attack", "poison"),
-    [("image_embeds under the victim's hash (the issue)", "zeros"),
-     ("a text part smuggling other pixels under the victim's hash", "pixels")],
-)
 def test_control_a_client_that_reaches_vllm_directly_poisons_every_user(
-    attack: str, poison: str, proxy: EPDProxy, vllm_server: dict[str, Any], geometry: Geometry
+    proxy: EPDProxy, vllm_server: dict[str, Any], plain_vllm: dict[str, Any], geometry: Geometry
 ) -> None:
-    """Why only the proxy may reach vLLM (deploy/): the same parts sent to vLLM itself decide what
-    the model sees in the victim's image, whatever the proxy does. Also shows that the test above
-    would catch a poisoned answer."""
-    victim = png(*SIZE, seed=1820 + (poison == "pixels"))
-    assert answer(post_chat(vllm_server["url"], chat([], ATTACKS[attack](mm_hash(victim), geometry))))
-    poisoned = given(vllm_server, embeds(geometry, 0.0)) if poison == "zeros" else plain(vllm_server, ATTACKER_PIXELS)
+    """Why only the proxy may reach vLLM (deploy/): zeros under the victim's hash, sent to vLLM
+    itself, decide what the model sees in the victim's image, whatever the proxy does. Also shows
+    that the test above would catch a poisoned answer."""
+    victim = png(*SIZE, seed=1820)
+    attack = ATTACKS["image_embeds under the victim's hash (the issue)"]
+    assert answer(post_chat(vllm_server["url"], chat([], attack(mm_hash(victim), geometry))))
     victims = answer(post_chat(proxy.url, chat([victim])))
-    assert victims == poisoned != plain(vllm_server, victim)
+    assert victims == given(vllm_server, embeds(geometry, 0.0)) != plain(plain_vllm, victim)
+
+
+def test_control_the_tower_free_consumer_refuses_pixels_itself(
+    proxy: EPDProxy, vllm_server: dict[str, Any], plain_vllm: dict[str, Any]
+) -> None:
+    """Other pixels smuggled under the victim's hash poisoned a consumer with its tower (the attack
+    table of docs/vllm.md); the tower-free consumer takes no pixels at all, from anyone: vLLM
+    answers 400 itself, and the victim then sees its own pixels."""
+    victim = png(*SIZE, seed=1821)
+    attack = ATTACKS["a text part smuggling other pixels under the victim's hash"]
+    r = post_chat(vllm_server["url"], chat([], attack(mm_hash(victim), None)))
+    assert r.status_code == 400 and "At most 0 image(s)" in r.text, r.text
+    assert answer(post_chat(proxy.url, chat([victim]))) == plain(plain_vllm, victim)
 
 
 def test_trusted_embeddings_are_served_only_to_requests_that_send_them(
-    trusted_proxy: EPDProxy, relay: Relay, vllm_server: dict[str, Any], geometry: Geometry
+    trusted_proxy: EPDProxy, relay: Relay, vllm_server: dict[str, Any], plain_vllm: dict[str, Any],
+    geometry: Geometry,
 ) -> None:
     """With --trust-client-embeds the caller's tensor is used, named by its content: the victim
     named by its uuid still sees its pixels; the same tensor under any uuid is one item."""
@@ -177,7 +187,7 @@ def test_trusted_embeddings_are_served_only_to_requests_that_send_them(
     assert attacker == given(vllm_server, zeros), "the caller's own tensor answers the caller"
 
     victims = answer(post_chat(trusted_proxy.url, chat([victim])))
-    assert victims == plain(vllm_server, victim) != attacker
+    assert victims == plain(plain_vllm, victim) != attacker
 
     mark = relay.mark()
     again = answer(post_chat(trusted_proxy.url, chat([], {"type": "image_embeds", "image_embeds": zeros,
@@ -198,7 +208,7 @@ def tenant_server(model_dir: Path, logs: Path, epd_server: ServerProcess) -> Ite
     spec = ",".join(f"{t}:{k}" for t, k in KEYS.items())
     proc = start_server(
         "--model", str(model_dir), "--redis-url", REDIS_URL, "--cache-prefix", EPD_PREFIX, "--grpc-port", "0",
-        "--tenant-isolation", "--api-keys", spec, log_dir=logs,
+        "--tenant-isolation", "--api-keys", spec, "--dtype", "float32", log_dir=logs,
     )
     yield proc
     proc.stop()
@@ -212,7 +222,7 @@ def tenant_proxy(relay: Relay, tenant_server: ServerProcess) -> Iterator[EPDProx
 
 def test_two_tenants_one_image_are_isolated_end_to_end(
     tenant_proxy: EPDProxy, tenant_server: ServerProcess, relay: Relay, vllm_server: dict[str, Any],
-    geometry: Geometry,
+    plain_vllm: dict[str, Any], geometry: Geometry,
 ) -> None:
     """encode-server, Redis keys and the identifiers vLLM sees: one image, two tenants, two items.
 
@@ -245,7 +255,7 @@ def test_two_tenants_one_image_are_isolated_end_to_end(
     assert relay.uuids_since(mark) == [f"t:{tenant_digest('globex')}:{h}"]
     assert relay.salts_since(mark) == [cache_salt("globex")]
 
-    assert acme == plain(vllm_server, image)
+    assert acme == plain(plain_vllm, image)
     assert globex == given(vllm_server, embeds(geometry, 0.0)) != acme
     assert answer(post_chat(tenant_proxy.url, chat([image]), key=KEYS["acme"])) == acme
 

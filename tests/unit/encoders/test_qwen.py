@@ -20,7 +20,7 @@ SIZES = [(28, 28), (10, 10), (300, 40), (45, 200), (640, 480), (101, 99)]
 
 
 def test_output_is_bit_identical_to_get_image_features(qwen_dir: Path, image: Image.Image) -> None:
-    encoder = load_encoder(str(qwen_dir), device="cpu")
+    encoder = load_encoder(str(qwen_dir), device="cpu", dtype="float32")
     prepared = encoder.preprocess(image)
     [encoded] = encoder.forward([prepared])
     expected, grid = reference_qwen_features(qwen_dir, image)
@@ -43,7 +43,7 @@ def test_num_tokens_follow_the_models_own_processor(qwen_dir: Path, width: int, 
 
 def test_batch_equals_the_models_own_batched_call(qwen_dir: Path) -> None:
     """Rows and grids are concatenated, then the output is split back by each image's N."""
-    encoder = load_encoder(str(qwen_dir), device="cpu")
+    encoder = load_encoder(str(qwen_dir), device="cpu", dtype="float32")
     images = [noise_image(w, h, seed=i) for i, (w, h) in enumerate(SIZES[2:5])]
     prepared = [encoder.preprocess(image) for image in images]
     batched = encoder.forward(prepared)
@@ -57,7 +57,7 @@ def test_batch_equals_the_models_own_batched_call(qwen_dir: Path) -> None:
 
 
 def test_qwen2_vl_output_is_bit_identical_too(qwen2_vl_dir: Path, image: Image.Image) -> None:
-    encoder: Any = load_encoder(str(qwen2_vl_dir), device="cpu")
+    encoder: Any = load_encoder(str(qwen2_vl_dir), device="cpu", dtype="float32")
     prepared = encoder.preprocess(image)
     [encoded] = encoder.forward([prepared])
     expected, grid = reference_qwen_features(qwen2_vl_dir, image)
@@ -71,7 +71,7 @@ def test_qwen2_vl_output_is_bit_identical_too(qwen2_vl_dir: Path, image: Image.I
 def test_the_patch_matmul_is_the_convolution(qwen_dir: Path, image: Image.Image) -> None:
     """The server computes the stride-equals-kernel Conv3d as the matmul it is (as vLLM does): the
     same embedding as HF's convolution but for float rounding."""
-    encoder = load_encoder(str(qwen_dir), device="cpu")
+    encoder = load_encoder(str(qwen_dir), device="cpu", dtype="float32")
     [encoded] = encoder.forward([encoder.preprocess(image)])
     conv: Any = load_full_model(qwen_dir, conv_patch_embed=True)
     assert isinstance(conv.model.visual.patch_embed.proj, torch.nn.Conv3d)

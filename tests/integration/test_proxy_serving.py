@@ -1,0 +1,266 @@
+"""``encode-epd-proxy`` fit for traffic, over real HTTP: several upstreams (least outstanding
+requests, one that refuses connections skipped), answers streamed as they arrive, bounded
+concurrency, bodies and timeouts with OpenAI-shaped errors, a request vLLM failed before answering
+retried after its images are handed off again (a real encode-server), ``/health``, ``/metrics``,
+and the drain on SIGTERM of the real command.
+
+vLLM's part is played by ``tests.proxy_upstream.StubVllm`` (what a real vLLM cannot be made to do
+on demand: hold a request, fail one); tests/vllm/test_proxy.py runs the proxy against vLLM itself.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis
+from encode_client.proxy import EPDProxy
+
+from tests.images import image_bytes
+from tests.proxy_upstream import StubVllm
+from tests.redis_procs import delete_prefix
+from tests.server import ServerProcess, free_port, start_server
+
+pytestmark = pytest.mark.integration
+
+NOWHERE = f"http://127.0.0.1:{free_port()}"
+PREFIX = "test-proxy-serving"
+
+
+def _wait(condition: Any, what: str, seconds: float = 20.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {seconds} s: {what}")
+        time.sleep(0.01)
+
+
+class _Running:
+    def __init__(self, proxy: EPDProxy) -> None:
+        self.proxy = proxy
+        self.thread = threading.Thread(target=proxy.serve_forever, daemon=True)
+
+    def __enter__(self) -> EPDProxy:
+        self.thread.start()
+        _wait(lambda: self.proxy._server.started, "the proxy started")
+        return self.proxy
+
+    def __exit__(self, *exc: object) -> None:
+        self.proxy.shutdown()
+        self.proxy.server_close()
+
+
+def running(upstreams: list[str], encoders: list[str] | None = None, **options: Any) -> _Running:
+    return _Running(EPDProxy(("127.0.0.1", 0), upstreams, encoders or [NOWHERE], **options))
+
+
+def text_chat(**extra: Any) -> dict[str, Any]:
+    return {"model": "stub", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **extra}
+
+
+def post(url: str, body: dict[str, Any], timeout: float = 30) -> httpx.Response:
+    return httpx.post(url + "/v1/chat/completions", json=body, timeout=timeout)
+
+
+def metric(proxy: EPDProxy, name: str, **labels: str) -> float:
+    text = httpx.get(proxy.url + "/metrics", timeout=10).text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            head, _, value = line.rpartition(" ")
+            if all(f'{k}="{v}"' in head for k, v in labels.items()):
+                total += float(value)
+    return total
+
+
+def test_requests_go_to_the_upstream_with_the_fewest_outstanding() -> None:
+    """Four requests held open on two upstreams: two each. Then one upstream has one more held
+    request than the other, and the next request goes to the other."""
+    with StubVllm("a") as a, StubVllm("b") as b, running([a.url, b.url]) as proxy, ThreadPoolExecutor(8) as pool:
+        held = [pool.submit(post, proxy.url, text_chat(hold=True)) for _ in range(4)]
+        _wait(lambda: a.active + b.active == 4, "four requests held")
+        assert (a.active, b.active) == (2, 2)
+        assert metric(proxy, "encode_epd_proxy_upstream_outstanding", upstream=a.url) == 2
+        a.release()  # the stubs share nothing: a answers its two, b still holds its two
+        _wait(lambda: a.active == 0 and a.served == 2, "a's requests answered")
+        one = pool.submit(post, proxy.url, text_chat())
+        assert one.result().status_code == 200
+        assert (len(a.bodies), len(b.bodies)) == (3, 2), "the next request went to a, which had none outstanding"
+        b.release()
+        for f in [*held, one]:
+            assert f.result().status_code == 200
+
+
+def test_an_upstream_that_refuses_connections_is_skipped() -> None:
+    with StubVllm() as stub, running([NOWHERE, stub.url]) as proxy:
+        for _ in range(4):
+            assert post(proxy.url, text_chat()).status_code == 200
+        assert stub.served == 4
+        assert metric(proxy, "encode_epd_proxy_upstream_up", upstream=NOWHERE) == 0
+        assert metric(proxy, "encode_epd_proxy_upstream_up", upstream=stub.url) == 1
+    with running([NOWHERE]) as proxy:
+        r = post(proxy.url, text_chat())
+        assert r.status_code == 502 and r.json()["error"]["type"] == "upstream_unavailable"
+
+
+def test_a_stream_passes_through_as_it_arrives() -> None:
+    """The first token reaches the client while vLLM still holds the rest of the stream."""
+    with StubVllm(tokens=3) as stub, running([stub.url]) as proxy:
+        with httpx.stream("POST", proxy.url + "/v1/chat/completions", json=text_chat(stream=True, hold_stream=True),
+                          timeout=30) as r:
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+            lines = r.iter_lines()
+            received = []
+            for line in lines:
+                if line.startswith("data: ") and '"t0 "' in line:
+                    received.append(line)
+                    break
+            assert received and stub.streams_held == 1 and stub.served == 0, "the rest is not sent yet"
+            stub.release()
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]" and stub.served == 1
+
+
+def test_concurrency_bodies_and_timeouts_are_bounded() -> None:
+    with StubVllm() as stub, running([stub.url], max_concurrency=2, max_body_bytes=4096, timeout=3) as proxy:
+        with ThreadPoolExecutor(2) as pool:
+            held = [pool.submit(post, proxy.url, text_chat(hold=True)) for _ in range(2)]
+            _wait(lambda: stub.active == 2, "two requests held")
+            over = post(proxy.url, text_chat())
+            assert over.status_code == 503 and over.json()["error"]["type"] == "overloaded_error"
+            assert over.headers["retry-after"] == "1"
+            for f in held:  # the held requests outlive --timeout: vLLM said nothing for 3 s
+                r = f.result()
+                assert r.status_code == 504 and r.json()["error"]["type"] == "upstream_timeout", r.text
+        stub.release()
+        big = post(proxy.url, text_chat(padding="x" * 5000))
+        assert big.status_code == 413 and big.json()["error"]["type"] == "invalid_request_error"
+        assert post(proxy.url, text_chat()).status_code == 200
+        assert metric(proxy, "encode_epd_proxy_errors_total", type="overloaded_error") == 1
+        assert metric(proxy, "encode_epd_proxy_errors_total", type="upstream_timeout") == 2
+
+
+@pytest.fixture(scope="module")
+def encoder(shared_redis_url: str, server_logs: Path) -> Iterator[ServerProcess]:
+    proc = start_server("--redis-url", shared_redis_url, "--cache-prefix", PREFIX, log_dir=server_logs)
+    yield proc
+    proc.stop()
+    delete_prefix(redis.Redis.from_url(shared_redis_url), PREFIX)
+
+
+def image_chat(seed: int, **extra: Any) -> dict[str, Any]:
+    url = "data:image/png;base64," + base64.b64encode(image_bytes("PNG", 40, 30, seed=seed)).decode()
+    return {"model": "stub", "max_tokens": 4, **extra,
+            "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                      {"type": "text", "text": "what is it"}]}]}
+
+
+def _items(server: ServerProcess, status: str) -> float:
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    return sum(float(line.rpartition(" ")[2]) for line in text.splitlines()
+               if line.startswith("encode_server_items_total{") and f'status="{status}"' in line)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_a_request_vllm_failed_is_handed_off_again_and_retried_once(encoder: ServerProcess, stream: bool) -> None:
+    """vLLM fails the first try as its EC connector does (no embedding): the proxy hands the image
+    off again, sends again, and the client gets the second answer, none of the first. A second
+    failure is passed on as vLLM gave it; a request without images is never retried."""
+    with StubVllm() as stub, running([stub.url], [encoder.url]) as proxy:
+        stub.fail_next = 1
+        encoded, hits = _items(encoder, "encoded"), _items(encoder, "hit")
+        r = post(proxy.url, image_chat(seed=1 + stream, stream=stream))
+        assert r.status_code == 200, r.text
+        assert "InternalServerError" not in r.text and "t0" in r.text
+        assert len(stub.bodies) == 2 and stub.bodies[0] == stub.bodies[1], "the same rewritten request, twice"
+        assert _items(encoder, "encoded") == encoded + 1
+        assert _items(encoder, "hit") == hits + 1, "the image was handed off again before the retry"
+        assert metric(proxy, "encode_epd_proxy_retries_total", reason="prefill_error") == 1
+
+        stub.fail_next = 2
+        r = post(proxy.url, image_chat(seed=1 + stream, stream=stream))
+        assert "InternalServerError" in r.text
+        assert r.status_code == (200 if stream else 500)
+        assert metric(proxy, "encode_epd_proxy_retries_total", reason="prefill_error") == 2
+
+        stub.fail_next, sent = 1, len(stub.bodies)
+        r = post(proxy.url, text_chat(stream=stream))
+        assert "InternalServerError" in r.text and len(stub.bodies) == sent + 1, "no images: not retried"
+        stub.fail_next = 0
+
+
+def test_health_and_metrics_are_the_proxys_own() -> None:
+    with StubVllm() as stub, running([stub.url, NOWHERE]) as proxy:
+        health = httpx.get(proxy.url + "/health", timeout=10)
+        assert health.status_code == 200
+        assert health.json()["upstreams"] == {stub.url: "up", NOWHERE: "down"}
+        assert post(proxy.url, text_chat()).status_code == 200
+        text = httpx.get(proxy.url + "/metrics", timeout=10).text
+        for name in ("encode_epd_proxy_requests_total", "encode_epd_proxy_request_seconds_bucket",
+                     "encode_epd_proxy_upstream_seconds_bucket", "encode_epd_proxy_inflight"):
+            assert name in text, name
+        assert metric(proxy, "encode_epd_proxy_requests_total", route="/v1/chat/completions", code="200") == 1
+    with running([NOWHERE]) as proxy:
+        r = httpx.get(proxy.url + "/health", timeout=10)
+        assert r.status_code == 502 and r.json()["error"]["type"] == "upstream_unavailable"
+
+
+def test_sigterm_drains_the_command(tmp_path: Path) -> None:
+    """The real ``encode-epd-proxy`` process: on SIGTERM it takes no new connection, the stream in
+    flight finishes whole, and it exits 0."""
+    port = free_port()
+    with StubVllm(tokens=3) as stub:
+        cmd = [sys.executable, "-m", "encode_client.proxy", "--listen", f"127.0.0.1:{port}", "--vllm", stub.url,
+               "--encoder", NOWHERE, "--drain-seconds", "20", "--log-level", "warning"]
+        log = (tmp_path / "proxy.log").open("wb")
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
+        url = f"http://127.0.0.1:{port}"
+        try:
+            def up() -> bool:
+                try:
+                    return httpx.get(url + "/health", timeout=1).status_code == 200
+                except httpx.TransportError:
+                    return False
+
+            _wait(up, "the proxy answered /health")
+            lines: list[str] = []
+
+            def stream() -> None:
+                with httpx.stream("POST", url + "/v1/chat/completions",
+                                  json=text_chat(stream=True, hold_stream=True), timeout=30) as r:
+                    lines.extend(line for line in r.iter_lines() if line.startswith("data: "))
+
+            reader = threading.Thread(target=stream)
+            reader.start()
+            _wait(lambda: stub.streams_held == 1, "the stream is in flight")
+            proc.send_signal(signal.SIGTERM)
+
+            def refused() -> bool:
+                try:
+                    httpx.get(url + "/health", timeout=1)
+                except httpx.ConnectError:
+                    return True
+                return False
+
+            _wait(refused, "new connections refused while draining")
+            assert proc.poll() is None, "it waited for the stream in flight"
+            stub.release()
+            reader.join(30)
+            assert lines[-1] == "data: [DONE]" and stub.served == 1
+            assert proc.wait(30) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+            log.close()

@@ -1,0 +1,115 @@
+"""The proxy's pure parts: choosing an upstream (least outstanding requests, marks that expire)
+and telling a request vLLM failed before answering from one it answered."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from encode_client._upstreams import Upstreams
+from encode_client._vllm_failure import StreamGate, is_generation_error
+
+GENERIC = json.dumps({"error": {"message": "Internal server error", "type": "InternalServerError", "code": 500}})
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_least_busy_upstream_is_picked_and_ties_take_turns() -> None:
+    ups = Upstreams(["http://a", "http://b", "http://c"])
+    picks = [ups.pick().url for _ in range(6)]
+    assert picks == ["http://a", "http://b", "http://c"] * 2, "idle upstreams share requests in turn"
+    a, b, c = ups.all
+    ups.started(a)
+    ups.started(a)
+    ups.started(b)
+    assert ups.pick() is c
+    ups.started(c)
+    assert ups.pick() in (b, c) and ups.pick(exclude={"http://b", "http://c"}) is a
+    ups.finished(a)
+    ups.finished(a)
+    assert ups.pick() is a
+    assert ups.pick(exclude={"http://a", "http://b", "http://c"}) is None
+
+
+def test_a_failed_upstream_is_avoided_until_its_mark_expires_and_used_when_alone() -> None:
+    clock = Clock()
+    ups = Upstreams(["http://a", "http://b"], down_for=5, clock=clock)
+    a, b = ups.all
+    ups.failed(a)
+    assert not ups.up(a) and [ups.pick() for _ in range(3)] == [b, b, b]
+    ups.started(b)
+    ups.started(b)
+    assert ups.pick() is b, "a busy live upstream before an idle one marked down"
+    assert ups.pick(exclude={"http://b"}) is a, "marked down, but the only one left: tried anyway"
+    clock.now = 6
+    assert ups.up(a) and ups.pick() is a
+
+
+def test_outstanding_never_goes_negative_and_urls_are_checked() -> None:
+    ups = Upstreams(["http://a"])
+    with pytest.raises(AssertionError):
+        ups.finished(ups.all[0])
+    for bad in ([], ["ftp://a"], ["http://a", "http://a/"]):
+        with pytest.raises(ValueError):
+            Upstreams(bad)
+
+
+def _chunk(delta: dict, finish: str | None = None) -> bytes:
+    body = {"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+    return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+
+ROLE = _chunk({"role": "assistant", "content": ""})
+TOKEN = _chunk({"content": "cat"})
+
+
+def test_vllms_generic_500_is_a_failure_and_nothing_else_is() -> None:
+    assert is_generation_error(500, GENERIC.encode())
+    assert not is_generation_error(500, b'{"error": {"type": "BadRequestError"}}')
+    assert not is_generation_error(500, b"<html>oops</html>")
+    assert not is_generation_error(400, GENERIC.encode())
+
+
+def test_a_stream_failed_before_content_is_held_back_whole() -> None:
+    gate = StreamGate()
+    assert gate.feed(ROLE) == b"" and gate.holding
+    assert gate.feed(b"data: " + GENERIC.encode() + b"\n\ndata: [DONE]\n\n") == b""
+    assert gate.failed and not gate.holding and gate.finish() == b""
+
+
+def test_a_stream_with_content_is_released_from_its_first_byte_and_then_passes() -> None:
+    gate = StreamGate()
+    assert gate.feed(ROLE[:10]) == b""  # an event split across reads
+    assert gate.feed(ROLE[10:]) == b""
+    out = gate.feed(TOKEN[:5])
+    assert out == b"" and gate.holding
+    assert gate.feed(TOKEN[5:]) == ROLE + TOKEN
+    assert gate.feed(b"data: [DONE]\n\n") == b"data: [DONE]\n\n" and not gate.failed
+
+
+@pytest.mark.parametrize(
+    "event",
+    [b"data: [DONE]\n\n", _chunk({}, "stop"), b"data: not json\n\n",
+     b'data: {"error": {"type": "BadRequestError"}}\n\n',
+     b"data: " + json.dumps({"choices": [], "usage": {"prompt_tokens": 3}}).encode() + b"\n\n"],
+    ids=["done", "finish", "unreadable", "other-error", "usage"],
+)
+def test_anything_but_a_role_chunk_or_vllms_failure_decides_for_passing(event: bytes) -> None:
+    gate = StreamGate()
+    gate.feed(ROLE)
+    assert gate.feed(event) == ROLE + event and not gate.failed
+
+
+def test_a_stream_that_says_nothing_decisive_is_released_past_the_limit_or_at_its_end() -> None:
+    gate = StreamGate(limit=100)
+    assert gate.feed(b": keep-alive\n\n") == b""
+    assert gate.feed(ROLE * 3) == b": keep-alive\n\n" + ROLE * 3
+    short = StreamGate()
+    short.feed(ROLE)
+    assert short.finish() == ROLE and not short.failed

@@ -17,8 +17,8 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import json
-from typing import Any
 import logging
+from typing import Any
 
 from transformers import AutoConfig, AutoImageProcessor
 

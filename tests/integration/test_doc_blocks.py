@@ -65,10 +65,13 @@ SKIP: dict[tuple[str, str], str] = {
         "the image build of make test-container (tests/container), minutes long",
     ("docs/vllm.md", "encode-server --model /models/Qwen2.5-VL-7B-Instruct --redis-url redis://redis:6379/0"):
         "a server for a real model directory and a host named redis, run until stopped",
-    ("docs/vllm.md", "vllm serve /models/Qwen2.5-VL-7B-Instruct --ec-transfer-config '{"):
+    ("docs/vllm.md", "vllm serve /models/Qwen2.5-VL-7B-Instruct --limit-mm-per-prompt '{\"image\":0,\"video\":0}' "
+     "--ec-transfer-config '{"):
         "vLLM serving a real model; tests/vllm runs it on a tiny one (make test-vllm)",
-    ("docs/vllm.md", "encode-epd-proxy --listen 0.0.0.0:8080 --vllm http://prefill:8000 --encoder http://encode-server:8000"):
-        "a proxy in front of a vLLM named prefill; tests/vllm runs the proxy against a real vLLM",
+    ("docs/vllm.md",
+     "encode-epd-proxy --listen 0.0.0.0:8080 --vllm http://prefill-a:8000 --vllm http://prefill-b:8000 \\"):
+        "proxies in front of vLLMs and encode-servers on named hosts, run until stopped; tests/vllm runs the "
+        "proxy against a real vLLM",
 }
 
 _FENCE = re.compile(r"^```(\S*)[^\n]*\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)

@@ -19,12 +19,16 @@ from tests.tiny import gemma3
 from tests.tiny_models import load_full_model, reference_gemma3_features
 from tests.unit.encoders.util import decode, noise_image, num_parameters
 
+# Float32 named: a family vLLM consumes follows vLLM's auto dtype (bfloat16 on this CPU), and these
+# comparisons are with the float32 full model.
+CPU32: dict[str, str] = {"device": "cpu", "dtype": "float32"}
+
 # at the tower's size; resized down, up; a single pixel; extreme aspect ratios
 SIZES = [(64, 64), (112, 56), (300, 200), (30, 400), (1, 1), (5000, 3), (3, 5000)]
 
 
 def test_output_is_bit_identical_to_get_image_features(gemma3_dir: Path) -> None:
-    encoder = load_encoder(str(gemma3_dir), device="cpu", dtype="float32")
+    encoder = load_encoder(str(gemma3_dir), **CPU32)
     for i, (w, h) in enumerate(SIZES):
         image = noise_image(w, h, seed=i)
         prepared = encoder.preprocess(image)
@@ -36,7 +40,7 @@ def test_output_is_bit_identical_to_get_image_features(gemma3_dir: Path) -> None
 
 
 def test_a_batch_equals_the_models_own_batched_call(gemma3_dir: Path) -> None:
-    encoder = load_encoder(str(gemma3_dir), device="cpu", dtype="float32")
+    encoder = load_encoder(str(gemma3_dir), **CPU32)
     images = [noise_image(w, h, seed=10 + i) for i, (w, h) in enumerate(SIZES[:4])]
     batched = encoder.forward([encoder.preprocess(image) for image in images])
     for encoded, reference in zip(batched, reference_gemma3_features(gemma3_dir, images), strict=True):
@@ -47,7 +51,7 @@ def test_pan_and_scan_saved_on_is_not_applied(gemma3_dir: Path, tmp_path: Path) 
     """Gemma3Processor passes do_pan_and_scan=False at call time over the saved attribute, and vLLM
     sizes its placeholder from the same merged default: one crop, the same rows and fingerprint."""
     saved_on = edited(gemma3_dir, tmp_path / "m", do_pan_and_scan=True, pan_and_scan_min_crop_size=8)
-    ours, theirs = load_encoder(str(gemma3_dir), device="cpu", dtype="float32"), load_encoder(str(saved_on), device="cpu", dtype="float32")
+    ours, theirs = load_encoder(str(gemma3_dir), **CPU32), load_encoder(str(saved_on), **CPU32)
     wide = noise_image(640, 64)
     prepared = theirs.preprocess(wide)
     assert prepared.inputs["pixel_values"].shape[0] == 1, "pan-and-scan crops were cut"
@@ -57,12 +61,12 @@ def test_pan_and_scan_saved_on_is_not_applied(gemma3_dir: Path, tmp_path: Path) 
 
 def test_a_processor_that_disagrees_with_the_tower_is_refused(gemma3_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="the tower takes 64 px"):
-        load_encoder(str(edited(gemma3_dir, tmp_path / "a", size={"height": 32, "width": 32})), device="cpu", dtype="float32")
+        load_encoder(str(edited(gemma3_dir, tmp_path / "a", size={"height": 32, "width": 32})), **CPU32)
     copy = shutil.copytree(gemma3_dir, tmp_path / "b")
     config = json.loads((copy / "processor_config.json").read_text())
     (copy / "processor_config.json").write_text(json.dumps({**config, "image_seq_length": 256}))
     with pytest.raises(ValueError, match="image_seq_length 256 != mm_tokens_per_image 16"):
-        load_encoder(str(copy), device="cpu", dtype="float32")
+        load_encoder(str(copy), **CPU32)
 
 
 def test_siglip_without_its_vision_model_level_is_refused(gemma3_dir: Path, tmp_path: Path) -> None:
@@ -73,11 +77,11 @@ def test_siglip_without_its_vision_model_level_is_refused(gemma3_dir: Path, tmp_
     save_file({k.replace("vision_tower.vision_model.", "vision_tower."): v for k, v in state.items()},
               copy / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match="does not match Gemma3Vision"):
-        load_encoder(str(copy), device="cpu", dtype="float32")
+        load_encoder(str(copy), **CPU32)
 
 
 def test_holds_no_language_model(gemma3_dir: Path) -> None:
-    encoder: Any = load_encoder(str(gemma3_dir), device="cpu", dtype="float32")
+    encoder: Any = load_encoder(str(gemma3_dir), **CPU32)
     full: Any = load_full_model(gemma3_dir)
     vision = num_parameters(full.model.vision_tower, full.model.multi_modal_projector)
     assert encoder.info.num_parameters == num_parameters(encoder.module) == vision < num_parameters(full)
@@ -85,4 +89,4 @@ def test_holds_no_language_model(gemma3_dir: Path) -> None:
 
 def test_pooled_output_is_refused(gemma3_dir: Path) -> None:
     with pytest.raises(ValueError, match="projected"):
-        load_encoder(str(gemma3_dir), device="cpu", dtype="float32", output="pooled")
+        load_encoder(str(gemma3_dir), **CPU32, output="pooled")

@@ -19,13 +19,17 @@ from tests.tiny import mistral3
 from tests.tiny_models import load_full_model, reference_mistral3_features
 from tests.unit.encoders.util import decode, noise_image, num_parameters
 
+# Float32 named: a family vLLM consumes follows vLLM's auto dtype (bfloat16 on this CPU), and these
+# comparisons are with the float32 full model.
+CPU32: dict[str, str] = {"device": "cpu", "dtype": "float32"}
+
 # multiples of 28; not; scaled down to the longest edge; extreme aspect ratios (one row is checked
 # against vLLM only: transformers' own get_image_features fails on it)
 SIZES = [(56, 56), (112, 84), (300, 200), (30, 400), (5000, 30), (30, 5000), (57, 61)]
 
 
 def test_output_is_bit_identical_to_get_image_features(mistral3_dir: Path) -> None:
-    encoder = load_encoder(str(mistral3_dir), device="cpu", dtype="float32")
+    encoder = load_encoder(str(mistral3_dir), **CPU32)
     for i, (w, h) in enumerate(SIZES):
         image = noise_image(w, h, seed=i)
         [encoded] = encoder.forward([encoder.preprocess(image)])
@@ -34,7 +38,7 @@ def test_output_is_bit_identical_to_get_image_features(mistral3_dir: Path) -> No
 
 
 def test_a_batch_is_each_image_on_its_own(mistral3_dir: Path) -> None:
-    encoder = load_encoder(str(mistral3_dir), device="cpu", dtype="float32")
+    encoder = load_encoder(str(mistral3_dir), **CPU32)
     prepared = [encoder.preprocess(noise_image(w, h, seed=20 + i)) for i, (w, h) in enumerate(SIZES[:4])]
     batched = encoder.forward(prepared)
     for item, encoded in zip(prepared, batched, strict=True):
@@ -44,7 +48,7 @@ def test_a_batch_is_each_image_on_its_own(mistral3_dir: Path) -> None:
 
 @pytest.mark.parametrize(("width", "height"), [*SIZES, (1, 1), (20, 20), (168, 168), (169, 10), (1920, 1080)])
 def test_num_tokens_follow_the_processor(mistral3_dir: Path, width: int, height: int) -> None:
-    encoder = load_encoder(str(mistral3_dir), device="cpu", dtype="float32")
+    encoder = load_encoder(str(mistral3_dir), **CPU32)
     image = noise_image(width, height)
     sizes = AutoImageProcessor.from_pretrained(mistral3_dir)(images=image, patch_size={"height": 28, "width": 28})
     h, w = (int(x) for x in sizes["image_sizes"][0])
@@ -58,7 +62,7 @@ def test_num_tokens_follow_the_processor(mistral3_dir: Path, width: int, height:
 
 def test_the_fingerprint_covers_the_longest_edge(mistral3_dir: Path, tmp_path: Path) -> None:
     smaller = edited(mistral3_dir, tmp_path / "m", size={"longest_edge": 112})
-    ours, theirs = load_encoder(str(mistral3_dir), device="cpu", dtype="float32"), load_encoder(str(smaller), device="cpu", dtype="float32")
+    ours, theirs = load_encoder(str(mistral3_dir), **CPU32), load_encoder(str(smaller), **CPU32)
     assert theirs.count_tokens(300, 200)[0] < ours.count_tokens(300, 200)[0]
     assert model_fingerprint(theirs.info) != model_fingerprint(ours.info)
 
@@ -72,11 +76,11 @@ def test_a_processor_that_disagrees_with_the_model_is_refused(
     config = json.loads((copy / "processor_config.json").read_text())
     (copy / "processor_config.json").write_text(json.dumps({**config, name: value}))
     with pytest.raises(ValueError, match=words):
-        load_encoder(str(copy), device="cpu", dtype="float32")
+        load_encoder(str(copy), **CPU32)
 
 
 def test_holds_no_language_model(mistral3_dir: Path) -> None:
-    encoder: Any = load_encoder(str(mistral3_dir), device="cpu", dtype="float32")
+    encoder: Any = load_encoder(str(mistral3_dir), **CPU32)
     full: Any = load_full_model(mistral3_dir)
     vision = num_parameters(full.model.vision_tower, full.model.multi_modal_projector)
     assert encoder.info.num_parameters == num_parameters(encoder.module) == vision < num_parameters(full)

@@ -18,6 +18,10 @@ from tests.tiny_models import load_full_model, make_qwen3, reference_qwen3_featu
 from tests.unit.encoders.util import decode, noise_image, num_parameters
 from tests.vllm.tiny_qwen3 import DEEPSTACK
 
+# Float32 named: a family vLLM consumes follows vLLM's auto dtype (bfloat16 on this CPU), and these
+# comparisons are with the float32 full model.
+CPU32: dict[str, str] = {"device": "cpu", "dtype": "float32"}
+
 KINDS = ["qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"]
 # (width, height): below min_pixels, unresized, wide, tall, above max_pixels, odd
 SIZES = [(20, 20), (64, 96), (400, 40), (45, 300), (640, 480), (101, 99)]
@@ -41,7 +45,7 @@ def _width(kind: str) -> int:
 def test_output_is_merged_then_deepstack_bit_identical(qwen3_dir: Path) -> None:
     """Row for row and column for column what vLLM's embed_multimodal packs: the merger's rows, then
     each DeepStack merger's, on the last dimension (Qwen3.5: the merger's alone)."""
-    encoder = load_encoder(str(qwen3_dir), device="cpu", dtype="float32")
+    encoder = load_encoder(str(qwen3_dir), **CPU32)
     kind = json.loads((qwen3_dir / "config.json").read_text())["model_type"]
     image = noise_image(100, 70)
     prepared = encoder.preprocess(image)
@@ -55,7 +59,7 @@ def test_output_is_merged_then_deepstack_bit_identical(qwen3_dir: Path) -> None:
 
 def test_deepstack_columns_are_not_the_merged_ones(dense_dir: Path) -> None:
     """The wide rows are three distinct blocks: dropping or repeating DeepStack would show here."""
-    encoder = load_encoder(str(dense_dir), device="cpu", dtype="float32")
+    encoder = load_encoder(str(dense_dir), **CPU32)
     [encoded] = encoder.forward([encoder.preprocess(noise_image(64, 96))])
     blocks = decode(encoded).split(OUT_HIDDEN, dim=-1)
     assert len(blocks) == 1 + len(DEEPSTACK)
@@ -64,7 +68,7 @@ def test_deepstack_columns_are_not_the_merged_ones(dense_dir: Path) -> None:
 
 @pytest.mark.parametrize(("width", "height"), SIZES)
 def test_num_tokens_follow_the_models_own_processor(dense_dir: Path, width: int, height: int) -> None:
-    encoder = load_encoder(str(dense_dir), device="cpu", dtype="float32")
+    encoder = load_encoder(str(dense_dir), **CPU32)
     image = noise_image(width, height)
     grid = AutoImageProcessor.from_pretrained(dense_dir)(images=image, return_tensors="pt")["image_grid_thw"][0]
     prepared = encoder.preprocess(image)
@@ -74,7 +78,7 @@ def test_num_tokens_follow_the_models_own_processor(dense_dir: Path, width: int,
 
 def test_batch_equals_one_by_one(dense_dir: Path) -> None:
     """Images batched (patches concatenated, split back by N) give each image's own rows."""
-    encoder = load_encoder(str(dense_dir), device="cpu", dtype="float32")
+    encoder = load_encoder(str(dense_dir), **CPU32)
     prepared = [encoder.preprocess(noise_image(w, h, seed=i)) for i, (w, h) in enumerate(SIZES[1:5])]
     batched = encoder.forward(prepared)
     for one, item in zip(batched, prepared, strict=True):
@@ -83,7 +87,7 @@ def test_batch_equals_one_by_one(dense_dir: Path) -> None:
 
 
 def test_holds_only_the_vision_tower(qwen3_dir: Path) -> None:
-    encoder: Any = load_encoder(str(qwen3_dir), device="cpu", dtype="float32")
+    encoder: Any = load_encoder(str(qwen3_dir), **CPU32)
     full: Any = load_full_model(qwen3_dir)
     assert encoder.info.num_parameters == num_parameters(full.model.visual) < num_parameters(full)
 
@@ -96,7 +100,7 @@ def test_both_processor_layouts_load_alike(dense_dir: Path, tmp_path: Path) -> N
     shutil.copytree(dense_dir, hub)
     _to_hub_layout(hub)
     assert (hub / "video_preprocessor_config.json").is_file() and (hub / "preprocessor_config.json").is_file()
-    nested, split = load_encoder(str(dense_dir), device="cpu", dtype="float32"), load_encoder(str(hub), device="cpu", dtype="float32")
+    nested, split = load_encoder(str(dense_dir), **CPU32), load_encoder(str(hub), **CPU32)
     assert split.info.preprocessing == nested.info.preprocessing
     assert split.info.preprocessing["video_processor"]["fps"] == 2.0
     assert model_fingerprint(split.info) == model_fingerprint(nested.info)
@@ -116,5 +120,5 @@ def test_every_processor_setting_that_changes_tokens_changes_the_fingerprint(
     config = json.loads((edited / "processor_config.json").read_text())
     config[section][key] = value
     (edited / "processor_config.json").write_text(json.dumps(config))
-    before = model_fingerprint(load_encoder(str(dense_dir), device="cpu", dtype="float32").info)
-    assert model_fingerprint(load_encoder(str(edited), device="cpu", dtype="float32").info) != before
+    before = model_fingerprint(load_encoder(str(dense_dir), **CPU32).info)
+    assert model_fingerprint(load_encoder(str(edited), **CPU32).info) != before

@@ -32,6 +32,7 @@ from transformers import (
     LlamaConfig,
     LlavaConfig,
     LlavaForConditionalGeneration,
+    LlavaOnevisionForConditionalGeneration,
     Mistral3ForConditionalGeneration,
     PreTrainedModel,
     Qwen2_5_VLConfig,
@@ -60,6 +61,7 @@ __all__ = [
     "reference_gemma3_features",
     "reference_internvl_features",
     "reference_llava_features",
+    "reference_llava_onevision_features",
     "reference_mistral3_features",
     "reference_qwen_features",
 ]
@@ -193,6 +195,7 @@ def load_full_model(path: Path | str, *, conv_patch_embed: bool = False) -> PreT
         "gemma3": Gemma3ForConditionalGeneration,
         "mistral3": Mistral3ForConditionalGeneration,
         "glm4v": Glm4vForConditionalGeneration,
+        "llava_onevision": LlavaOnevisionForConditionalGeneration,
         "clip": CLIPModel,
         "siglip": SiglipModel,
         "siglip2": Siglip2Model,
@@ -280,3 +283,12 @@ def reference_mistral3_features(path: Path | str, image: Image.Image) -> torch.T
     inputs = processor(images=image, patch_size={"height": merged, "width": merged}, return_tensors="pt")
     features = model.get_image_features(inputs["pixel_values"], inputs["image_sizes"], vision_feature_layer=-1)
     return features.pooler_output[0]
+
+
+@torch.inference_mode()
+def reference_llava_onevision_features(path: Path | str, image: Image.Image) -> torch.Tensor:
+    """``LlavaOnevisionForConditionalGeneration.get_image_features`` for one image: its packed rows
+    (base tile, unpadded grid, newline rows) x D_llm."""
+    model: Any = load_full_model(path)
+    inputs = _inputs(path, image)
+    return model.get_image_features(inputs["pixel_values"], inputs["image_sizes"]).pooler_output[0]

@@ -20,7 +20,7 @@ import json
 
 from transformers import AutoConfig, AutoImageProcessor
 
-from . import clip, gemma3, glm4v, internvl, llava, mistral3, qwen, siglip2
+from . import clip, gemma3, glm4v, internvl, llava, llava_onevision, mistral3, qwen, siglip2
 from .base import EncodedTensor, EncoderInfo, PreparedImage, VisionEncoder
 from .builtin import BUILTIN_MODELS, load_builtin
 from .family import Epd, Family, by_model_type
@@ -43,7 +43,7 @@ __all__ = [
 # Every family the server serves: adding one is its module (ending with its FAMILY) and a line here.
 FAMILIES: tuple[Family, ...] = (
     clip.FAMILY, siglip2.FAMILY, llava.FAMILY, qwen.FAMILY, internvl.FAMILY, gemma3.FAMILY, mistral3.FAMILY,
-    glm4v.FAMILY,
+    glm4v.FAMILY, llava_onevision.FAMILY,
 )
 _BY_MODEL_TYPE = by_model_type(FAMILIES)
 SUPPORTED_MODEL_TYPES = tuple(_BY_MODEL_TYPE)

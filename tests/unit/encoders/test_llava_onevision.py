@@ -1,0 +1,78 @@
+"""LLaVA-OneVision: tiles, unpadding, the anyres_max_9 downscale and newline rows, equal to
+``get_image_features``; N from the size alone by the processor's count."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from encode_server.encoders import load_encoder
+from tests.tiny_models import load_full_model, reference_llava_onevision_features
+from tests.unit.encoders.util import decode, noise_image, num_parameters
+
+# base + 1 tile; a 2x2 grid unpadded; 3x2; tall; past 9 tiles' worth (downscaled); a pixel; extremes
+SIZES = [(56, 56), (112, 84), (300, 200), (30, 400), (1000, 900), (1, 1), (5000, 30), (30, 5000)]
+
+
+def test_output_is_bit_identical_to_get_image_features(llava_onevision_dir: Path) -> None:
+    encoder = load_encoder(str(llava_onevision_dir), device="cpu")
+    for i, (w, h) in enumerate(SIZES):
+        image = noise_image(w, h, seed=i)
+        prepared = encoder.preprocess(image)
+        [encoded] = encoder.forward([prepared])
+        assert torch.equal(decode(encoded), reference_llava_onevision_features(llava_onevision_dir, image)), (w, h)
+        assert prepared.meta == {"image_sizes": [h, w]}
+    assert (encoder.info.kind, encoder.info.hidden_size) == ("llava_onevision", 64)
+
+
+def test_the_newline_rows_are_the_checkpoints_image_newline(llava_onevision_dir: Path) -> None:
+    """A 2x2-tile image's rows: 16 base rows, then each of the 8 grid rows followed by image_newline."""
+    encoder: Any = load_encoder(str(llava_onevision_dir), device="cpu")
+    [encoded] = encoder.forward([encoder.preprocess(noise_image(112, 112))])
+    rows, newline = decode(encoded), encoder.module.image_newline.detach()
+    assert rows.shape[0] == 16 + 8 * (8 + 1)
+    for r in range(8):
+        assert torch.equal(rows[16 + r * 9 + 8], newline)
+
+
+def test_a_batch_is_each_image_alone(llava_onevision_dir: Path) -> None:
+    encoder = load_encoder(str(llava_onevision_dir), device="cpu")
+    prepared = [encoder.preprocess(noise_image(w, h, seed=40 + i)) for i, (w, h) in enumerate(SIZES[:5])]
+    for item, encoded in zip(prepared, encoder.forward(prepared), strict=True):
+        alone = decode(encoder.forward([item])[0])
+        torch.testing.assert_close(decode(encoded), alone, rtol=0, atol=1e-5 * float(alone.abs().max()))
+
+
+@pytest.mark.parametrize(("width", "height"), [*SIZES, (640, 480), (224, 224), (225, 57), (1920, 1080)])
+def test_count_tokens_equals_the_packed_rows(llava_onevision_dir: Path, width: int, height: int) -> None:
+    encoder = load_encoder(str(llava_onevision_dir), device="cpu")
+    prepared = encoder.preprocess(noise_image(width, height))
+    assert encoder.count_tokens(width, height) == (prepared.num_tokens, prepared.meta)
+    assert encoder.forward([prepared])[0].shape[0] == prepared.num_tokens
+
+
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [({"vision_aspect_ratio": "anyres_max_4"}, "anyres_max_9 only"), ({"vision_feature_layer": [-2, -1]}, "one layer")],
+)
+def test_what_vllm_would_compute_otherwise_is_refused(
+    llava_onevision_dir: Path, tmp_path: Path, change: dict[str, Any], words: str
+) -> None:
+    copy = shutil.copytree(llava_onevision_dir, tmp_path / "m")
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(ValueError, match=words):
+        load_encoder(str(copy), device="cpu")
+
+
+def test_holds_no_language_model(llava_onevision_dir: Path) -> None:
+    encoder: Any = load_encoder(str(llava_onevision_dir), device="cpu")
+    full: Any = load_full_model(llava_onevision_dir)
+    model = full.model
+    vision = num_parameters(model.vision_tower, model.multi_modal_projector) + model.image_newline.numel()
+    assert encoder.info.num_parameters == vision < num_parameters(full)

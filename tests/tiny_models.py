@@ -32,6 +32,7 @@ from transformers import (
     LlamaConfig,
     LlavaConfig,
     LlavaForConditionalGeneration,
+    LlavaNextForConditionalGeneration,
     LlavaOnevisionForConditionalGeneration,
     Mistral3ForConditionalGeneration,
     PreTrainedModel,
@@ -57,11 +58,11 @@ __all__ = [
     "make_llava",
     "make_qwen2_5_vl",
     "make_qwen2_vl",
+    "reference_anyres_features",
     "reference_clip_features",
     "reference_gemma3_features",
     "reference_internvl_features",
     "reference_llava_features",
-    "reference_llava_onevision_features",
     "reference_mistral3_features",
     "reference_qwen_features",
 ]
@@ -196,6 +197,7 @@ def load_full_model(path: Path | str, *, conv_patch_embed: bool = False) -> PreT
         "mistral3": Mistral3ForConditionalGeneration,
         "glm4v": Glm4vForConditionalGeneration,
         "llava_onevision": LlavaOnevisionForConditionalGeneration,
+        "llava_next": LlavaNextForConditionalGeneration,
         "clip": CLIPModel,
         "siglip": SiglipModel,
         "siglip2": Siglip2Model,
@@ -286,9 +288,9 @@ def reference_mistral3_features(path: Path | str, image: Image.Image) -> torch.T
 
 
 @torch.inference_mode()
-def reference_llava_onevision_features(path: Path | str, image: Image.Image) -> torch.Tensor:
-    """``LlavaOnevisionForConditionalGeneration.get_image_features`` for one image: its packed rows
-    (base tile, unpadded grid, newline rows) x D_llm."""
+def reference_anyres_features(path: Path | str, image: Image.Image) -> torch.Tensor:
+    """``LlavaNextForConditionalGeneration`` / ``LlavaOnevisionForConditionalGeneration``
+    ``.get_image_features`` for one image: its packed rows (base tile, unpadded grid, newline rows) x D_llm."""
     model: Any = load_full_model(path)
     inputs = _inputs(path, image)
     return model.get_image_features(inputs["pixel_values"], inputs["image_sizes"]).pooler_output[0]

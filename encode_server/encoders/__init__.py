@@ -20,7 +20,7 @@ import json
 
 from transformers import AutoConfig, AutoImageProcessor
 
-from . import clip, gemma3, glm4v, internvl, llava, llava_onevision, mistral3, qwen, siglip2
+from . import clip, gemma3, glm4v, internvl, llava, llava_next, mistral3, qwen, siglip2
 from .base import EncodedTensor, EncoderInfo, PreparedImage, VisionEncoder
 from .builtin import BUILTIN_MODELS, load_builtin
 from .family import Epd, Family, by_model_type
@@ -40,10 +40,10 @@ __all__ = [
     "load_encoder",
 ]
 
-# Every family the server serves: adding one is its module (ending with its FAMILY) and a line here.
+# Every family the server serves: adding one is its module (ending with its FAMILY, or several) and a line here.
 FAMILIES: tuple[Family, ...] = (
     clip.FAMILY, siglip2.FAMILY, llava.FAMILY, qwen.FAMILY, internvl.FAMILY, gemma3.FAMILY, mistral3.FAMILY,
-    glm4v.FAMILY, llava_onevision.FAMILY,
+    glm4v.FAMILY, llava_next.NEXT, llava_next.ONEVISION,
 )
 _BY_MODEL_TYPE = by_model_type(FAMILIES)
 SUPPORTED_MODEL_TYPES = tuple(_BY_MODEL_TYPE)

@@ -50,10 +50,10 @@ def save_processor(
     (path / "processor_config.json").write_text(json.dumps(processor_config))
 
 
-def siglip_hub_layout(path: Path) -> None:
+def hub_tower_layout(path: Path) -> None:
     """``vision_tower.X`` -> ``vision_tower.vision_model.X`` in ``model.safetensors``: how the hub's
-    checkpoints (and vLLM's loader) name a SigLIP tower, which transformers 5's ``save_pretrained``
-    writes without the ``vision_model.`` level."""
+    checkpoints (and vLLM's loader) name a SigLIP or CLIP tower, which transformers 5's
+    ``save_pretrained`` writes without the ``vision_model.`` level."""
     from safetensors.torch import load_file, save_file
 
     file = path / "model.safetensors"

@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tests.tiny import siglip_hub_layout
+from tests.tiny import hub_tower_layout
 from tests.tiny.tokenizer import randomize, token_ids, word_tokenizer
 
 SEED = 3033
@@ -93,7 +93,7 @@ def make_tiny_gemma3(directory: Path | str, *, vision: dict[str, Any] | None = N
     model = Gemma3ForConditionalGeneration(config).eval()
     randomize(model, SEED)
     model.save_pretrained(path)
-    siglip_hub_layout(path)
+    hub_tower_layout(path)
     image_processor = Gemma3ImageProcessorPil(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
     processor = Gemma3Processor(
         image_processor=image_processor, tokenizer=tokenizer, image_seq_length=MM_TOKENS, chat_template=CHAT_TEMPLATE

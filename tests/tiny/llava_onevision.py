@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from tests.tiny import save_processor, siglip_hub_layout
+from tests.tiny import hub_tower_layout, save_processor
 from tests.tiny.tokenizer import randomize, token_ids, word_tokenizer
 
 SEED = 6066
@@ -91,7 +91,7 @@ def make_tiny_llava_onevision(directory: Path | str, *, vision: dict[str, Any] |
     with torch.no_grad():  # a 1-D parameter randomize leaves alone; zeros would hide the newline rows
         model.model.image_newline.copy_(torch.randn(model.model.image_newline.shape) * 0.2)
     model.save_pretrained(path)
-    siglip_hub_layout(path)
+    hub_tower_layout(path)
     image_processor = LlavaOnevisionImageProcessorPil(
         size={"height": TILE, "width": TILE}, crop_size={"height": TILE, "width": TILE},
         image_grid_pinpoints=PINPOINTS,

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.tiny import gemma3, glm4v, internvl, llava_onevision, mistral3
+from tests.tiny import gemma3, glm4v, internvl, llava_next, llava_onevision, mistral3
 
 
 @dataclass(frozen=True)
@@ -105,5 +105,14 @@ CASES = [
         sizes=[(56, 56), (112, 84), (300, 200), (30, 400), (1000, 900)],
         parity_sizes=PARITY_SIZES,
         image_embeds=lambda embedding, meta: [embedding],  # a whole tensor, newline rows included
+    ),
+    FamilyCase(
+        name="llava_next",
+        build=llava_next.make_tiny_llava_next,
+        prompt=llava_next.prompt,
+        # one tile + base; 2x2 unpadded; 3x1 (the widest pinpoint); tall; large (2x2, unpadded)
+        sizes=[(56, 56), (112, 84), (300, 100), (30, 400), (1000, 900)],
+        parity_sizes=PARITY_SIZES,
+        image_embeds=lambda embedding, meta: [embedding],
     ),
 ]

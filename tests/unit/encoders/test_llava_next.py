@@ -1,5 +1,5 @@
-"""LLaVA-OneVision: tiles, unpadding, the anyres_max_9 downscale and newline rows, equal to
-``get_image_features``; N from the size alone by the processor's count."""
+"""LLaVA-NeXT and LLaVA-OneVision: tiles, unpadding, OneVision's anyres_max_9 downscale and the
+newline rows, equal to ``get_image_features``; N from the size alone by the processor's count."""
 
 from __future__ import annotations
 
@@ -12,27 +12,32 @@ import pytest
 import torch
 
 from encode_server.encoders import load_encoder
-from tests.tiny_models import load_full_model, reference_llava_onevision_features
+from tests.tiny_models import load_full_model, reference_anyres_features
 from tests.unit.encoders.util import decode, noise_image, num_parameters
 
 # base + 1 tile; a 2x2 grid unpadded; 3x2; tall; past 9 tiles' worth (downscaled); a pixel; extremes
 SIZES = [(56, 56), (112, 84), (300, 200), (30, 400), (1000, 900), (1, 1), (5000, 30), (30, 5000)]
 
 
-def test_output_is_bit_identical_to_get_image_features(llava_onevision_dir: Path) -> None:
-    encoder = load_encoder(str(llava_onevision_dir), device="cpu")
+@pytest.fixture(params=["llava_next", "llava_onevision"])
+def anyres_dir(request: pytest.FixtureRequest) -> Path:
+    return Path(request.getfixturevalue(f"{request.param}_dir"))
+
+
+def test_output_is_bit_identical_to_get_image_features(anyres_dir: Path) -> None:
+    encoder = load_encoder(str(anyres_dir), device="cpu")
     for i, (w, h) in enumerate(SIZES):
         image = noise_image(w, h, seed=i)
         prepared = encoder.preprocess(image)
         [encoded] = encoder.forward([prepared])
-        assert torch.equal(decode(encoded), reference_llava_onevision_features(llava_onevision_dir, image)), (w, h)
+        assert torch.equal(decode(encoded), reference_anyres_features(anyres_dir, image)), (w, h)
         assert prepared.meta == {"image_sizes": [h, w]}
-    assert (encoder.info.kind, encoder.info.hidden_size) == ("llava_onevision", 64)
+    assert (encoder.info.kind, encoder.info.hidden_size) == (anyres_dir.name.rstrip("0123456789"), 64)
 
 
-def test_the_newline_rows_are_the_checkpoints_image_newline(llava_onevision_dir: Path) -> None:
+def test_the_newline_rows_are_the_checkpoints_image_newline(anyres_dir: Path) -> None:
     """A 2x2-tile image's rows: 16 base rows, then each of the 8 grid rows followed by image_newline."""
-    encoder: Any = load_encoder(str(llava_onevision_dir), device="cpu")
+    encoder: Any = load_encoder(str(anyres_dir), device="cpu")
     [encoded] = encoder.forward([encoder.preprocess(noise_image(112, 112))])
     rows, newline = decode(encoded), encoder.module.image_newline.detach()
     assert rows.shape[0] == 16 + 8 * (8 + 1)
@@ -40,8 +45,8 @@ def test_the_newline_rows_are_the_checkpoints_image_newline(llava_onevision_dir:
         assert torch.equal(rows[16 + r * 9 + 8], newline)
 
 
-def test_a_batch_is_each_image_alone(llava_onevision_dir: Path) -> None:
-    encoder = load_encoder(str(llava_onevision_dir), device="cpu")
+def test_a_batch_is_each_image_alone(anyres_dir: Path) -> None:
+    encoder = load_encoder(str(anyres_dir), device="cpu")
     prepared = [encoder.preprocess(noise_image(w, h, seed=40 + i)) for i, (w, h) in enumerate(SIZES[:5])]
     for item, encoded in zip(prepared, encoder.forward(prepared), strict=True):
         alone = decode(encoder.forward([item])[0])
@@ -49,8 +54,8 @@ def test_a_batch_is_each_image_alone(llava_onevision_dir: Path) -> None:
 
 
 @pytest.mark.parametrize(("width", "height"), [*SIZES, (640, 480), (224, 224), (225, 57), (1920, 1080)])
-def test_count_tokens_equals_the_packed_rows(llava_onevision_dir: Path, width: int, height: int) -> None:
-    encoder = load_encoder(str(llava_onevision_dir), device="cpu")
+def test_count_tokens_equals_the_packed_rows(anyres_dir: Path, width: int, height: int) -> None:
+    encoder = load_encoder(str(anyres_dir), device="cpu")
     prepared = encoder.preprocess(noise_image(width, height))
     assert encoder.count_tokens(width, height) == (prepared.num_tokens, prepared.meta)
     assert encoder.forward([prepared])[0].shape[0] == prepared.num_tokens
@@ -70,9 +75,18 @@ def test_what_vllm_would_compute_otherwise_is_refused(
         load_encoder(str(copy), device="cpu")
 
 
-def test_holds_no_language_model(llava_onevision_dir: Path) -> None:
-    encoder: Any = load_encoder(str(llava_onevision_dir), device="cpu")
-    full: Any = load_full_model(llava_onevision_dir)
+def test_holds_no_language_model(anyres_dir: Path) -> None:
+    encoder: Any = load_encoder(str(anyres_dir), device="cpu")
+    full: Any = load_full_model(anyres_dir)
     model = full.model
     vision = num_parameters(model.vision_tower, model.multi_modal_projector) + model.image_newline.numel()
     assert encoder.info.num_parameters == vision < num_parameters(full)
+
+
+def test_a_cls_row_under_the_full_strategy_is_refused(llava_next_dir: Path, tmp_path: Path) -> None:
+    """CLIP's CLS kept ("full") gives 17 rows a tile, which cannot be laid out as a 4x4 grid."""
+    copy = shutil.copytree(llava_next_dir, tmp_path / "m")
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**config, "vision_feature_select_strategy": "full"}))
+    with pytest.raises(ValueError, match="17 rows a tile, not its 16 patches"):
+        load_encoder(str(copy), device="cpu")

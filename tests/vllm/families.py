@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.tiny import gemma3, glm4v, internvl, llava_next, llava_onevision, mistral3
+from tests.tiny import gemma3, glm4v, internvl, llava, llava_next, llava_onevision, mistral3
 
 
 @dataclass(frozen=True)
@@ -114,5 +114,15 @@ CASES = [
         sizes=[(56, 56), (112, 84), (300, 100), (30, 400), (1000, 900)],
         parity_sizes=PARITY_SIZES,
         image_embeds=lambda embedding, meta: [embedding],
+    ),
+    FamilyCase(
+        name="llava",
+        build=llava.make_tiny_llava,
+        prompt=llava.prompt,
+        # at the tower's size (not resized); resized and centre-cropped; a tall one
+        sizes=[(56, 56), (112, 84), (300, 200), (30, 400)],
+        parity_sizes=PARITY_SIZES,
+        image_embeds=lambda embedding, meta: [embedding],
+        fixed_rows=True,
     ),
 ]

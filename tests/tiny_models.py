@@ -32,6 +32,8 @@ from transformers import (
     LlamaConfig,
     LlavaConfig,
     LlavaForConditionalGeneration,
+    LlavaNextForConditionalGeneration,
+    LlavaOnevisionForConditionalGeneration,
     Mistral3ForConditionalGeneration,
     PreTrainedModel,
     Qwen2_5_VLConfig,
@@ -57,6 +59,7 @@ __all__ = [
     "make_qwen2_5_vl",
     "make_qwen2_vl",
     "make_qwen3",
+    "reference_anyres_features",
     "reference_clip_features",
     "reference_gemma3_features",
     "reference_internvl_features",
@@ -195,6 +198,8 @@ def load_full_model(path: Path | str, *, conv_patch_embed: bool = False) -> PreT
         "gemma3": Gemma3ForConditionalGeneration,
         "mistral3": Mistral3ForConditionalGeneration,
         "glm4v": Glm4vForConditionalGeneration,
+        "llava_onevision": LlavaOnevisionForConditionalGeneration,
+        "llava_next": LlavaNextForConditionalGeneration,
         "clip": CLIPModel,
         "siglip": SiglipModel,
         "siglip2": Siglip2Model,
@@ -307,3 +312,12 @@ def reference_mistral3_features(path: Path | str, image: Image.Image) -> torch.T
     inputs = processor(images=image, patch_size={"height": merged, "width": merged}, return_tensors="pt")
     features = model.get_image_features(inputs["pixel_values"], inputs["image_sizes"], vision_feature_layer=-1)
     return features.pooler_output[0]
+
+
+@torch.inference_mode()
+def reference_anyres_features(path: Path | str, image: Image.Image) -> torch.Tensor:
+    """``LlavaNextForConditionalGeneration`` / ``LlavaOnevisionForConditionalGeneration``
+    ``.get_image_features`` for one image: its packed rows (base tile, unpadded grid, newline rows) x D_llm."""
+    model: Any = load_full_model(path)
+    inputs = _inputs(path, image)
+    return model.get_image_features(inputs["pixel_values"], inputs["image_sizes"]).pooler_output[0]

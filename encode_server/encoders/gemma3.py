@@ -13,7 +13,7 @@ them on only through ``mm_processor_kwargs``, which the server does not take.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers import Gemma3Config, Gemma3Processor, SiglipVisionModel
@@ -69,7 +69,7 @@ class Gemma3Encoder(FixedResolutionEncoder):
         )
         vision: Any = module.config.vision_config
         self.cost_tokens = (int(vision.image_size) // int(vision.patch_size)) ** 2
-        self.num_tokens = int(module.config.mm_tokens_per_image)
+        self.num_tokens = int(cast(Any, module.config).mm_tokens_per_image)
 
     def _embed(self, pixel_values: torch.Tensor) -> torch.Tensor:
         return self.module(pixel_values)
@@ -83,7 +83,7 @@ def _check_processor(files: CheckpointFiles, config: Gemma3Config, processor: An
     if size != [int(vision.image_size)] * 2:
         raise ValueError(f"image processor resizes to {size} px, the tower takes {vision.image_size} px")
     seq_length = files.processor_setting("image_seq_length")
-    if seq_length is not None and int(seq_length) != int(config.mm_tokens_per_image):
+    if seq_length is not None and int(seq_length) != int(cast(Any, config).mm_tokens_per_image):
         raise ValueError(
             f"processor_config.json image_seq_length {seq_length} != mm_tokens_per_image {config.mm_tokens_per_image}"
         )

@@ -15,7 +15,7 @@ from transformers import AutoModel, LlavaConfig
 from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
 
 from .clip import FixedResolutionEncoder
-from .family import Family
+from .family import Epd, Family
 from .hf import LoadSpec
 from .loading import CheckpointFiles, Layout, empty_module, load_vision_weights
 
@@ -23,9 +23,12 @@ __all__ = ["FAMILY", "LlavaEncoder", "LlavaVision", "load_llava"]
 
 OUTPUTS = ("hidden", "projected")  # "hidden" is accepted as the default and means "projected"
 
-# Newer transformers nest both under ``model.``; the hub's checkpoints (and transformers 5's
-# ``save_pretrained``, which writes the legacy names) do not.
+# The hub's checkpoints (and vLLM's loader) keep CLIP's ``vision_model.`` level, which transformers
+# 5's CLIPVisionModel and its ``save_pretrained`` do not have; newer transformers nest both parts
+# under ``model.``. Most specific first (``loading._select``: the layout all of whose parts match).
 LAYOUTS: list[Layout] = [
+    {"model.vision_tower.vision_model.": "vision_tower.", "model.multi_modal_projector.": "multi_modal_projector."},
+    {"vision_tower.vision_model.": "vision_tower.", "multi_modal_projector.": "multi_modal_projector."},
     {"model.vision_tower.": "vision_tower.", "model.multi_modal_projector.": "multi_modal_projector."},
     {"vision_tower.": "vision_tower.", "multi_modal_projector.": "multi_modal_projector."},
 ]
@@ -92,6 +95,6 @@ def load_llava(files: CheckpointFiles, config: LlavaConfig, processor: Any, spec
     return LlavaEncoder(module, processor, spec, digest)
 
 
-# Not yet consumed through the EPD path: vLLM's llava.py takes pixels (+ uuid), which needs the
-# proxy's pixels-and-uuid rewrite and a vLLM test of its own.
-FAMILY = Family(name="llava", model_types=("llava",), load=load_llava)
+# vLLM 0.32's llava.py parser declares no embedding fields: the prefill request carries the image
+# and the uuid.
+FAMILY = Family(name="llava", model_types=("llava",), load=load_llava, epd=Epd("pixels_uuid", vllm_model="llava.py"))

@@ -130,16 +130,26 @@ class CheckpointFiles:
 
 
 def _select(keys: Sequence[str], layouts: Sequence[Layout]) -> dict[str, str]:
-    """Checkpoint key -> module key, under the first layout that any checkpoint key matches."""
+    """Checkpoint key -> module key, under the first layout every prefix of which some checkpoint key
+    matches; failing that (a checkpoint missing a part), the first that any key matches, so that the
+    strict load names what is missing. Two layouts may share a prefix (``multi_modal_projector.``
+    beside ``vision_tower.vision_model.`` or ``vision_tower.``): the full match decides."""
+    candidates: list[dict[str, str]] = []
     for layout in layouts:
         prefixes = sorted(layout, key=len, reverse=True)
         selected: dict[str, str] = {}
+        used: set[str] = set()
         for key in keys:
             prefix = next((p for p in prefixes if key.startswith(p)), None)
             if prefix is not None:
                 selected[key] = layout[prefix] + key[len(prefix) :]
-        if selected:
+                used.add(prefix)
+        if selected and used == set(layout):
             return selected
+        if selected:
+            candidates.append(selected)
+    if candidates:
+        return candidates[0]
     wanted = sorted({p for layout in layouts for p in layout})
     raise ValueError(f"the checkpoint holds no tensors under any of the prefixes {wanted}")
 

@@ -49,7 +49,7 @@ class Mistral3Vision(torch.nn.Module):
         self.config = config  # fingerprinted (tower, feature layer, merger); the text model is never built
         self.vision_tower = PixtralVisionModel._from_config(config.vision_config, dtype=dtype)
         self.multi_modal_projector = Mistral3MultiModalProjector(config)
-        self.feature_layer = int(config.vision_feature_layer)
+        self.feature_layer = int(cast(Any, config).vision_feature_layer)  # one layer: checked at load
 
     def forward(self, pixel_values: torch.Tensor, image_sizes: torch.Tensor) -> torch.Tensor:
         """One image (1 x 3 x H x W, its [[H, W]]) -> its rows x D."""

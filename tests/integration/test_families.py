@@ -26,6 +26,8 @@ from tests.server import ServerProcess, start_server
 from tests.tiny.gemma3 import make_tiny_gemma3
 from tests.tiny.glm4v import make_tiny_glm4v
 from tests.tiny.internvl import make_tiny_internvl
+from tests.tiny.llava_next import make_tiny_llava_next
+from tests.tiny.llava_onevision import make_tiny_llava_onevision
 from tests.tiny.mistral3 import make_tiny_mistral3
 
 FAMILIES = {
@@ -42,6 +44,8 @@ FAMILIES = {
     "gemma3": (make_tiny_gemma3, ("--dtype", "float32"), "gemma3"),
     "mistral3": (make_tiny_mistral3, ("--dtype", "float32"), "mistral3"),
     "glm4v": (make_tiny_glm4v, ("--dtype", "float32"), "qwen"),  # the same get_image_features and meta
+    "llava_onevision": (make_tiny_llava_onevision, ("--dtype", "float32"), "anyres"),
+    "llava_next": (make_tiny_llava_next, ("--dtype", "float32"), "anyres"),
 }
 
 
@@ -71,6 +75,9 @@ def _reference(name: str, path: Path, data: bytes) -> tuple[torch.Tensor, dict]:
         return tiny_models.reference_clip_features(path, image, output="pooled").reshape(1, -1), {}
     if kind == "llava":
         return tiny_models.reference_llava_features(path, image), {}
+    if kind == "anyres":
+        features = tiny_models.reference_anyres_features(path, image)
+        return features, {"image_sizes": [image.height, image.width]}
     if kind == "mistral3":
         features = tiny_models.reference_mistral3_features(path, image)
         return features, {}
@@ -151,7 +158,7 @@ def test_token_counts_follow_the_processor(family: tuple[str, Path, ServerProces
             tiles = processor(images=_decode(data), crop_to_patches=True)["num_patches"][0]
             assert item["meta"] == {"image_num_patches": tiles}
             assert item["num_tokens"] == tiles * 4
-    if name.startswith("qwen") or name in ("internvl", "mistral3", "glm4v"):
+    if name.startswith("qwen") or name in ("internvl", "mistral3", "glm4v", "llava_onevision", "llava_next"):
         assert len(counts) > 3, "sizes should give different token counts"
     else:
         assert len(counts) == 1, f"{name} is fixed-resolution, got N in {counts}"

@@ -48,3 +48,19 @@ def save_processor(
     image_processor.save_pretrained(path)
     tokenizer.save_pretrained(path)
     (path / "processor_config.json").write_text(json.dumps(processor_config))
+
+
+def hub_tower_layout(path: Path) -> None:
+    """``vision_tower.X`` -> ``vision_tower.vision_model.X`` in ``model.safetensors``: how the hub's
+    checkpoints (and vLLM's loader) name a SigLIP or CLIP tower, which transformers 5's
+    ``save_pretrained`` writes without the ``vision_model.`` level."""
+    from safetensors.torch import load_file, save_file
+
+    file = path / "model.safetensors"
+    fixed = {}
+    for key, tensor in load_file(file).items():
+        for head in ("vision_tower.", "model.vision_tower."):
+            if key.startswith(head) and not key.startswith(head + "vision_model."):
+                key = head + "vision_model." + key[len(head) :]
+        fixed[key] = tensor
+    save_file(fixed, file, metadata={"format": "pt"})

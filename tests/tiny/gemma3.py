@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from tests.tiny import hub_tower_layout
 from tests.tiny.tokenizer import randomize, token_ids, word_tokenizer
 
 SEED = 3033
@@ -42,21 +43,6 @@ CHAT_TEMPLATE = (
 def prompt(n_images: int = 1) -> str:
     images = f"{IMAGE} " * n_images
     return f"<bos><start_of_turn>user\n{images}describe the image<end_of_turn>\n<start_of_turn>model\n"
-
-
-def _hub_layout(path: Path) -> None:
-    """``vision_tower.X`` -> ``vision_tower.vision_model.X``, as the hub's checkpoints store SigLIP."""
-    from safetensors.torch import load_file, save_file
-
-    file = path / "model.safetensors"
-    state = load_file(file)
-    fixed = {}
-    for key, tensor in state.items():
-        for head in ("vision_tower.", "model.vision_tower."):
-            if key.startswith(head) and not key.startswith(head + "vision_model."):
-                key = head + "vision_model." + key[len(head) :]
-        fixed[key] = tensor
-    save_file(fixed, file, metadata={"format": "pt"})
 
 
 def make_tiny_gemma3(directory: Path | str, *, vision: dict[str, Any] | None = None) -> Path:
@@ -107,7 +93,7 @@ def make_tiny_gemma3(directory: Path | str, *, vision: dict[str, Any] | None = N
     model = Gemma3ForConditionalGeneration(config).eval()
     randomize(model, SEED)
     model.save_pretrained(path)
-    _hub_layout(path)
+    hub_tower_layout(path)
     image_processor = Gemma3ImageProcessorPil(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
     processor = Gemma3Processor(
         image_processor=image_processor, tokenizer=tokenizer, image_seq_length=MM_TOKENS, chat_template=CHAT_TEMPLATE

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.tiny import gemma3, glm4v, internvl, mistral3
+from tests.tiny import gemma3, glm4v, internvl, llava, llava_next, llava_onevision, mistral3
 
 
 @dataclass(frozen=True)
@@ -96,5 +96,33 @@ CASES = [
         # a whole tensor is not an image item for its parser; {image_embeds, image_grid_thw} goes to the
         # HF processor as if it were two images
         refusal=(KeyError, "Modality 'image' not found"),
+    ),
+    FamilyCase(
+        name="llava_onevision",
+        build=llava_onevision.make_tiny_llava_onevision,
+        prompt=llava_onevision.prompt,
+        # one tile + base; 2x2 unpadded; 3x2; a tall one; past 9 tiles' worth (downscaled rows)
+        sizes=[(56, 56), (112, 84), (300, 200), (30, 400), (1000, 900)],
+        parity_sizes=PARITY_SIZES,
+        image_embeds=lambda embedding, meta: [embedding],  # a whole tensor, newline rows included
+    ),
+    FamilyCase(
+        name="llava_next",
+        build=llava_next.make_tiny_llava_next,
+        prompt=llava_next.prompt,
+        # one tile + base; 2x2 unpadded; 3x1 (the widest pinpoint); tall; large (2x2, unpadded)
+        sizes=[(56, 56), (112, 84), (300, 100), (30, 400), (1000, 900)],
+        parity_sizes=PARITY_SIZES,
+        image_embeds=lambda embedding, meta: [embedding],
+    ),
+    FamilyCase(
+        name="llava",
+        build=llava.make_tiny_llava,
+        prompt=llava.prompt,
+        # at the tower's size (not resized); resized and centre-cropped; a tall one
+        sizes=[(56, 56), (112, 84), (300, 200), (30, 400)],
+        parity_sizes=PARITY_SIZES,
+        image_embeds=lambda embedding, meta: [embedding],
+        fixed_rows=True,
     ),
 ]

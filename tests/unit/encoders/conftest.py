@@ -10,6 +10,8 @@ from PIL import Image
 from tests.tiny.gemma3 import make_tiny_gemma3
 from tests.tiny.glm4v import make_tiny_glm4v
 from tests.tiny.internvl import make_tiny_internvl
+from tests.tiny.llava_next import make_tiny_llava_next
+from tests.tiny.llava_onevision import make_tiny_llava_onevision
 from tests.tiny.mistral3 import make_tiny_mistral3
 from tests.tiny_models import make_clip, make_llava, make_qwen2_5_vl, make_qwen2_vl
 from tests.unit.encoders.util import noise_image
@@ -68,3 +70,13 @@ def mistral3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def glm4v_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_glm4v(tmp_path_factory.mktemp("glm4v"))
+
+
+@pytest.fixture(scope="session")
+def llava_onevision_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_llava_onevision(tmp_path_factory.mktemp("llava_onevision"))
+
+
+@pytest.fixture(scope="session")
+def llava_next_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_llava_next(tmp_path_factory.mktemp("llava_next"))

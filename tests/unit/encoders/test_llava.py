@@ -13,9 +13,13 @@ from encode_server.encoders import load_encoder
 from tests.tiny_models import load_full_model, reference_llava_features
 from tests.unit.encoders.util import decode, num_parameters
 
+# Float32 named: a family vLLM consumes follows vLLM's auto dtype (bfloat16 on this CPU), and these
+# comparisons are with the float32 full model.
+CPU32: dict[str, str] = {"device": "cpu", "dtype": "float32"}
+
 
 def test_output_is_bit_identical_to_get_image_features(llava_dir: Path, image: Image.Image) -> None:
-    encoder = load_encoder(str(llava_dir), device="cpu")
+    encoder = load_encoder(str(llava_dir), **CPU32)
     [encoded] = encoder.forward([encoder.preprocess(image)])
     expected = reference_llava_features(llava_dir, image)
     assert torch.equal(decode(encoded), expected)
@@ -25,7 +29,7 @@ def test_output_is_bit_identical_to_get_image_features(llava_dir: Path, image: I
 
 
 def test_holds_no_language_model(llava_dir: Path) -> None:
-    encoder: Any = load_encoder(str(llava_dir), device="cpu")
+    encoder: Any = load_encoder(str(llava_dir), **CPU32)
     full: Any = load_full_model(llava_dir)
     vision = num_parameters(full.model.vision_tower, full.model.multi_modal_projector)
     assert encoder.info.num_parameters == num_parameters(encoder.module) == vision
@@ -34,7 +38,7 @@ def test_holds_no_language_model(llava_dir: Path) -> None:
 
 def test_pooled_output_is_refused(llava_dir: Path) -> None:
     with pytest.raises(ValueError, match="projected"):
-        load_encoder(str(llava_dir), device="cpu", output="pooled")
+        load_encoder(str(llava_dir), **CPU32, output="pooled")
 
 
 def test_a_variable_resolution_tower_is_refused_clearly(llava_dir: Path, tmp_path: Path) -> None:
@@ -48,4 +52,4 @@ def test_a_variable_resolution_tower_is_refused_clearly(llava_dir: Path, tmp_pat
     config["vision_config"]["model_type"] = "pixtral"
     (copy / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="pixtral tower"):
-        load_encoder(str(copy), device="cpu")
+        load_encoder(str(copy), **CPU32)

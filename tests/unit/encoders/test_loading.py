@@ -271,3 +271,22 @@ class TestWeightsDigest:
         t = torch.randn(5).to(torch.bfloat16)
         assert len(weights_digest({"w": t})) == 64
         assert weights_digest({"w": t}) != weights_digest({"w": t.float()})
+
+
+def test_the_layout_all_of_whose_parts_match_is_chosen(llava_dir: Path, tmp_path: Path, image: Image.Image) -> None:
+    """The hub's LLaVA layout (``vision_tower.vision_model.*``) and transformers 5's (no ``vision_model``)
+    share the ``multi_modal_projector.`` prefix: both load, to the same embedding."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.tiny import hub_tower_layout
+
+    hub = shutil.copytree(llava_dir, tmp_path / "hub")
+    hub_tower_layout(hub)
+    assert any(k.startswith("vision_tower.vision_model.") for k in load_file(hub / "model.safetensors"))
+    flat, nested = load_encoder(str(llava_dir), device="cpu"), load_encoder(str(hub), device="cpu")
+    assert flat.info.weights_digest == nested.info.weights_digest
+    assert flat.forward([flat.preprocess(image)])[0].data == nested.forward([nested.preprocess(image)])[0].data
+    state = load_file(hub / "model.safetensors")
+    save_file({k: v for k, v in state.items() if not k.startswith("multi_modal_projector.")}, hub / "model.safetensors")
+    with pytest.raises(ValueError, match="missing"):  # a part missing: the strict load names it
+        load_encoder(str(hub), device="cpu")

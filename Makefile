@@ -8,8 +8,8 @@ STAMP := $(VENV)/.installed
 TORCH_REQ := deploy/torch.txt
 PORT ?= 8000
 
-.PHONY: install tools serve test test-container test-vllm vllm-env lint bench soak clean proto openapi docs test-docs \
-	gpu-wheels gpu-rehearsal
+.PHONY: install tools serve test test-container test-vllm vllm-env lint bench bench-tower-memory soak clean proto openapi \
+	docs test-docs gpu-wheels gpu-rehearsal
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -133,6 +133,11 @@ bench: install tools
 	$(BIN)/python -m bench.vllm_peer
 	$(BIN)/python -m bench.memory_burst
 	$(BIN)/python -m bench.proxy
+
+# What a tower-free vLLM prefill frees (docs/vllm.md, "The memory it frees"): two vLLM engines, one
+# at a time, with --load-format dummy on a Qwen2.5-VL-3B-sized config; needs ~10 GiB free, checked.
+bench-tower-memory: install tools
+	$(BIN)/python -m bench.tower_memory
 
 # 10 minutes of mixed load with Redis paused once (the figures in docs/robustness.md); the tests
 # run its 60-second form.

@@ -102,6 +102,15 @@ class ConnectorSettings:
     encoder_timeout_ms: float = 2000.0
 
     @property
+    def model_key(self) -> str | None:
+        """The key ``GET /v1/model`` is read with: ``api_key``, else the first of ``api_keys``."""
+        if self.api_key or not self.api_keys:
+            return self.api_key
+        from encode_client._callers import Callers
+
+        return next(iter(Callers(self.api_keys))).key
+
+    @property
     def encoder_urls(self) -> list[str]:
         """``encoder_url`` as a list (one URL or several replicas)."""
         if self.encoder_url is None:
@@ -126,6 +135,10 @@ class ConnectorSettings:
         settings = cls(**extra)
         if settings.timeout_ms <= 0 or settings.down_for_s < 0 or settings.encoder_timeout_ms <= 0:
             raise ValueError("timeout_ms and encoder_timeout_ms must be > 0 and down_for_s >= 0")
+        if settings.api_keys:
+            from encode_client._callers import Callers
+
+            Callers(settings.api_keys)  # malformed: a ValueError naming the position, never a key
         urls = settings.encoder_urls
         if not all(isinstance(u, str) and u.startswith(("http://", "https://")) for u in urls):
             raise ValueError(f"encoder_url must be an http(s):// URL or a list of them, got {settings.encoder_url!r}")
@@ -336,7 +349,7 @@ class EncodeServerECConnector(ECConnectorBase):
             assert urls
             try:
                 timeout = self.settings.timeout_ms / 1000.0 * 4
-                fingerprint, width = _fetch_model(urls, self.settings.api_key, timeout)
+                fingerprint, width = _fetch_model(urls, self.settings.model_key, timeout)
                 if width is not None and (width <= 0 or width % self.width):
                     raise ValueError(f"its embeddings are {width} wide, not a multiple of the model's {self.width}")
                 self._fingerprint, self._server_width = fingerprint, width

@@ -1,0 +1,316 @@
+"""The memory a tower-free prefill frees, measured: vLLM with ``--load-format dummy`` on a
+Qwen2.5-VL-3B-sized config, with its vision tower and without (``--limit-mm-per-prompt
+'{"image":0,"video":0}'``), on this machine.
+
+The config is Qwen2.5-VL-3B-Instruct's ``config.json`` (written here, offline; the tokenizer and
+processor files are the tiny test model's, which is all a dummy load reads besides the config):
+the real 32-block, 1280-wide vision tower and merger, the real 2048-wide language model and
+151,936-token vocabulary, with ``--layers`` of its 36 decoder layers (default 8: the whole model in
+bfloat16 is 7.5 GB of weights, more than this shared machine may spend; ``--layers 36`` runs it
+whole where there is room). Each run is a fresh process (the engine in-process) that reports:
+
+- its weights: every parameter vLLM built, in bytes, and those of the tower (``visual.*``);
+- its resident memory: peak (``VmHWM``) and after start-up;
+- its KV cache: vLLM's CPU backend sizes it as ``--gpu-memory-utilization`` x the machine's memory
+  minus what the process holds once loaded (``vllm/v1/worker/cpu_worker.py``), the same budget
+  arithmetic as on a GPU, so the memory the tower does not take becomes KV blocks; set here so
+  that the budget is ``--budget-gib``.
+
+The arithmetic for the whole model follows from the config: parameter counts (checked against
+what vLLM built for the measured one), KV bytes per token (2 x layers x KV heads x head size x 2
+bytes), and an H200 at ``--gpu-memory-utilization 0.9``. On a GPU vLLM also profiles the encoder
+on its largest input and reserves that activation peak; a tower-free engine skips the run (vLLM's
+CPU backend runs no profile in eager mode, so that share is not measured here).
+
+Run: ``python -m bench.tower_memory`` (needs the vLLM test environment, ``make vllm-env``; it checks
+free memory first and stops a run whose memory passes ``--cap-gib``). Writes
+``bench/results/tower_memory.json`` and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+GIB = 1 << 30
+H200_BYTES = 143_771 * (1 << 20)  # what nvidia-smi reports for an H200 (141 GB HBM3e)
+
+# Qwen/Qwen2.5-VL-3B-Instruct's config.json (the architecture fields; token ids are the tiny
+# tokenizer's, see make_config).
+QWEN2_5_VL_3B: dict[str, Any] = {
+    "architectures": ["Qwen2_5_VLForConditionalGeneration"],
+    "model_type": "qwen2_5_vl",
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "intermediate_size": 11008,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 128000,
+    "max_window_layers": 70,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0,
+    "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+    "sliding_window": 32768,
+    "use_sliding_window": False,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "vocab_size": 151936,
+    "vision_config": {
+        "depth": 32, "hidden_act": "silu", "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16,
+        "in_chans": 3, "out_hidden_size": 2048, "patch_size": 14, "spatial_merge_size": 2, "spatial_patch_size": 14,
+        "window_size": 112, "fullatt_block_indexes": [7, 15, 23, 31], "tokens_per_second": 2,
+        "temporal_patch_size": 2,
+    },
+}
+
+
+def parameters(config: dict[str, Any]) -> dict[str, int]:
+    """Parameter counts of a Qwen2.5-VL config: ``language`` and ``tower`` (vision + merger)."""
+    h, i, n = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
+    heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
+    head = h // heads
+    attention = h * h + h + 2 * (h * kv * head + kv * head) + h * h
+    layer = attention + 3 * h * i + 2 * h
+    embeddings = config["vocab_size"] * h * (1 if config["tie_word_embeddings"] else 2)
+    v = config["vision_config"]
+    vh, vi, merged = v["hidden_size"], v["intermediate_size"], v["hidden_size"] * v["spatial_merge_size"] ** 2
+    block = (vh * 3 * vh + 3 * vh) + (vh * vh + vh) + 3 * vh * vi + 2 * vi + vh + 2 * vh
+    patch = 3 * v["temporal_patch_size"] * v["patch_size"] ** 2 * vh
+    merger = vh + (merged * merged + merged) + (merged * v["out_hidden_size"] + v["out_hidden_size"])
+    return {"language": embeddings + n * layer + h, "tower": patch + v["depth"] * block + merger}
+
+
+def kv_bytes_per_token(config: dict[str, Any], dtype_bytes: int = 2) -> int:
+    head = config["hidden_size"] // config["num_attention_heads"]
+    return 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head * dtype_bytes
+
+
+def make_config(directory: Path, env_python: Path, layers: int) -> dict[str, Any]:
+    """The tiny model's tokenizer and processor (built by vLLM's transformers), the 3B config."""
+    code = "import sys; from tests.vllm.tiny_qwen import make_tiny_qwen2_5_vl as make; make(sys.argv[1])"
+    subprocess.run([str(env_python), "-c", code, str(directory)], check=True, cwd=ROOT,
+                   env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True)
+    tiny = json.loads((directory / "config.json").read_text())
+    for weights in directory.glob("*.safetensors"):
+        weights.unlink()  # a dummy load reads none
+    config = json.loads(json.dumps(QWEN2_5_VL_3B))
+    config["num_hidden_layers"] = layers
+    for key in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id", "bos_token_id",
+                "eos_token_id"):
+        config[key] = tiny.get(key, tiny.get("text_config", {}).get(key))
+    (directory / "config.json").write_text(json.dumps(config, indent=1))
+    return config
+
+
+def _status(pid: int | str = "self") -> dict[str, int]:
+    out = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmHWM", "VmRSS"):
+            out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def _built_weights(model: Any) -> dict[str, int]:
+    """Bytes and parameters of what vLLM built, total and the tower's (``visual.*``). vLLM's CPU
+    backend packs each linear weight for oneDNN and leaves an empty parameter behind, so a packed
+    weight is counted from its layer's input and output sizes; a tied weight (the LM head and the
+    embeddings) once."""
+    import torch
+
+    out = {"weight_bytes": 0, "tower_weight_bytes": 0, "parameters": 0, "tower_parameters": 0}
+    seen: set[int] = set()
+    for name, module in model.named_modules():
+        for pname, p in module.named_parameters(recurse=False):
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            numel = p.numel()
+            if numel == 0 and pname == "weight" and hasattr(module, "input_size_per_partition"):
+                numel = module.input_size_per_partition * module.output_size_per_partition
+            size = numel * torch.empty((), dtype=p.dtype).element_size()
+            tower = name.startswith("visual")
+            out["weight_bytes"] += size
+            out["parameters"] += numel
+            out["tower_weight_bytes"] += size * tower
+            out["tower_parameters"] += numel * tower
+    return out
+
+
+def child(model: str, tower: bool, utilization: float) -> dict[str, Any]:
+    """In the vLLM venv: start the engine, report weights, memory and the KV cache."""
+    from vllm import LLM
+
+    started = time.perf_counter()
+    llm = LLM(model=model, load_format="dummy", dtype="bfloat16", enforce_eager=True, max_model_len=8192,
+              gpu_memory_utilization=utilization, seed=0,
+              **({} if tower else {"limit_mm_per_prompt": {"image": 0, "video": 0}}))
+    seconds = time.perf_counter() - started
+    core = llm.llm_engine.engine_core.engine_core
+    runner = core.model_executor.driver_worker.worker.model_runner
+    kv = core.scheduler.kv_cache_config
+    kv_bytes = sum(t.size for t in kv.kv_cache_tensors)
+    block = core.vllm_config.cache_config.block_size
+    return {
+        "tower": tower,
+        **_built_weights(runner.get_model()),
+        "kv_bytes": kv_bytes,
+        "kv_tokens": kv.num_blocks * block,
+        "startup_s": seconds,
+        **{"rss_peak_bytes" if k == "VmHWM" else "rss_bytes": v for k, v in _status().items()},
+    }
+
+
+def _tree_rss(pid: int) -> int:
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(stat.parent.name) == pid or int(fields[1]) == pid:
+                total += _status(stat.parent.name).get("VmRSS", 0)
+        except (OSError, ValueError, IndexError):
+            continue
+    return total
+
+
+def run_child(env_python: Path, model: Path, tower: bool, utilization: float, cap: int, log: Path) -> dict[str, Any]:
+    """One measured engine in its own process, stopped if its memory passes ``cap``."""
+    environ = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
+    environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1",
+                   TRANSFORMERS_OFFLINE="1", PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'clients' / 'python'}")
+    out = log.with_suffix(".json")
+    cmd = [str(env_python), "-m", "bench.tower_memory", "--child", str(model), "--child-out", str(out),
+           "--utilization", str(utilization)] + (["--with-tower"] if tower else [])
+    with log.open("wb") as sink:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=environ, stdout=sink, stderr=subprocess.STDOUT)
+        peak = 0
+        while proc.poll() is None:
+            peak = max(peak, _tree_rss(proc.pid))
+            if peak > cap:
+                proc.kill()
+                proc.wait()
+                raise RuntimeError(f"stopped: {peak / GIB:.1f} GiB resident, over the cap; see {log}")
+            time.sleep(0.1)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the engine failed ({proc.returncode}); see {log}")
+    result = json.loads(out.read_text())
+    result["rss_peak_polled_bytes"] = peak
+    result["non_kv_bytes"] = result["rss_bytes"] - result["kv_bytes"]
+    return result
+
+
+def h200(config: dict[str, Any], utilization: float = 0.9) -> dict[str, Any]:
+    """The whole model on an H200: the tower's weights in KV tokens, and their share."""
+    counts = parameters(config)
+    per_token = kv_bytes_per_token(config)
+    budget = utilization * H200_BYTES
+    weights = 2 * (counts["language"] + counts["tower"])
+    kv_with = budget - weights  # an upper bound: less activations and non-torch memory
+    return {
+        "memory_bytes": H200_BYTES, "utilization": utilization, "budget_bytes": budget,
+        "weight_bytes_with_tower": weights, "weight_bytes_tower_free": 2 * counts["language"],
+        "kv_bytes_per_token": per_token, "tower_weight_bytes": 2 * counts["tower"],
+        "kv_tokens_bought": 2 * counts["tower"] // per_token,
+        "kv_tokens_with_tower_at_most": int(kv_with // per_token),
+        "kv_gain_share": 2 * counts["tower"] / kv_with,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--layers", type=int, default=8, help="decoder layers of the 36 to build (default 8)")
+    parser.add_argument("--budget-gib", type=float, default=6.0, help="vLLM's memory budget for each engine")
+    parser.add_argument("--cap-gib", type=float, default=7.5, help="stop an engine whose memory passes this")
+    parser.add_argument("--out", type=Path, default=RESULTS / "tower_memory.json")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--child-out", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--with-tower", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--utilization", type=float, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        args.child_out.write_text(json.dumps(child(args.child, args.with_tower, args.utilization)))
+        return 0
+
+    from bench.vllm_peer import vllm_env
+
+    lines = Path("/proc/meminfo").read_text().splitlines()
+    meminfo = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in lines}
+    need = args.cap_gib * GIB + 2 * GIB
+    if meminfo["MemAvailable"] < need:
+        print(f"only {meminfo['MemAvailable'] / GIB:.1f} GiB free, {need / GIB:.1f} needed: not run", file=sys.stderr)
+        return 2
+    env_python = vllm_env() / "bin" / "python"
+    work = Path(tempfile.mkdtemp(prefix="encode-bench-tower-"))
+    config = make_config(work / "qwen2_5_vl-3b-sized", env_python, args.layers)
+    utilization = args.budget_gib * GIB / meminfo["MemTotal"]
+    runs = {}
+    for tower in (False, True):  # one engine at a time
+        name = "with_tower" if tower else "tower_free"
+        runs[name] = run_child(env_python, work / "qwen2_5_vl-3b-sized", tower, utilization, int(args.cap_gib * GIB),
+                               work / f"{name}.log")
+    counts = parameters(config)
+    full = dict(QWEN2_5_VL_3B)
+    result = {
+        "config": f"Qwen2.5-VL-3B-Instruct, {args.layers} of 36 decoder layers, bfloat16, --load-format dummy",
+        "budget_gib": args.budget_gib, "runs": runs,
+        "parameters_from_config": counts,
+        "config_matches_vllm": runs["with_tower"]["parameters"] == counts["language"] + counts["tower"]
+        and runs["with_tower"]["tower_parameters"] == counts["tower"],
+        "difference": {
+            "weight_bytes": runs["with_tower"]["weight_bytes"] - runs["tower_free"]["weight_bytes"],
+            "rss_bytes": runs["with_tower"]["rss_bytes"] - runs["tower_free"]["rss_bytes"],
+            "rss_peak_bytes": runs["with_tower"]["rss_peak_bytes"] - runs["tower_free"]["rss_peak_bytes"],
+            "non_kv_bytes": runs["with_tower"]["non_kv_bytes"] - runs["tower_free"]["non_kv_bytes"],
+            "kv_tokens": runs["tower_free"]["kv_tokens"] - runs["with_tower"]["kv_tokens"],
+            "kv_bytes_per_token": kv_bytes_per_token(config),
+        },
+        "whole_3b": {"parameters": parameters(full), "kv_bytes_per_token": kv_bytes_per_token(full),
+                     "h200": h200(full)},
+        "machine": {"mem_total_bytes": meminfo["MemTotal"], "cpus": os.cpu_count()},
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(table(result))
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+def table(r: dict[str, Any]) -> str:
+    t, w, d = r["runs"]["tower_free"], r["runs"]["with_tower"], r["difference"]
+    rows = [
+        ("weights (vLLM built)", "weight_bytes", GIB, "GiB"),
+        ("of which the tower", "tower_weight_bytes", GIB, "GiB"),
+        ("resident after start", "rss_bytes", GIB, "GiB"),
+        ("resident peak", "rss_peak_bytes", GIB, "GiB"),
+        ("resident, all but the KV cache", "non_kv_bytes", GIB, "GiB"),
+        ("KV cache", "kv_bytes", GIB, "GiB"),
+        ("KV tokens", "kv_tokens", 1, ""),
+    ]
+    lines = [r["config"], "| | with the tower | tower-free | difference |", "|---|---|---|---|"]
+    for label, key, unit, suffix in rows:
+        cells = [w[key] / unit, t[key] / unit, (w[key] - t[key]) / unit]
+        text = [f"{x:.2f} {suffix}" if unit != 1 else f"{x:,.0f}" for x in cells]
+        lines.append(f"| {label} | " + " | ".join(text) + " |")
+    h = r["whole_3b"]["h200"]
+    lines.append(
+        f"\nwhole 3B: {h['tower_weight_bytes'] / GIB:.2f} GiB of tower weights = "
+        f"{h['kv_tokens_bought']:,} KV tokens at {h['kv_bytes_per_token']:,} B/token; H200 at 0.9: "
+        f"{h['budget_bytes'] / GIB:.1f} GiB budget, at most {h['kv_tokens_with_tower_at_most']:,} KV tokens with the "
+        f"tower, +{100 * h['kv_gain_share']:.2f}% without (the encoder profiling peak comes on top); measured here: "
+        f"{d['kv_tokens']:,} more KV tokens at {d['kv_bytes_per_token']:,} B/token"
+    )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -133,19 +133,21 @@ class AnyresEncoder(HFEncoder):
             meta=meta,
         )
 
-    def forward(self, batch: Sequence[PreparedImage]) -> list[EncodedTensor]:
-        if not batch:
-            return []
-        pixel_values = self._to_device([item.inputs["pixel_values"] for item in batch])
-        counts = [item.inputs["pixel_values"].shape[0] for item in batch]
+    def cost_of(self, num_tokens: int, meta: dict[str, Any]) -> int:
+        """A batched (device) item's weight before its tiles exist: at least its rows, in whole
+        tiles, plus the base tile (the CPU path counts its real tiles)."""
+        return (math.ceil(num_tokens / self.side**2) + 1) * self.side**2
+
+    def _forward(self, batch: Sequence[PreparedImage], inputs: dict[str, torch.Tensor]) -> list[EncodedTensor]:
+        counts = [item.cost_tokens // self.side**2 for item in batch]  # each image's tiles
         out = []
         with torch.inference_mode():
-            tiles = self.module.tiles(pixel_values)
+            tiles = self.module.tiles(inputs["pixel_values"])
             for item, image_tiles in zip(batch, torch.split(tiles, counts), strict=True):
-                packed = self.module.pack(image_tiles, item.inputs["image_sizes"].to(self.device))
+                packed = self.module.pack(image_tiles, torch.tensor(item.meta["image_sizes"], device=self.device))
                 if packed.shape[0] != item.num_tokens:  # the count and the packing are two copies of one rule
                     raise RuntimeError(f"packed {packed.shape[0]} rows, counted {item.num_tokens}")
-                out.append(to_encoded(packed.to("cpu")))
+                out.append(to_encoded(self._to_host(packed)))
         return out
 
 

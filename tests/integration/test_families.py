@@ -35,7 +35,7 @@ FAMILIES = {
     "clip": (lambda d: tiny_models.make_clip(d, kind="clip"), (), "clip"),
     "clip-pooled": (lambda d: tiny_models.make_clip(d, kind="clip"), ("--output", "pooled"), "clip-pooled"),
     "siglip": (lambda d: tiny_models.make_clip(d, kind="siglip"), (), "clip"),
-    "llava": (tiny_models.make_llava, (), "llava"),
+    "llava": (tiny_models.make_llava, ("--dtype", "float32"), "llava"),
     # float32 named: a family vLLM consumes follows vLLM's auto, which runs a float32 checkpoint in
     # bfloat16 on this CPU (test_dtype.py); the comparison here is with the float32 full model.
     "qwen2_5_vl": (tiny_models.make_qwen2_5_vl, ("--dtype", "float32"), "qwen"),

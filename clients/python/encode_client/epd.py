@@ -49,8 +49,9 @@ from __future__ import annotations
 import base64
 import binascii
 import copy
+import inspect
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -320,14 +321,17 @@ async def rewrite_chat_request_async(
     client: AsyncClient,
     *,
     trust_client_embeds: bool = False,
-    contract: EpdContract | Callable[[], EpdContract] | None = None,
+    contract: EpdContract | Callable[[], EpdContract | Awaitable[EpdContract]] | None = None,
 ) -> tuple[dict[str, Any], list[Result]]:
-    """``rewrite_chat_request`` with an ``AsyncClient`` (a callable ``contract`` is called in the loop)."""
+    """``rewrite_chat_request`` with an ``AsyncClient``. A callable ``contract`` is called in the loop,
+    after the request is checked and only when it has images; it may be a coroutine function (the
+    proxy's, which reads the contract from encode-server once)."""
     plan = check_chat_request(body, trust_client_embeds=trust_client_embeds)
     if not plan.images:
         return _apply(body, plan, [], None), []
     if callable(contract):
-        contract = contract()
+        made = contract()
+        contract = await made if inspect.isawaitable(made) else made
     elif contract is None:
         contract = EpdContract.from_model(await client.model())
     results = await client.hand_off([p.data for p in plan.images])

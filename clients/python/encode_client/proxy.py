@@ -67,7 +67,6 @@ from encode_client._proxy_settings import ProxySettings
 from encode_client._upstreams import Upstream, Upstreams
 from encode_client._vllm_failure import StreamGate, is_generation_error
 from encode_client.epd import (
-    IMAGE_PARTS,
     EpdContract,
     EpdContractError,
     EPDError,
@@ -109,17 +108,6 @@ class _Refused(Exception):
 
     def __init__(self, response: JSONResponse, kind: str) -> None:
         self.response, self.kind = response, kind
-
-
-def _has_images(body: dict[str, Any]) -> bool:
-    """Whether the chat has image parts to hand off, so that the contract is read only then (a
-    text-only chat needs no encode-server); a glance at the part types, the rewrite checks the rest."""
-    messages = body.get("messages")
-    return isinstance(messages, list) and any(
-        isinstance(part, dict) and part.get("type") in IMAGE_PARTS
-        for message in messages if isinstance(message, dict) and isinstance(message.get("content"), list)
-        for part in message["content"]
-    )
 
 
 def _refuse(status: int, message: str, kind: str, param: str | None = None, **headers: str) -> _Refused:
@@ -312,7 +300,7 @@ class ProxyApp:
                     started = time.perf_counter()
                     rewritten, results = await rewrite_chat_request_async(
                         parsed, self.encoder_for(caller), trust_client_embeds=self.settings.trust_client_embeds,
-                        contract=await self.contract(caller) if _has_images(parsed) else None,
+                        contract=lambda: self.contract(caller),  # read after the checks, when there are images
                     )
                     if results:
                         self.metrics.handoff_seconds.observe(time.perf_counter() - started)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import copy
+import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +23,7 @@ from tests.server import ServerProcess, free_port, start_server
 
 pytestmark = pytest.mark.integration
 
-PREFIX = "test-epd"
+PREFIX = f"test-epd-{os.getpid()}"
 IMAGES = [image_bytes("PNG", 64, 48, seed=1), image_bytes("JPEG", 90, 120, seed=2)]
 
 
@@ -144,7 +145,7 @@ def test_hand_off_to_the_export_dir_alone(tmp_path: Path, server_logs: Path) -> 
 
 # -- issue 18: no client names an item; tenants through the EPD path ----------------------------
 
-TENANT_PREFIX = "test-epd-tenants"
+TENANT_PREFIX = f"test-epd-tenants-{os.getpid()}"
 KEYS = {"acme": "key-acme-7f3a", "globex": "key-globex-91cd"}
 KEY_SPEC = ",".join(f"{tenant}:{key}" for tenant, key in KEYS.items())
 

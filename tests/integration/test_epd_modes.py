@@ -5,6 +5,7 @@ CLIP tower: a deployment error, 502 from the proxy). vLLM itself: tests/vllm/tes
 from __future__ import annotations
 
 import base64
+import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +25,7 @@ from tests.tiny_models import make_clip
 
 pytestmark = pytest.mark.integration
 
-PREFIX = "test-epd-modes"
+PREFIX = f"test-epd-modes-{os.getpid()}"
 IMAGES = [image_bytes("PNG", 64, 48, seed=11), image_bytes("JPEG", 200, 90, seed=12)]
 
 

@@ -35,7 +35,7 @@ from tests.server import ServerProcess, free_port, start_server
 pytestmark = pytest.mark.integration
 
 NOWHERE = f"http://127.0.0.1:{free_port()}"
-PREFIX = "test-proxy-serving"
+PREFIX = f"test-proxy-serving-{os.getpid()}"
 
 
 def _wait(condition: Any, what: str, seconds: float = 20.0) -> None:

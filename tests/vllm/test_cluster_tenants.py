@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import io
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ from tests.server import ServerProcess, start_server
 from tests.vllm.conftest import png, running_proxy, stored_value
 from tests.vllm.epd_stack import Relay, chat, post_chat, vllm_openai_server
 
-PREFIX = "test-vllm-cluster"
+PREFIX = f"test-vllm-cluster-{os.getpid()}"
 KEYS = {"acme": "key-acme-c1u5", "globex": "key-globex-c1u5"}
 SPEC = ",".join(f"{t}:{k}" for t, k in KEYS.items())
 SIZE = (112, 84)

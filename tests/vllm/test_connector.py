@@ -10,6 +10,7 @@ tower, its placeholder counts) are in test_connector_with_tower.py.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,7 +38,7 @@ from tests.vllm.conftest import (
     tower_parameters,
 )
 
-PREFIX = "test-vllm-connector"
+PREFIX = f"test-vllm-connector-{os.getpid()}"
 # width x height: unresized multiples of 28 and sizes the processor resizes.
 SIZES = [(56, 56), (112, 84), (224, 168), (150, 100), (300, 260), (400, 60)]
 IMAGES = [png(w, h, seed=i) for i, (w, h) in enumerate(SIZES)]

@@ -8,6 +8,7 @@ embedding from encode-server's store, so vLLM's tower does not run for it.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ from tests.tiny import copy_with_processor_settings
 from tests.vllm.conftest import connector_config, engine, greedy, pil, png, scheduler_connector, stored_value
 from tests.vllm.families import CASES, FamilyCase
 
-PREFIX = "test-vllm-families"
+PREFIX = f"test-vllm-families-{os.getpid()}"
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ from tests.server import ServerProcess, start_server
 from tests.vllm.conftest import PROMPT_HEAD, connector_config, engine, greedy, scheduler_connector, stored_value
 from tests.vllm.tiny_qwen3 import make_tiny_qwen3
 
-PREFIX = "test-vllm-qwen3-video"
+PREFIX = f"test-vllm-qwen3-video-{os.getpid()}"
 VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"
 PROMPT = PROMPT_HEAD + VIDEO + "describe the image<|im_end|>\n<|im_start|>assistant\n"
 # (frames, fps, width, height): 2 s at 2 fps (4 frames, 2 groups), 2.5 s (5 frames padded to 6),

@@ -10,6 +10,7 @@ float32): that engine runs in bfloat16; encode-server stays float32 (the connect
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,7 @@ from tests.vllm.conftest import (
 )
 from tests.vllm.tiny_qwen3 import DEEPSTACK, MAX_PIXELS, MIN_PIXELS, make_tiny_qwen3
 
-PREFIX = "test-vllm-qwen3"
+PREFIX = f"test-vllm-qwen3-{os.getpid()}"
 KINDS = ["qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"]
 ENGINE_DTYPE = {"qwen3_5": "bfloat16", "qwen3_5_moe": "bfloat16"}
 OUT_HIDDEN = 64

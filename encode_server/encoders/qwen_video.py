@@ -9,10 +9,14 @@ of ``C x temporal_patch x patch x patch`` values. The tower attends within each 
 a run of groups encoded alone gives exactly those groups' rows: that is what lets a long video's
 forward pass be split.
 
-Read with numpy and Pillow (bicubic, as the PIL image processors resize): transformers' video
-processors need torchvision, which the server does not ship. vLLM's processor (with torchvision)
-resizes with torchvision's bicubic, so frames that need resizing differ by the resize alone, as
-images do (docs/models.md).
+The pixels are made as transformers' video processors make them on the CPU. Those are
+torchvision-backed (``TorchvisionBackend``), and the server does not ship torchvision; so the steps
+are done here with torch, as torchvision's ``resize`` does them on a uint8 CPU tensor:
+``torch.nn.functional.interpolate(uint8, mode="bicubic", align_corners=False, antialias=True)``,
+the result still uint8 (torch's native uint8 kernel: no cast, clamp or rounding of ours). Then,
+as ``rescale_and_normalize`` fuses them: float32, minus ``mean / rescale_factor``, divided by
+``std / rescale_factor``. vLLM runs that processor, so a resized frame's values equal vLLM's
+(tests/vllm/test_qwen3_video.py). Images keep the PIL image processor, as vLLM is run for them.
 """
 
 from __future__ import annotations
@@ -23,7 +27,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from PIL import Image
 
 from .base import PreparedImage
 
@@ -60,18 +63,22 @@ class VideoConfig:
 
 
 def _pixels(frames: np.ndarray, size: tuple[int, int], config: VideoConfig) -> np.ndarray:
-    """``[T, H, W, 3]`` uint8 to ``[T, C, h, w]`` float32: resized, rescaled, normalised."""
-    height, width = size
-    if config.do_resize and frames.shape[1:3] != (height, width):
-        frames = np.stack(
-            [np.asarray(Image.fromarray(f).resize((width, height), Image.Resampling.BICUBIC)) for f in frames]
-        )
-    out = frames.astype(np.float32)
-    if config.do_rescale:
-        out *= np.float32(config.rescale_factor)
+    """``[T, H, W, 3]`` uint8 to ``[T, C, h, w]`` float32 (contiguous): resized, rescaled,
+    normalised, with the operations (and so the rounding) of transformers' torchvision backend."""
+    video = torch.from_numpy(frames).permute(0, 3, 1, 2)  # a view; interpolate takes channels-last
+    if config.do_resize and tuple(video.shape[-2:]) != tuple(size):
+        video = torch.nn.functional.interpolate(video, size=size, mode="bicubic", align_corners=False,
+                                                antialias=True)
+    out = video.to(torch.float32, memory_format=torch.contiguous_format)
+    del video
+    mean, std = torch.from_numpy(config.mean), torch.from_numpy(config.std)
+    if config.do_rescale and config.do_normalize:  # fused, as _fuse_mean_std_and_rescale_factor does
+        mean, std = mean * (1.0 / config.rescale_factor), std * (1.0 / config.rescale_factor)
     if config.do_normalize:
-        out = (out - config.mean) / config.std
-    return np.ascontiguousarray(out.transpose(0, 3, 1, 2))
+        out.sub_(mean.view(-1, 1, 1)).div_(std.view(-1, 1, 1))
+    elif config.do_rescale:
+        out.mul_(config.rescale_factor)
+    return out.numpy()
 
 
 def patchify(frames: np.ndarray, size: tuple[int, int], config: VideoConfig) -> tuple[torch.Tensor, list[int]]:
@@ -88,10 +95,12 @@ def patchify(frames: np.ndarray, size: tuple[int, int], config: VideoConfig) -> 
 
 
 def frames_nbytes(num_frames: int, height: int, width: int, size: tuple[int, int], config: VideoConfig) -> int:
-    """Peak bytes of decoding and preprocessing one video: the decoded uint8 frames plus the
-    resized float32 copies and the patch rows (padded to whole temporal groups)."""
+    """Peak bytes of decoding and preprocessing one video: the decoded uint8 frames, their resized
+    uint8 copy, and two float32 copies (the normalised frames, then the padded frames and the
+    patch rows, each of whole temporal groups)."""
     padded = math.ceil(num_frames / config.temporal_patch_size) * config.temporal_patch_size
-    return num_frames * height * width * 3 + 2 * padded * size[0] * size[1] * 3 * 4
+    resized = num_frames * size[0] * size[1] * 3
+    return num_frames * height * width * 3 + resized + 2 * padded * size[0] * size[1] * 3 * 4
 
 
 def split_groups(prepared: PreparedImage, max_cost: int, merge_size: int) -> list[PreparedImage]:

@@ -27,6 +27,7 @@ MAX_PIXELS = 256 * 256
 VIDEO_MIN_PIXELS = 64 * 64
 VIDEO_MAX_PIXELS = 2 * 8 * 128 * 128  # two temporal groups of eight 128x128 frames
 DEEPSTACK = [0, 1]
+OUT_HIDDEN = 64  # the vision out_hidden_size (= the text hidden size); a row is this x (1 + len(DEEPSTACK))
 
 # Qwen3VLVideoProcessor's saved form (transformers 5.19), with this checkpoint's sizes.
 VIDEO_PROCESSOR: dict[str, Any] = {
@@ -122,7 +123,7 @@ def make_tiny_qwen3(
         "hidden_size": 32,
         "intermediate_size": 64,
         "num_heads": 2,
-        "out_hidden_size": 64,
+        "out_hidden_size": OUT_HIDDEN,
         "patch_size": 16,
         "spatial_merge_size": 2,
         "temporal_patch_size": 2,

@@ -41,6 +41,8 @@ PROMPT = PROMPT_HEAD + VIDEO + "describe the image<|im_end|>\n<|im_start|>assist
 VIDEOS = [(4, 2.0, 64, 64), (5, 2.0, 64, 64), (30, 10.0, 96, 64), (20, 4.0, 128, 96), (12, 6.0, 100, 70),
           (16, 8.0, 50, 130)]
 UNRESIZED = 4
+# Qwen3.5-MoE is left out to save an engine (about 80 s): its tower and processor are Qwen3.5's.
+# Adding it here (bfloat16) passes every test (run once: rows within 7.8e-3 x max |x|).
 KINDS = ["qwen3_vl", "qwen3_vl_moe", "qwen3_5"]
 ENGINE_DTYPE = {"qwen3_5": "bfloat16"}
 # max |diff| of our rows from vLLM's loader + processor + tower, as a fraction of max |x|, for every

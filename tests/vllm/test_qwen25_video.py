@@ -35,6 +35,7 @@ from tests.vllm.conftest import (
     engine,
     greedy,
     model_runner,
+    outcome,
     scheduler_connector,
     stored_value,
 )
@@ -96,17 +97,26 @@ def _rows(item: dict[str, Any]) -> np.ndarray:
     return np.frombuffer(base64.b64decode(item["embedding"]), dtype="<f4").reshape(item["shape"]).copy()
 
 
-def _metadata_only(meta: dict[str, Any], mm_hash: str) -> dict[str, Any]:
+def _fields(meta: dict[str, Any], seconds: bool) -> dict[str, Any]:
+    """The item's metadata: the grid (what the parser declares), and with ``seconds`` the
+    ``second_per_grid_ts`` vLLM's processor would compute, as the tensor its field config takes."""
     import torch
 
-    item = {"video_grid_thw": torch.tensor([meta["video_grid_thw"]])}
-    return {"prompt": PROMPT, "multi_modal_data": {"video": item}, "multi_modal_uuids": {"video": [mm_hash]}}
+    fields = {"video_grid_thw": torch.tensor([meta["video_grid_thw"]])}
+    if seconds:
+        fields["second_per_grid_ts"] = torch.tensor([meta["second_per_grid_ts"]])
+    return fields
 
 
-def _direct(rows: np.ndarray, meta: dict[str, Any], **extra: Any) -> dict[str, Any]:
+def _metadata_only(meta: dict[str, Any], mm_hash: str, *, seconds: bool = False) -> dict[str, Any]:
+    return {"prompt": PROMPT, "multi_modal_data": {"video": _fields(meta, seconds)},
+            "multi_modal_uuids": {"video": [mm_hash]}}
+
+
+def _direct(rows: np.ndarray, meta: dict[str, Any], *, seconds: bool = False) -> dict[str, Any]:
     import torch
 
-    item = {"video_embeds": torch.tensor(rows), "video_grid_thw": torch.tensor([meta["video_grid_thw"]]), **extra}
+    item = {"video_embeds": torch.tensor(rows), **_fields(meta, seconds)}
     return {"prompt": PROMPT, "multi_modal_data": {"video": item}}
 
 
@@ -142,17 +152,37 @@ def baseline(llm: Any, server: ServerProcess, videos: list[bytes]) -> dict[str, 
     rows = [_rows(_encode(server, v, "embeddings")) for v in videos]
     metas = [h["meta"] for h in handed]
     hashes = [h["hash"] for h in handed]
-    via_connector = greedy(llm, [_metadata_only(m, h) for m, h in zip(metas, hashes, strict=True)])
+    pairs = list(zip(metas, hashes, strict=True))
+    via_connector = greedy(llm, [_metadata_only(m, h) for m, h in pairs])
+    with_seconds = greedy(llm, [_metadata_only(m, h, seconds=True) for m, h in pairs])
     direct = greedy(llm, [_direct(r, m) for r, m in zip(rows, metas, strict=True)])
-    return {"metas": metas, "hashes": hashes, "rows": rows, "connector": via_connector, "direct": direct}
+    direct_seconds = greedy(llm, [_direct(r, m, seconds=True) for r, m in zip(rows, metas, strict=True)])
+    return {"metas": metas, "hashes": hashes, "rows": rows, "connector": via_connector, "direct": direct,
+            "connector_seconds": with_seconds, "direct_seconds": direct_seconds}
 
 
 def test_video_tokens_through_the_connector_equal_direct_video_embeds(llm: Any, baseline: dict[str, Any]) -> None:
-    """The oracle: metadata-only video items (grid, uuid = mm_hash) give the tokens the same rows
-    given directly as video_embeds give; the connector served every video."""
+    """The oracle: metadata-only video items (grid, uuid = mm_hash; with or without
+    second_per_grid_ts) give the tokens the same rows given directly as video_embeds give; the
+    connector served every video."""
     assert baseline["connector"] == baseline["direct"]
+    assert baseline["connector_seconds"] == baseline["direct_seconds"]
     counts = scheduler_connector(llm).counts
-    assert counts["hit"] >= len(VIDEOS) and counts["wrong_shape"] == 0, counts
+    assert counts["hit"] >= 2 * len(VIDEOS) and counts["wrong_shape"] == 0, counts
+
+
+def test_a_video_in_no_store_fails_alone_even_with_second_per_grid_ts(llm: Any, baseline: dict[str, Any]) -> None:
+    """second_per_grid_ts is not a pixel: an item with it and the grid, whose uuid nothing holds,
+    is failed as unavailable (the tower-free engine encodes nothing), then the engine answers."""
+    connector = scheduler_connector(llm)
+    before = dict(connector.counts)
+    reason, tokens = outcome(llm, _metadata_only(baseline["metas"][4], "0" * 64, seconds=True))
+    assert (reason, tokens) == ("error", [])
+    after = connector.counts
+    assert after["unavailable"] > before.get("unavailable", 0)
+    assert after["local_fallback"] == before.get("local_fallback", 0)
+    again = greedy(llm, [_metadata_only(baseline["metas"][4], baseline["hashes"][4], seconds=True)])
+    assert again == [baseline["connector_seconds"][4]]
 
 
 def test_zeros_in_the_store_change_the_video_answer(
@@ -181,15 +211,15 @@ def test_video_rows_and_tokens_match_vllms_own_loader_and_tower(
     their YUV to RGB conversions may round apart by one level); resized ones also differ by the
     resize (PIL here, torchvision in vLLM): printed.
 
-    Greedy tokens: plain vLLM on the file equals the EPD request exactly when vLLM's processor gives
-    second_per_grid_ts == 1.0 (what a pixel-free item is given); otherwise they differ, and vLLM's
-    *own* rows given as video_embeds (with second_per_grid_ts, which the parser drops) give the EPD
-    tokens, not plain vLLM's: the positions differ, not the rows."""
+    Greedy tokens: the EPD request with ``second_per_grid_ts`` equals plain vLLM on the file. With
+    the grid alone (what the parser declares) it equals plain vLLM exactly when vLLM's processor
+    gives 1.0 s per group (vLLM's default when the field is absent) and differs otherwise; vLLM's
+    *own* rows given as video_embeds without the field give those same EPD tokens: the temporal
+    positions differ, not the rows."""
     own_tokens = greedy(llm, [_plain(v, f"video-pixels-{i}") for i, v in enumerate(videos)])
     cache = model_runner(llm).encoder_cache
     own_rows = [cache[f"video-pixels-{i}"].float().cpu().numpy() for i in range(len(videos))]
-    own_as_embeds = greedy(llm, [_direct(own, meta, second_per_grid_ts=[meta["second_per_grid_ts"]])
-                                 for own, meta in zip(own_rows, baseline["metas"], strict=True)])
+    own_as_embeds = greedy(llm, [_direct(own, meta) for own, meta in zip(own_rows, baseline["metas"], strict=True)])
     report = []
     for i, (data, meta, rows, own) in enumerate(zip(videos, baseline["metas"], baseline["rows"], own_rows,
                                                    strict=True)):
@@ -198,17 +228,20 @@ def test_video_rows_and_tokens_match_vllms_own_loader_and_tower(
         assert meta["second_per_grid_ts"] == pytest.approx(theirs["second_per_grid_ts"], rel=1e-6), (i, meta, theirs)
         assert own.shape == rows.shape, (i, own.shape, rows.shape)
         diff, scale = float(np.abs(own - rows).max()), float(np.abs(rows).max())
-        same = own_tokens[i] == baseline["connector"][i]
+        grid_only = own_tokens[i] == baseline["connector"][i]
+        with_seconds = own_tokens[i] == baseline["connector_seconds"][i]
         report.append(f"video {i} {VIDEOS[i]}: vLLM sampled frames {theirs['frames']}, grid {meta['video_grid_thw']}, "
                       f"second_per_grid_ts {meta['second_per_grid_ts']:g}; max |diff| {diff:.1e} (of {scale:.1f}); "
-                      f"greedy vs plain vLLM {'equal' if same else 'DIFFER'}")
+                      f"greedy vs plain vLLM: grid only {'equal' if grid_only else 'DIFFER'}, "
+                      f"with second_per_grid_ts {'equal' if with_seconds else 'DIFFER'}")
         if i < UNRESIZED:
             assert diff <= 1e-3 * max(1.0, scale), report[-1]
+            assert with_seconds, report[-1]
         if i < ONE_SECOND:
-            assert meta["second_per_grid_ts"] == 1.0 and same, report[-1]
+            assert meta["second_per_grid_ts"] == 1.0 and grid_only, report[-1]
         elif i < UNRESIZED:
-            assert meta["second_per_grid_ts"] != 1.0 and not same, report[-1]
-            assert own_as_embeds[i] == baseline["connector"][i] != own_tokens[i], report[-1]
+            assert meta["second_per_grid_ts"] != 1.0 and not grid_only, report[-1]
+            assert own_as_embeds[i] == baseline["connector"][i], report[-1]
     print("\n" + "\n".join(report))
 
 

@@ -21,9 +21,10 @@ Videos: one item of ``t`` temporal groups (two frames each), sampled as vLLM's l
 768 frames, floored to whole groups), each frame resized by the image rule within the video
 processor's pixel limits; ``meta`` carries ``video_grid_thw`` and, for Qwen2.5-VL,
 ``second_per_grid_ts`` (seconds per temporal group: what its M-RoPE temporal positions scale by).
-vLLM 0.32's parser takes no ``second_per_grid_ts`` in a pixel-free item and assumes 1.0 s, so a
-pixel-free Qwen2.5-VL video equals vLLM on the file only when the sampling gives exactly 1.0
-(docs/models.md, ``tests/vllm/test_qwen25_video.py``).
+vLLM 0.32's parser does not declare ``second_per_grid_ts`` (only ``video_grid_thw``) and assumes
+1.0 s without it, but its Qwen2.5-VL processor takes it from a pixel-free item: with it, the
+tokens equal vLLM's on the file; without, only when the sampling gives exactly 1.0 s per group
+(docs/vllm.md, ``tests/vllm/test_qwen25_video.py``).
 """
 
 from __future__ import annotations
@@ -272,7 +273,8 @@ def attach_video(encoder: QwenVisionEncoder, saved: dict[str, Any] | None, defau
 # vLLM 0.32's Qwen2-VL multimodal parser (vllm/model_executor/models/qwen2_vl.py,
 # Qwen2VLMultiModalDataParser; Qwen2.5-VL uses it too) declares image_grid_thw as the embedding
 # field of an image and video_grid_thw of a video, so a prefill worker takes either as metadata +
-# uuid, and can run without its tower. It declares no second_per_grid_ts (meta carries it).
+# uuid, and can run without its tower. It declares no second_per_grid_ts: meta carries it, and
+# vLLM's Qwen2.5-VL processor takes it offline (its OpenAI server takes JSON only for the grid).
 FAMILY = Family(
     name="qwen2_vl",
     model_types=tuple(_VISION_MODELS),

@@ -96,3 +96,12 @@ def test_rows_whole_or_split_equal_the_full_models_video_features(nested_dir: Pa
     assert got.shape == (3 * 4 * 6 // 4, 64)
     torch.testing.assert_close(got, reference, atol=2e-5 * reference.abs().max().item(), rtol=0)
     torch.testing.assert_close(split, got, atol=1e-6 * got.abs().max().item(), rtol=0)
+
+
+def test_qwen2_vl_videos_carry_the_grid_only(tmp_path: Path) -> None:
+    """Qwen2-VL's M-RoPE does not scale time, and its processor gives no second_per_grid_ts."""
+    from tests.tiny_models import make_qwen2_vl
+
+    encoder = load_encoder(str(make_qwen2_vl(tmp_path / "q2")), **CPU32)
+    plan = encoder.plan_video(VideoInfo(56, 56, 5, 2.0, "h264"), 2.0)
+    assert plan.meta == {"video_grid_thw": [2, 4, 4]}

@@ -185,6 +185,20 @@ def test_a_video_in_no_store_fails_alone_even_with_second_per_grid_ts(llm: Any, 
     assert again == [baseline["connector_seconds"][4]]
 
 
+def test_vllms_chat_parser_takes_json_arrays_only_for_the_grid(llm: Any, baseline: dict[str, Any]) -> None:
+    """Through vLLM's chat parser (its OpenAI server's), a video_embeds part takes JSON arrays only
+    for the parser's metadata: second_per_grid_ts as numbers is refused, so a JSON request (the
+    proxy's) can carry the grid alone."""
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError
+
+    fields = {"video_grid_thw": baseline["metas"][4]["video_grid_thw"], "second_per_grid_ts": [1.25]}
+    part = {"type": "video_embeds", "video_embeds": fields, "uuid": baseline["hashes"][4]}
+    messages = [{"role": "user", "content": [part, {"type": "text", "text": "describe the image"}]}]
+    with pytest.raises(VLLMValidationError, match="JSON arrays are only supported for metadata: second_per_grid_ts"):
+        llm.chat(messages, SamplingParams(max_tokens=1), use_tqdm=False)
+
+
 def test_zeros_in_the_store_change_the_video_answer(
     llm: Any, server: ServerProcess, baseline: dict[str, Any], redis_proc: RedisProcess, videos: list[bytes]
 ) -> None:

@@ -16,9 +16,9 @@ from transformers import Qwen2VLImageProcessorPil
 from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
 from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
 
-from .hf import LoadSpec
+from .hf import LoadSpec, processor_config
 from .loading import empty_module, weights_digest
-from .qwen import OUTPUTS, QwenVisionEncoder, as_patch_linear
+from .qwen import OUTPUTS, VIDEO_DEFAULTS, QwenVisionEncoder, as_patch_linear, attach_video
 
 __all__ = ["BUILTIN_MODELS", "load_builtin"]
 
@@ -75,6 +75,10 @@ def load_builtin(spec: LoadSpec) -> QwenVisionEncoder:
         )
     )
     module.load_state_dict(state, strict=True)
-    return QwenVisionEncoder(
-        module, _processor(), spec, kind="qwen2_5_vl", digest=weights_digest(state), meaningless=True
-    )
+    processor = _processor()
+    encoder = QwenVisionEncoder(module, processor, spec, kind="qwen2_5_vl", digest=weights_digest(state),
+                                meaningless=True)
+    # Videos too, with the settings transformers builds a Qwen2-VL video processor from when a
+    # checkpoint has only the image processor's (``preprocessor_config.json``).
+    attach_video(encoder, processor_config(processor), VIDEO_DEFAULTS)
+    return encoder

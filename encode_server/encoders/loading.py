@@ -96,15 +96,20 @@ class CheckpointFiles:
 
         return Path(hf_hub_download(self.repo_id, filename, revision=self.revision))
 
-    def video_processor_config(self) -> dict[str, Any] | None:
+    def video_processor_config(self, *, or_image_config: bool = False) -> dict[str, Any] | None:
         """The video processor's saved settings, in either layout: nested in ``processor_config.json``
-        (what transformers 5 writes) or ``video_preprocessor_config.json`` (hub checkpoints).
+        (what transformers 5 writes) or ``video_preprocessor_config.json`` (hub checkpoints). With
+        ``or_image_config``, then ``preprocessor_config.json``: transformers' own last resort, which is
+        where Qwen2(.5)-VL hub checkpoints keep the settings their video processor is built from.
         Read as JSON: transformers' video processors need torchvision, which the server does not."""
         nested = self.directory / "processor_config.json"
         if nested.is_file() and isinstance(video := json.loads(nested.read_text()).get("video_processor"), dict):
             return dict(video)
-        separate = self.directory / "video_preprocessor_config.json"
-        return dict(json.loads(separate.read_text())) if separate.is_file() else None
+        names = ["video_preprocessor_config.json"] + (["preprocessor_config.json"] if or_image_config else [])
+        for name in names:
+            if (separate := self.directory / name).is_file():
+                return dict(json.loads(separate.read_text()))
+        return None
 
     def processor_setting(self, name: str) -> Any:
         """A top-level setting of ``processor_config.json`` (the multimodal processor's, e.g.

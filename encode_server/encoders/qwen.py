@@ -15,11 +15,23 @@ patch's 3 x t x p x p values. It is computed as that product (``PatchLinear``), 
 ``Conv3dLayer`` does, rather than as a convolution: on a CPU a bfloat16 Conv3d took 55 of a
 6-block tower's 142 ms for a 640x480 image (measured, one thread), and the result differs from
 the convolution's only by float rounding (2e-5 of the largest value in float32).
+
+Videos: one item of ``t`` temporal groups (two frames each), sampled as vLLM's loader for
+``Qwen2VLVideoProcessor`` samples them (``Qwen2VLVideoBackend``: the server's ``--video-fps``, 4 to
+768 frames, floored to whole groups), each frame resized by the image rule within the video
+processor's pixel limits; ``meta`` carries ``video_grid_thw`` and, for Qwen2.5-VL,
+``second_per_grid_ts`` (seconds per temporal group: what its M-RoPE temporal positions scale by).
+vLLM 0.32's parser does not declare ``second_per_grid_ts`` (only ``video_grid_thw``) and assumes
+1.0 s without it, but its Qwen2.5-VL processor takes it from a pixel-free item: with it, the
+tokens equal vLLM's on the file; without, only when the sampling gives exactly 1.0 s per group
+(docs/vllm.md, ``tests/vllm/test_qwen25_video.py``).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -29,14 +41,17 @@ from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTra
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
 
-from .base import EncodedTensor, PreparedImage
+from encode_server.core.types import VideoInfo
+
+from .base import EncodedTensor, PreparedImage, VideoPlan
 from .family import Epd, Family
 from .hf import HFEncoder, LoadSpec, to_encoded
 from .loading import CheckpointFiles, Layout, empty_module, load_vision_weights
+from .qwen_video import VideoConfig, prepare_video, split_groups, video_grid
 
 __all__ = [
-    "FAMILY", "LAYOUTS", "PatchLinear", "QwenVisionEncoder", "as_patch_linear", "load_qwen", "load_vision_tower",
-    "vision_model_class",
+    "FAMILY", "LAYOUTS", "VIDEO_DEFAULTS", "PatchLinear", "QwenVisionEncoder", "as_patch_linear", "attach_video",
+    "load_qwen", "load_vision_tower", "video_frame_size", "vision_model_class",
 ]
 
 OUTPUTS = ("hidden", "merged")  # "hidden" is accepted as the default and means "merged"
@@ -49,6 +64,29 @@ _VISION_MODELS: dict[str, type[torch.nn.Module]] = {
     "qwen2_vl": Qwen2VisionTransformerPretrainedModel,
     "qwen2_5_vl": Qwen2_5_VisionTransformerPretrainedModel,
 }
+
+# Qwen2VLVideoProcessor's defaults (transformers 5.19 and 5.24), under what a checkpoint saves.
+VIDEO_DEFAULTS: dict[str, Any] = {
+    "size": {"shortest_edge": 128 * 28 * 28, "longest_edge": 28 * 28 * 768}, "patch_size": 14,
+    "temporal_patch_size": 2, "merge_size": 2, "fps": 2, "min_frames": 4, "max_frames": 768,
+    "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
+    "rescale_factor": 1 / 255, "max_video_tokens": 128000,
+}
+# vLLM 0.32's Qwen2-VL video loader (vllm/multimodal/video.py, Qwen2VLVideoBackend): its own frame
+# bounds and temporal patch (not the checkpoint's); the rate is the loader's fps (2 unless
+# --media-io-kwargs says).
+_LOADER_MIN_FRAMES, _LOADER_MAX_FRAMES, _LOADER_MAX_FPS, _LOADER_TEMPORAL = 4, 768, 30, 2
+
+
+def video_frame_size(num_frames: int, height: int, width: int, config: VideoConfig) -> tuple[int, int]:
+    """Qwen2VLVideoProcessor's resize (transformers 5.19 and 5.24): the image rule on each frame,
+    within the video's pixel limits, with its optional per-frame share of a whole-video budget."""
+    max_pixels = config.max_pixels
+    if config.cap_pixels_per_frame:
+        total = int(config.max_video_tokens * config.factor * config.factor * 0.9)
+        max_pixels = max(min(max_pixels, total * config.temporal_patch_size // num_frames),
+                         int(config.min_pixels * 1.05))
+    return smart_resize(height, width, factor=config.factor, min_pixels=config.min_pixels, max_pixels=max_pixels)
 
 
 class PatchLinear(torch.nn.Module):
@@ -85,7 +123,11 @@ class QwenVisionEncoder(HFEncoder):
 
     ``cost_tokens`` is t*h*w, the patch tokens the transformer attends over (merging comes last),
     which is what a batch's compute and activation memory grow with.
+
+    ``video``: the video processor's settings (None: the checkpoint takes no video).
     """
+
+    video: VideoConfig | None = None
 
     def __init__(
         self,
@@ -152,8 +194,44 @@ class QwenVisionEncoder(HFEncoder):
         return grid[1] * grid[2] // self.merge_size**2, {"image_grid_thw": grid}
 
     def cost_of(self, num_tokens: int, meta: dict[str, Any]) -> int:
-        t, h, w = meta["image_grid_thw"]
+        t, h, w = meta.get("image_grid_thw") or meta["video_grid_thw"]
         return int(t * h * w)
+
+    def _sample(self, info: VideoInfo, fps: float) -> list[int]:
+        """vLLM's frame indices (``Qwen2VLVideoBackend``, a port of transformers' fps sampling):
+        ``frames / source_fps * fps`` within [4, 768] and the video's own count, floored to whole
+        groups of two, at ``torch.arange(0, total, total / n)``. vLLM then hands exactly these frames
+        to the processor (``do_sample_frames`` is false for Qwen2-VL's)."""
+        total = info.num_frames
+        max_frames = min(_LOADER_MAX_FRAMES, total) // _LOADER_TEMPORAL * _LOADER_TEMPORAL
+        n = total / info.fps * min(fps, _LOADER_MAX_FPS)
+        n = math.floor(min(max(n, _LOADER_MIN_FRAMES), max_frames, total) / _LOADER_TEMPORAL) * _LOADER_TEMPORAL
+        if n < _LOADER_TEMPORAL:
+            raise ValueError(f"{total} frame(s): the model needs at least {_LOADER_TEMPORAL}")
+        indices = torch.arange(0, total, total / n).int().clamp(max=total - 1)
+        return [int(i) for i in indices]
+
+    def plan_video(self, info: VideoInfo, fps: float) -> VideoPlan:
+        if self.video is None:
+            raise NotImplementedError("this checkpoint has no video processor config")
+        indices = self._sample(info, fps)
+        size = (info.height, info.width)
+        if self.video.do_resize:
+            size = video_frame_size(len(indices), info.height, info.width, self.video)
+        grid = video_grid(len(indices), size, self.video)
+        meta: dict[str, Any] = {"video_grid_thw": grid}
+        if self.info.kind == "qwen2_5_vl":
+            # Qwen2_5_VLProcessor: temporal_patch_size / the sampled rate (frames kept / frames * fps).
+            meta["second_per_grid_ts"] = self.video.temporal_patch_size / (len(indices) / info.num_frames * info.fps)
+        patches = grid[0] * grid[1] * grid[2]
+        return VideoPlan(tuple(indices), size, patches // self.merge_size**2, patches, meta)
+
+    def preprocess_video(self, frames: Any, plan: VideoPlan) -> PreparedImage:
+        assert self.video is not None
+        return prepare_video(frames, plan, self.video)
+
+    def split(self, prepared: PreparedImage, max_cost: int) -> list[PreparedImage]:
+        return split_groups(prepared, max_cost, self.merge_size)
 
     def _forward(self, batch: Sequence[PreparedImage], inputs: dict[str, torch.Tensor]) -> list[EncodedTensor]:
         with torch.inference_mode():
@@ -176,15 +254,35 @@ def load_qwen(files: CheckpointFiles, config: PretrainedConfig, processor: Any, 
     Its bias-free patch Conv3d runs as ``PatchLinear`` (same weight; Qwen3's has a bias: kept)."""
     module, digest = load_vision_tower(vision_model_class(config.model_type), files, config, spec)
     as_patch_linear(module)
-    return QwenVisionEncoder(module, processor, spec, kind=config.model_type, digest=digest)
+    encoder = QwenVisionEncoder(module, processor, spec, kind=config.model_type, digest=digest)
+    attach_video(encoder, files.video_processor_config(or_image_config=True), VIDEO_DEFAULTS)
+    return encoder
 
 
-# vLLM 0.32's Qwen2-VL multimodal parser declares image_grid_thw as the embedding field of an image
-# (vllm/model_executor/models/qwen2_vl.py; Qwen2.5-VL uses it too), so a prefill worker takes an
-# image as metadata + uuid, and can run without its tower.
+def attach_video(encoder: QwenVisionEncoder, saved: dict[str, Any] | None, defaults: dict[str, Any]) -> None:
+    """The video processor's settings on ``encoder``, checked against its tower; they change a
+    video's tokens, so they join what the fingerprint covers. No settings: no video."""
+    if saved is None:
+        return
+    encoder.video = VideoConfig(saved, defaults=defaults)
+    if (encoder.video.patch_size, encoder.video.merge_size) != (encoder.patch_size, encoder.merge_size):
+        raise ValueError("the video processor's patch/merge size does not match the vision model's")
+    encoder.info = replace(encoder.info, preprocessing={**encoder.info.preprocessing, "video_processor": saved})
+
+
+# vLLM 0.32's Qwen2-VL multimodal parser (vllm/model_executor/models/qwen2_vl.py,
+# Qwen2VLMultiModalDataParser; Qwen2.5-VL uses it too) declares image_grid_thw as the embedding
+# field of an image and video_grid_thw of a video, so a prefill worker takes either as metadata +
+# uuid, and can run without its tower. It declares no second_per_grid_ts: meta carries it, and
+# vLLM's Qwen2.5-VL processor takes it offline (its OpenAI server takes JSON only for the grid).
 FAMILY = Family(
     name="qwen2_vl",
     model_types=tuple(_VISION_MODELS),
     load=load_qwen,
-    epd=Epd("pixel_free", {"image": ("image_grid_thw",)}, vllm_model="qwen2_vl.py, qwen2_5_vl.py"),
+    modalities=("image", "video"),
+    epd=Epd(
+        "pixel_free",
+        {"image": ("image_grid_thw",), "video": ("video_grid_thw",)},
+        vllm_model="qwen2_vl.py, qwen2_5_vl.py",
+    ),
 )

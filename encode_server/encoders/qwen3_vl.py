@@ -17,7 +17,6 @@ The language model is never built or read: only ``(model.)visual.*``.
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -30,12 +29,12 @@ from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeVis
 
 from encode_server.core.types import VideoInfo
 
-from .base import PreparedImage, VideoPlan
+from .base import VideoPlan
 from .family import Epd, Family
 from .hf import LoadSpec
 from .loading import CheckpointFiles
-from .qwen import QwenVisionEncoder, load_vision_tower
-from .qwen_video import VideoConfig, patchify, split_groups
+from .qwen import QwenVisionEncoder, attach_video, load_vision_tower
+from .qwen_video import VideoConfig, video_grid
 
 __all__ = ["FAMILY", "Qwen3VisionEncoder", "load_qwen3"]
 
@@ -94,8 +93,6 @@ class Qwen3VisionEncoder(QwenVisionEncoder):
     temporal group's mid time in seconds, the ``<x.x seconds>`` text vLLM puts before its rows).
     """
 
-    video: VideoConfig | None = None
-
     def _sample(self, info: VideoInfo, fps: float) -> list[int]:
         """vLLM's frame indices: ``int(frames / source_fps * fps)`` frames within [4, 768] and the
         video's own count, spread with ``linspace(...).round()``. When that takes every frame, vLLM
@@ -119,7 +116,7 @@ class Qwen3VisionEncoder(QwenVisionEncoder):
         if not self.video.do_resize:
             size = (info.height, info.width)
         tp = self.video.temporal_patch_size
-        grid = [math.ceil(len(indices) / tp), size[0] // self.patch_size, size[1] // self.patch_size]
+        grid = video_grid(len(indices), size, self.video)
         padded = indices + [indices[-1]] * (-len(indices) % tp)
         source_fps = info.fps if info.fps > 0 else _UNKNOWN_FPS
         seconds = [i / source_fps for i in padded]
@@ -127,19 +124,6 @@ class Qwen3VisionEncoder(QwenVisionEncoder):
         patches = grid[0] * grid[1] * grid[2]
         return VideoPlan(tuple(indices), size, patches // self.merge_size**2, patches,
                          {"video_grid_thw": grid, "timestamps": timestamps})
-
-    def preprocess_video(self, frames: Any, plan: VideoPlan) -> PreparedImage:
-        assert self.video is not None
-        rows, grid = patchify(frames, plan.size, self.video)
-        if grid != plan.meta["video_grid_thw"]:
-            raise ValueError(f"the decoded frames make a {grid} grid, the header a {plan.meta['video_grid_thw']} one")
-        return PreparedImage(
-            inputs={"pixel_values": rows, "image_grid_thw": torch.tensor([grid])},
-            num_tokens=plan.num_tokens, cost_tokens=plan.cost_tokens, meta=plan.meta,
-        )
-
-    def split(self, prepared: PreparedImage, max_cost: int) -> list[PreparedImage]:
-        return split_groups(prepared, max_cost, self.merge_size)
 
     @staticmethod
     def output_width(module: torch.nn.Module) -> int:
@@ -157,14 +141,7 @@ def load_qwen3(files: CheckpointFiles, config: PretrainedConfig, processor: Any,
     """The Qwen3 adapter: the vision transformer, its merger and its DeepStack mergers."""
     module, digest = load_vision_tower(_VISION_MODELS[config.model_type], files, config, spec)
     encoder = Qwen3VisionEncoder(module, processor, spec, kind=config.model_type, digest=digest)
-    # The video processor's settings (frame rate, frame and pixel limits) change a video's tokens:
-    # they are part of what the fingerprint covers.
-    video = files.video_processor_config()
-    if video is not None:
-        encoder.video = VideoConfig(video, defaults=_VIDEO_DEFAULTS)
-        if (encoder.video.patch_size, encoder.video.merge_size) != (encoder.patch_size, encoder.merge_size):
-            raise ValueError("the video processor's patch/merge size does not match the vision model's")
-        encoder.info = replace(encoder.info, preprocessing={**encoder.info.preprocessing, "video_processor": video})
+    attach_video(encoder, files.video_processor_config(), _VIDEO_DEFAULTS)
     return encoder
 
 

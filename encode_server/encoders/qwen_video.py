@@ -28,9 +28,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from .base import PreparedImage
+from .base import PreparedImage, VideoPlan
 
-__all__ = ["VideoConfig", "frames_nbytes", "patchify", "split_groups"]
+__all__ = ["VideoConfig", "frames_nbytes", "patchify", "prepare_video", "split_groups", "video_grid"]
 
 
 class VideoConfig:
@@ -92,6 +92,25 @@ def patchify(frames: np.ndarray, size: tuple[int, int], config: VideoConfig) -> 
     patches = video.reshape(gt, tp, c, gh // m, m, p, gw // m, m, p).transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
     rows = np.ascontiguousarray(patches.reshape(gt * gh * gw, c * tp * p * p))
     return torch.from_numpy(rows), [gt, gh, gw]
+
+
+def video_grid(num_frames: int, size: tuple[int, int], config: VideoConfig) -> list[int]:
+    """``[grid_t, grid_h, grid_w]`` of ``num_frames`` sampled frames resized to ``size`` (height,
+    width): the frames padded to whole temporal groups, as ``patchify`` pads them."""
+    return [math.ceil(num_frames / config.temporal_patch_size), size[0] // config.patch_size,
+            size[1] // config.patch_size]
+
+
+def prepare_video(frames: np.ndarray, plan: VideoPlan, config: VideoConfig) -> PreparedImage:
+    """Decoded frames (``plan.indices``) to the tower's inputs, checked against the plan's grid: the
+    rows must fill the placeholder that ``/v1/tokens`` counted from the header."""
+    rows, grid = patchify(frames, plan.size, config)
+    if grid != plan.meta["video_grid_thw"]:
+        raise ValueError(f"the decoded frames make a {grid} grid, the header a {plan.meta['video_grid_thw']} one")
+    return PreparedImage(
+        inputs={"pixel_values": rows, "image_grid_thw": torch.tensor([grid])},
+        num_tokens=plan.num_tokens, cost_tokens=plan.cost_tokens, meta=plan.meta,
+    )
 
 
 def frames_nbytes(num_frames: int, height: int, width: int, size: tuple[int, int], config: VideoConfig) -> int:

@@ -257,9 +257,9 @@ def test_video_token_parity_with_vllm_placeholders(llm: Any, server: ServerProce
 
 
 def test_a_video_for_an_image_only_family_is_refused(tmp_path: Path, logs: Path, videos: list[bytes]) -> None:
-    from tests.vllm.tiny_qwen import make_tiny_qwen2_5_vl
+    from tests.tiny.llava import make_tiny_llava
 
-    proc = start_server("--model", str(make_tiny_qwen2_5_vl(tmp_path / "q25")), "--grpc-port", "0", log_dir=logs)
+    proc = start_server("--model", str(make_tiny_llava(tmp_path / "llava")), "--grpc-port", "0", log_dir=logs)
     try:
         body = {"items": [{"data": base64.b64encode(videos[0]).decode(), "modality": "video"}]}
         r = httpx.post(proc.url + "/v1/encode", json=body, timeout=30)

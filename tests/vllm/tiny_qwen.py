@@ -5,12 +5,18 @@ Sized for vLLM's CPU build: text head size 32 (its attention needs 32, 64, 80 or
 ``mrope_section`` summing to head_dim / 2; the vision tower has windowed and full-attention blocks
 like the real one. The tokenizer is a word-level one with Qwen's special tokens, so prompts,
 placeholders and greedy token ids work as with the real model (the words mean nothing).
+
+``video``: a video processor config (``Qwen2VLVideoProcessor``'s saved form, ``VIDEO_PROCESSOR``
+with overrides) is saved too, in the hub's ``video_preprocessor_config.json`` (``layout="hub"``) or
+nested in ``processor_config.json`` as transformers 5 writes it (``"nested"``). Without one,
+transformers (and the server) build the video processor from ``preprocessor_config.json``.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 SEED = 4321
 MIN_PIXELS = 56 * 56
@@ -32,6 +38,19 @@ _TEXT = (
 )
 WORDS = _TEXT.split(" ")
 VOCAB_SIZE = 256
+VIDEO_MIN_PIXELS = 56 * 56
+VIDEO_MAX_PIXELS = 112 * 112
+
+# Qwen2VLVideoProcessor's saved form (transformers 5.19; Qwen2.5-VL has no video processor of its
+# own), with this checkpoint's sizes: frames of 56x56 to 112x112 pixels.
+VIDEO_PROCESSOR: dict[str, Any] = {
+    "do_convert_rgb": True, "do_normalize": True, "do_rescale": True, "do_resize": True,
+    "do_sample_frames": False, "fps": 2.0, "image_mean": [0.48145466, 0.4578275, 0.40821073],
+    "image_std": [0.26862954, 0.26130258, 0.27577711], "max_frames": 768, "merge_size": 2, "min_frames": 4,
+    "patch_size": 14, "resample": 3, "rescale_factor": 1 / 255, "return_metadata": False,
+    "size": {"longest_edge": VIDEO_MAX_PIXELS, "shortest_edge": VIDEO_MIN_PIXELS}, "temporal_patch_size": 2,
+    "video_processor_type": "Qwen2VLVideoProcessor",
+}
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
@@ -51,10 +70,13 @@ def make_tiny_qwen2_5_vl(
     max_pixels: int = MAX_PIXELS,
     vision: dict[str, Any] | None = None,
     dtype: str = "float32",
+    video: dict[str, Any] | None = None,
+    layout: Literal["nested", "hub"] = "hub",
 ) -> Path:
     """Save the checkpoint into ``directory`` and return it. ``vision`` overrides the tower's config
     (the benchmark's larger tower: ``bench/vllm_peer.py``); ``dtype`` is the dtype the weights are
-    saved in (and the config's ``dtype``, which vLLM's ``auto`` follows)."""
+    saved in (and the config's ``dtype``, which vLLM's ``auto`` follows); ``video`` overrides
+    ``VIDEO_PROCESSOR`` and saves it (``{}``: as it is), in ``layout``."""
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import (
@@ -128,4 +150,13 @@ def make_tiny_qwen2_5_vl(
     )
     processor.save_pretrained(path)
     tokenizer.save_pretrained(path)
+    if video is not None:
+        # Written as JSON, not through Qwen2VLVideoProcessor: transformers' video processors need
+        # torchvision, which the server's environment lacks (this builder runs in both).
+        saved = {**VIDEO_PROCESSOR, **video}
+        if layout == "hub":
+            (path / "video_preprocessor_config.json").write_text(json.dumps(saved, indent=2, sort_keys=True))
+        else:
+            nested = {"video_processor": saved, "processor_class": "Qwen2_5_VLProcessor"}
+            (path / "processor_config.json").write_text(json.dumps(nested, indent=2, sort_keys=True))
     return path

@@ -181,12 +181,19 @@ def _fetch_model(encoder_urls: list[str], api_key: str | None, timeout: float) -
     raise ConnectionError(f"no encode-server answered GET /v1/model: {last!r}")
 
 
+# Per-item fields that place an item's rows in the prompt without being its pixels or embeddings:
+# Qwen2.5-VL's second_per_grid_ts (its M-RoPE temporal scale). vLLM's parser does not declare it as
+# placeholder metadata, but its processor's field config takes it, so a pixel-free item carries it.
+_POSITION_FIELDS = frozenset({"second_per_grid_ts"})
+
+
 def _has_local_input(feature: MultiModalFeatureSpec, metadata_fields: set[str]) -> bool:
     """Whether the request carries this item's pixels (or embeddings), not only its metadata."""
     data = feature.data
     if data is None:
         return False
-    return any(getattr(elem, "data", None) is not None for key, elem in data.items() if key not in metadata_fields)
+    return any(getattr(elem, "data", None) is not None for key, elem in data.items()
+               if key not in metadata_fields and key not in _POSITION_FIELDS)
 
 
 class EncodeServerECConnector(ECConnectorBase):

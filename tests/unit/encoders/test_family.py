@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from encode_server.core.types import VideoInfo
 from encode_server.encoders import FAMILIES, SUPPORTED_MODEL_TYPES, Epd, Family, load_encoder
 from encode_server.encoders.family import by_model_type
 from encode_server.encoders.qwen import load_qwen
@@ -45,13 +46,20 @@ def test_the_pixel_free_fields_are_what_the_encoder_emits(qwen_dir: Path, image:
     assert encoder.family is not None and encoder.family.epd is not None
     assert set(encoder.family.epd.fields["image"]) <= set(encoder.preprocess(image).meta)
     assert set(encoder.family.epd.fields["image"]) <= set(encoder.count_tokens(640, 480)[1])
+    if "video" in encoder.family.epd.fields:
+        plan = encoder.plan_video(VideoInfo(64, 48, 8, 4.0, "h264"), 2.0)
+        assert set(encoder.family.epd.fields["video"]) <= set(plan.meta)
 
 
 def test_the_builtin_model_is_a_qwen_family_model() -> None:
     encoder = load_encoder("builtin:tiny")
     assert encoder.family is not None
     assert encoder.family.describe() == {
-        "name": "qwen2_vl", "modalities": ["image"],
-        "epd": {"mode": "pixel_free", "fields": {"image": ["image_grid_thw"]},
+        "name": "qwen2_vl", "modalities": ["image", "video"],
+        "epd": {"mode": "pixel_free", "fields": {"image": ["image_grid_thw"], "video": ["video_grid_thw"]},
                 "vllm_model": "qwen2_vl.py, qwen2_5_vl.py"},
     }
+    # It takes what it says: a video plans from its header (the settings transformers builds a
+    # Qwen2-VL video processor from when there is only the image processor's).
+    plan = encoder.plan_video(VideoInfo(64, 48, 8, 4.0, "h264"), 2.0)
+    assert set(encoder.family.epd.fields["video"]) <= set(plan.meta)

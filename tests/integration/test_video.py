@@ -144,8 +144,9 @@ def test_the_client_sends_videos_by_content_suffix_or_wrapper_hash_first(
     server: ServerProcess, tmp_path: Path, door: str
 ) -> None:
     """A path ending in .mp4, webm bytes (sniffed) and a wrapped Video of an unknown name: each
-    one video item; the repeat costs hashes only and hits; tokens from the header equal the rows."""
-    from encode_client import Client, Video
+    one video item; the repeat costs hashes only and hits; tokens from the header equal the rows;
+    a refused video is the server's error, naming it, with the HTTP status on both doors."""
+    from encode_client import Client, ServerError, Video
 
     seed = {"http": 11, "grpc": 12}[door]
     path = tmp_path / "clip.mp4"
@@ -167,6 +168,10 @@ def test_the_client_sends_videos_by_content_suffix_or_wrapper_hash_first(
         counts = client.tokens(inputs)
         assert [(c.num_tokens, c.meta) for c in counts] == [(r.num_tokens, r.meta) for r in first]
         assert [(c.width, c.height) for c in counts] == [(64, 64), (64, 32), (32, 64)]
+        for bad, status, error in (CORPUS["a gif"], CORPUS["too long"], CORPUS["truncated mp4"]):
+            with pytest.raises(ServerError) as info:
+                client.encode([str(path), Video(bad)])
+            assert (info.value.status, info.value.type, info.value.index) == (status, error, 1), info.value
 
 
 def _cli(*args: str, url: str) -> subprocess.CompletedProcess[str]:

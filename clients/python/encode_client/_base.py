@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 
 from blake3 import blake3
 
-from encode_client._errors import ReplicaUnavailable
+from encode_client._errors import ReplicaUnavailable, ServerError
 from encode_client._images import ImageInput, Media, WireItem, media, mm_hash
 from encode_client._retry import Limits, RetryPolicy
 from encode_client._types import LookupItem, Result, TokenCount, UploadStats, WarmItem
@@ -188,10 +188,12 @@ class BaseClient:
         keys: Sequence[str],
         payload: Callable[[Sequence[int]], Any],
         chunks: Callable[[list[int]], list[list[int]]],
+        caller_index: Callable[[int], int] = lambda k: k,
     ) -> Flow[dict[int, Any]]:
         """Send every index to its replica, in chunks; retry and fail over until each has an
-        answer item (the answer is a list aligned with the chunk). Raises what is not retryable,
-        or the last error once ``max_retries`` rounds have failed."""
+        answer item (the answer is a list aligned with the chunk). Raises what is not retryable
+        (a ``ServerError``'s ``index`` turned from the chunk's into the caller's: ``caller_index``
+        maps a position in ``keys`` to it), or the last error once ``max_retries`` rounds have failed."""
         out: dict[int, Any] = {}
         pending = list(range(len(keys)))
         attempt = 0
@@ -209,7 +211,7 @@ class BaseClient:
             for call, outcome in zip(calls, outcomes, strict=True):
                 if isinstance(outcome, BaseException):
                     if not self.retry.retryable(outcome):
-                        raise outcome
+                        raise _in_callers_terms(outcome, call.indices, caller_index)
                     last = outcome
                     pending.extend(call.indices)
                     if isinstance(outcome, ReplicaUnavailable):
@@ -263,6 +265,7 @@ class BaseClient:
         hashes = [mm_hash(m.data) for m in inputs]
         unique = list(dict.fromkeys(hashes))
         by_hash = {h: m for h, m in zip(hashes, inputs, strict=True)}
+        first = {h: i for i, h in reversed(list(enumerate(hashes)))}  # an error names the first input
         found: dict[int, Any]
         if self._mode() == "upload":
             found = {}
@@ -271,7 +274,7 @@ class BaseClient:
             self._counts["hash_first"] += len(unique)
             found = yield from self._rounds(
                 op, unique, lambda ix: [WireItem(unique[i], None, by_hash[unique[i]].modality) for i in ix],
-                self._by_count,
+                self._by_count, lambda k: first[unique[k]],
             )
             for i in range(len(unique)):
                 if found[i].status != "miss":
@@ -281,7 +284,7 @@ class BaseClient:
             missed_blobs = [by_hash[h].data for h in missed]
             uploaded = yield from self._rounds(
                 op, missed, lambda ix: [_upload(missed[i], by_hash[missed[i]]) for i in ix],
-                self._by_bytes(missed_blobs),
+                self._by_bytes(missed_blobs), lambda k: first[missed[k]],
             )
             self._counts["bytes"] += sum(len(b) for b in missed_blobs)
             position = {h: i for i, h in enumerate(unique)}
@@ -305,7 +308,7 @@ class BaseClient:
         todo = [i for i, c in enumerate(cached) if not c.cached]
         encoded = yield from self._rounds(
             "encode", [hashes[i] for i in todo], lambda ix: [_upload(hashes[todo[i]], inputs[todo[i]]) for i in ix],
-            self._by_bytes([inputs[i].data for i in todo]),
+            self._by_bytes([inputs[i].data for i in todo]), lambda k: todo[k],
         )
         status = {todo[j]: r for j, r in encoded.items()}
         return [
@@ -335,6 +338,17 @@ class BaseClient:
     def _model_flow(self) -> Flow[dict[str, Any]]:
         found = yield from self._rounds("model", ["model"], lambda ix: None, lambda ix: [ix])
         return dict(found[0])
+
+
+def _in_callers_terms(exc: BaseException, indices: Sequence[int], caller_index: Callable[[int], int]) -> BaseException:
+    """A server's error naming the caller's item: the server counts within the one request that
+    failed, which the client made from a chunk of the distinct misses."""
+    if not isinstance(exc, ServerError) or exc.index is None or not 0 <= exc.index < len(indices):
+        return exc
+    out = ServerError(exc.status, exc.type, exc.message, caller_index(indices[exc.index]),
+                      retry_after=exc.retry_after, replica=exc.replica)
+    out.__cause__ = exc
+    return out
 
 
 def _upload(hash_: str | None, m: Media) -> WireItem:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from encode_client import UploadStats
 from encode_client._base import BaseClient, Call, HitWindow
 from encode_client._http import build
-from encode_client._images import WireItem
+from encode_client._images import WireItem, mm_hash
 from encode_client._types import Result
 
 
@@ -103,3 +104,20 @@ def test_uploads_travel_as_raw_bytes_not_base64_json() -> None:
     assert many.files is not None and [f[1][1] for f in many.files] == [b"one", b"two"] and many.json is None
     hashes = build("http://a:1", "encode", [WireItem("a" * 64, None)], response="json", api_key=None)
     assert hashes.json == {"items": [{"hash": "a" * 64}]}
+
+
+def test_a_refused_upload_names_the_callers_item_not_its_place_in_the_request() -> None:
+    """The client dedupes and sends only the misses: the server's index counts within that
+    request, and the error the caller sees is turned back into the caller's own index."""
+    from encode_client import ServerError
+
+    client = BaseClient("http://a:1", upload="hash-first")
+    cached_one, bad = b"cached", b"bad"
+    flow = client._encode_flow([cached_one, cached_one, bad, bad])
+    asked = next(flow)
+    uploads = flow.send([_answer(c, {mm_hash(cached_one)}) for c in asked])
+    assert [i.data for c in uploads for i in c.payload] == [bad]
+    with pytest.raises(ServerError) as info:
+        flow.send([ServerError(400, "invalid_image", "no", 0, replica="http://a:1")])
+    assert (info.value.type, info.value.index) == ("invalid_image", 2)
+    assert isinstance(info.value.__cause__, ServerError) and info.value.__cause__.index == 0

@@ -30,12 +30,16 @@ def frames(count: int, width: int, height: int, seed: int = 0) -> np.ndarray:
     return out
 
 
-def make_video(count: int, fps: float, width: int, height: int, *, codec: str = "libx264", seed: int = 0) -> bytes:
-    """A ``count``-frame video at ``fps``: H.264 in mp4 by default (lossless-ish quality, yuv420p)."""
+def make_video(
+    count: int, fps: float, width: int, height: int, *, codec: str = "libx264", seed: int = 0,
+    container_format: str | None = None,
+) -> bytes:
+    """A ``count``-frame video at ``fps``: H.264 in mp4 by default (lossless-ish quality, yuv420p);
+    ``container_format`` another of FFmpeg's muxers (``mpegts``: a container without a magic number)."""
     import av
 
     buffer = io.BytesIO()
-    with av.open(buffer, mode="w", format=CONTAINERS[codec]) as container:
+    with av.open(buffer, mode="w", format=container_format or CONTAINERS[codec]) as container:
         stream = container.add_stream(codec, rate=Fraction(fps).limit_denominator(1001))
         stream.width, stream.height = width, height
         stream.pix_fmt = "rgb8" if codec == "gif" else "yuv420p"

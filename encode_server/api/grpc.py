@@ -49,7 +49,7 @@ from encode_server.core.errors import (
     Unavailable,
     UnsupportedMediaType,
 )
-from encode_server.core.types import ItemResult, RequestItem, Return
+from encode_server.core.types import IMAGE, VIDEO, ItemResult, RequestItem, Return
 from encode_server.service import EncodeService
 
 __all__ = ["CODES", "SERVICE_NAME", "GrpcApi", "HealthApi", "code_for", "start_grpc_server"]
@@ -92,11 +92,27 @@ def error_metadata(exc: EncodeServerError) -> tuple[tuple[str, str], ...]:
     return tuple(md)
 
 
+_MODALITIES = {pb.MODALITY_IMAGE: IMAGE, pb.MODALITY_VIDEO: VIDEO}
+
+
+def _modality(item: pb.Item, index: int) -> str:
+    """``Item.modality`` as ``RequestItem.modality``; proto3 enums are open, so a number this
+    server does not know (a newer client's) is refused naming the item, never read as an image."""
+    modality = _MODALITIES.get(item.modality)
+    if modality is None:
+        known = ", ".join(f"{pb.Modality.Name(n)} ({n})" for n in _MODALITIES)
+        raise InvalidRequest(f"modality {item.modality} is not one of {known}", index=index)
+    return modality
+
+
 def _items(raw: Sequence[pb.Item], *, max_items: int) -> list[RequestItem]:
     """The same item rules as the HTTP body (``frontdoor``)."""
     check_count(len(raw), max_items)
     return [
-        request_item(index, item.hash if item.HasField("hash") else None, item.data if item.HasField("data") else None)
+        request_item(
+            index, item.hash if item.HasField("hash") else None, item.data if item.HasField("data") else None,
+            _modality(item, index),
+        )
         for index, item in enumerate(raw)
     ]
 

@@ -4,7 +4,9 @@ The reader's setup: two built-in-model servers (``A`` with the shared Redis tier
 prefix, ``B`` without), a working folder holding the files the blocks name (``cat.png``,
 ``dog.jpg``, a few more PNGs, ``./images/``), the venv's ``bin`` first on ``PATH`` (``python``,
 ``encode-server``, ``encode-client``; ``b3sum`` and ``curl`` from the system) and
-``ENCODE_CLIENT_URL`` naming ``A``, as the CLI's help says to. Each block runs alone, in a fresh
+``ENCODE_CLIENT_URL`` naming ``A``, as the CLI's help says to. Blocks about videos name the host
+``qwen3-vl``: a third server, a tiny Qwen3-VL, started for the first such block only, with
+``clip.mp4``, ``clip.ts`` and ``./videos/`` in the folder. Each block runs alone, in a fresh
 ``bash -e -o pipefail`` or ``python``, and must exit 0; curl is told to fail on an HTTP error
 (``fail-with-body`` in a ``.curlrc``: the blocks' ``curl -s`` exits 0 on a 4xx).
 
@@ -25,16 +27,18 @@ import re
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import redis
 
+from tests import tiny_models
 from tests.docs.markdown import ROOT, doc_files
 from tests.images import image_bytes
 from tests.server import ServerProcess, start_server
+from tests.videos import make_video
 
 RUN = ("bash", "python")
 NOT_CODE = ("json", "promql", "text")  # sample output, queries, formulas, drawings
@@ -124,11 +128,19 @@ class Reader:
     folder: Path
     env: dict[str, str]
     substitute: dict[str, str]
+    video_server: Callable[[], ServerProcess]  # started on first call: only video blocks pay for it
 
     def prepare(self, code: str) -> str:
+        if VIDEO_HOST in code:
+            video = self.video_server()
+            code = code.replace(f"http://{VIDEO_HOST}:8000", video.url)
+            code = code.replace(f"grpc://{VIDEO_HOST}:50051", "grpc://" + video.grpc_target)
         for name, real in self.substitute.items():
             code = code.replace(name, real)
         return code
+
+
+VIDEO_HOST = "qwen3-vl"
 
 
 @pytest.fixture(scope="module")
@@ -136,6 +148,13 @@ def reader(server_logs: Path, shared_redis_url: str, tmp_path_factory: pytest.Te
     prefix = f"docs-blocks-{uuid.uuid4().hex[:8]}"
     a = start_server("--redis-url", shared_redis_url, "--cache-prefix", prefix, log_dir=server_logs)
     b: ServerProcess | None = None
+    video: list[ServerProcess] = []
+
+    def video_server() -> ServerProcess:
+        if not video:
+            model = tiny_models.make_qwen3(tmp_path_factory.mktemp("qwen3_vl"))
+            video.append(start_server("--model", str(model), log_dir=server_logs))
+        return video[0]
     try:
         b = start_server(log_dir=server_logs)
         folder = tmp_path_factory.mktemp("reader")
@@ -146,6 +165,11 @@ def reader(server_logs: Path, shared_redis_url: str, tmp_path_factory: pytest.Te
         for i in range(3):
             path = folder / "images" / ("more" if i else "") / f"{i}.png"
             path.write_bytes(image_bytes("PNG", 56, 56, seed=2410 + i))
+        (folder / "clip.mp4").write_bytes(make_video(10, 4.0, 64, 48, seed=2420))
+        (folder / "clip.ts").write_bytes(make_video(8, 4.0, 48, 64, seed=2421, container_format="mpegts"))
+        (folder / "videos").mkdir()
+        (folder / "videos" / "a.webm").write_bytes(make_video(6, 3.0, 64, 64, codec="libvpx-vp9", seed=2422))
+        (folder / "videos" / "b.mp4").write_bytes(make_video(8, 4.0, 32, 32, seed=2423))
         curl_home = tmp_path_factory.mktemp("curl")
         (curl_home / ".curlrc").write_text("fail-with-body\nshow-error\n")
         bin_dir = str(Path(sys.executable).parent)
@@ -159,9 +183,9 @@ def reader(server_logs: Path, shared_redis_url: str, tmp_path_factory: pytest.Te
             "http://a:8000": a.url, "http://b:8000": b.url, "http://encoder:8000": a.url,
             "redis://redis:6379/0": shared_redis_url,
         }
-        yield Reader(folder, env, substitute)
+        yield Reader(folder, env, substitute, video_server)
     finally:
-        for server in (a, b):
+        for server in (a, b, *video):
             if server is not None:
                 assert server.stop() == 0, server.log()
         client = redis.Redis.from_url(shared_redis_url)

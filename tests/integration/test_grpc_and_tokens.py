@@ -173,3 +173,33 @@ def test_tokens_errors_and_openapi(builtin_server: ServerProcess) -> None:
             assert (md.get("error-type"), md.get("error-index")) == (type_, None if index is None else str(index))
     spec = httpx.get(builtin_server.url + "/openapi.json").json()["paths"]["/v1/tokens"]["post"]
     assert {"200", "400", "413", "415", "422", "503", "504"} <= set(spec["responses"])
+
+
+def test_a_video_item_to_an_images_only_model_is_unsupported_modality_naming_it(
+    builtin_server: ServerProcess, stub: pb_grpc.EncoderStub
+) -> None:
+    """Uploaded or hash-only, over gRPC and through the client: a video is refused, not read as
+    an image; an unknown modality number (a newer client's) is refused, not read as an image."""
+    from encode_client import Client, ServerError, Video
+
+    from tests.videos import make_video
+
+    video = make_video(4, 2.0, 32, 32)
+    image = pb.Item(data=image_bytes("PNG", 30, 20, seed=503))
+    for item in (pb.Item(data=video, modality=pb.MODALITY_VIDEO), pb.Item(hash="cd" * 32, modality=pb.MODALITY_VIDEO)):
+        for call, request_ in ((stub.Encode, pb.EncodeRequest(items=[image, item])),
+                               (stub.Tokens, pb.TokensRequest(items=[image, item]))):
+            if not item.HasField("data") and call is stub.Tokens:
+                continue  # a hash-only item is not a tokens item at all
+            err = _rpc_error(call, request_)
+            md = dict(err.trailing_metadata() or ())
+            assert (err.code(), md.get("error-type"), md.get("error-index")) == (
+                grpc.StatusCode.INVALID_ARGUMENT, "unsupported_modality", "1"), err.details()
+    err = _rpc_error(stub.Encode, pb.EncodeRequest(items=[image, pb.Item(data=video, modality=7)]))
+    md = dict(err.trailing_metadata() or ())
+    assert (md.get("error-type"), md.get("error-index")) == ("invalid_request", "1") and "MODALITY_VIDEO" in (
+        err.details() or "")
+    for url in (builtin_server.url, "grpc://" + builtin_server.grpc_target):
+        with Client(url, upload="hash-first") as client, pytest.raises(ServerError) as info:
+            client.encode([Video(video)])
+        assert (info.value.status, info.value.type, info.value.index) == (400, "unsupported_modality", 0), url

@@ -13,7 +13,7 @@ optional: ``encode-client[grpc]``).
 from encode_client._base import rank_replicas
 from encode_client._client import AsyncClient, Client
 from encode_client._errors import EncodeClientError, PrefixKeyError, ReplicaUnavailable, ServerError
-from encode_client._images import mm_hash
+from encode_client._images import Video, mm_hash
 from encode_client._retry import Backoff, Limits, RetryPolicy
 from encode_client._types import LookupItem, Result, TokenCount, UploadStats, WarmItem, to_numpy, to_torch
 from encode_client.prefix_key import image_aware_ids, pad_ids
@@ -34,6 +34,7 @@ __all__ = [
     "ServerError",
     "TokenCount",
     "UploadStats",
+    "Video",
     "WarmItem",
     "__version__",
     "image_aware_ids",

@@ -29,8 +29,8 @@ from typing import Any, TypeVar
 
 from blake3 import blake3
 
-from encode_client._errors import ReplicaUnavailable
-from encode_client._images import ImageInput, image_bytes, mm_hash
+from encode_client._errors import ReplicaUnavailable, ServerError
+from encode_client._images import ImageInput, Media, WireItem, media, mm_hash
 from encode_client._retry import Limits, RetryPolicy
 from encode_client._types import LookupItem, Result, TokenCount, UploadStats, WarmItem
 
@@ -188,10 +188,12 @@ class BaseClient:
         keys: Sequence[str],
         payload: Callable[[Sequence[int]], Any],
         chunks: Callable[[list[int]], list[list[int]]],
+        caller_index: Callable[[int], int] = lambda k: k,
     ) -> Flow[dict[int, Any]]:
         """Send every index to its replica, in chunks; retry and fail over until each has an
-        answer item (the answer is a list aligned with the chunk). Raises what is not retryable,
-        or the last error once ``max_retries`` rounds have failed."""
+        answer item (the answer is a list aligned with the chunk). Raises what is not retryable
+        (a ``ServerError``'s ``index`` turned from the chunk's into the caller's: ``caller_index``
+        maps a position in ``keys`` to it), or the last error once ``max_retries`` rounds have failed."""
         out: dict[int, Any] = {}
         pending = list(range(len(keys)))
         attempt = 0
@@ -209,7 +211,7 @@ class BaseClient:
             for call, outcome in zip(calls, outcomes, strict=True):
                 if isinstance(outcome, BaseException):
                     if not self.retry.retryable(outcome):
-                        raise outcome
+                        raise _in_callers_terms(outcome, call.indices, caller_index)
                     last = outcome
                     pending.extend(call.indices)
                     if isinstance(outcome, ReplicaUnavailable):
@@ -257,34 +259,40 @@ class BaseClient:
         """Hash locally; ask for every distinct hash without bytes (unless the upload mode says
         to send them at once); upload only the misses, once, to the replica that missed (its
         local tier then holds them). ``op="handoff"``: the same, with ``"return": "metadata"``
-        (into the shared tier; metadata and store keys back)."""
-        blobs = [image_bytes(i) for i in images]
-        hashes = [mm_hash(b) for b in blobs]
+        (into the shared tier; metadata and store keys back). A video goes the same way, its
+        hash-only item marked as a video."""
+        inputs = [media(i) for i in images]
+        hashes = [mm_hash(m.data) for m in inputs]
         unique = list(dict.fromkeys(hashes))
-        data = {h: b for h, b in zip(hashes, blobs, strict=True)}
+        by_hash = {h: m for h, m in zip(hashes, inputs, strict=True)}
+        first = {h: i for i, h in reversed(list(enumerate(hashes)))}  # an error names the first input
         found: dict[int, Any]
         if self._mode() == "upload":
             found = {}
             self._counts["direct"] += len(unique)
         else:
             self._counts["hash_first"] += len(unique)
-            found = yield from self._rounds(op, unique, lambda ix: [(unique[i], None) for i in ix], self._by_count)
+            found = yield from self._rounds(
+                op, unique, lambda ix: [WireItem(unique[i], None, by_hash[unique[i]].modality) for i in ix],
+                self._by_count, lambda k: first[unique[k]],
+            )
             for i in range(len(unique)):
                 if found[i].status != "miss":
                     self._observe(True)
         missed = [h for i, h in enumerate(unique) if i not in found or found[i].status == "miss"]
         if missed:
-            missed_blobs = [data[h] for h in missed]
+            missed_blobs = [by_hash[h].data for h in missed]
             uploaded = yield from self._rounds(
-                op, missed, lambda ix: [(missed[i], missed_blobs[i]) for i in ix], self._by_bytes(missed_blobs)
+                op, missed, lambda ix: [_upload(missed[i], by_hash[missed[i]]) for i in ix],
+                self._by_bytes(missed_blobs), lambda k: first[missed[k]],
             )
             self._counts["bytes"] += sum(len(b) for b in missed_blobs)
             position = {h: i for i, h in enumerate(unique)}
             for j, h in enumerate(missed):
                 found[position[h]] = uploaded[j]
                 self._observe(uploaded[j].status == "hit")
-        by_hash = {h: found[i] for i, h in enumerate(unique)}
-        return [_reindex(by_hash[h], index) for index, h in enumerate(hashes)]
+        answers = {h: found[i] for i, h in enumerate(unique)}
+        return [_reindex(answers[h], index) for index, h in enumerate(hashes)]
 
     def _lookup_flow(self, hashes: Sequence[str]) -> Flow[list[LookupItem]]:
         keys = [h.lower() for h in hashes]
@@ -294,14 +302,13 @@ class BaseClient:
     def _warm_flow(self, images: Sequence[ImageInput]) -> Flow[list[WarmItem]]:
         """Make sure each image is cached on its replica: lookup (no bytes), upload the rest.
         Unlike ``encode`` no embedding comes back for an image that is already cached."""
-        blobs = [image_bytes(i) for i in images]
-        hashes = [mm_hash(b) for b in blobs]
+        inputs = [media(i) for i in images]
+        hashes = [mm_hash(m.data) for m in inputs]
         cached = yield from self._lookup_flow(hashes)
         todo = [i for i, c in enumerate(cached) if not c.cached]
-        todo_blobs = [blobs[i] for i in todo]
         encoded = yield from self._rounds(
-            "encode", [hashes[i] for i in todo], lambda ix: [(hashes[todo[i]], todo_blobs[i]) for i in ix],
-            self._by_bytes(todo_blobs),
+            "encode", [hashes[i] for i in todo], lambda ix: [_upload(hashes[todo[i]], inputs[todo[i]]) for i in ix],
+            self._by_bytes([inputs[i].data for i in todo]), lambda k: todo[k],
         )
         status = {todo[j]: r for j, r in encoded.items()}
         return [
@@ -317,11 +324,12 @@ class BaseClient:
             found = yield from self._rounds(
                 "tokens", keys, lambda ix: ("sizes", [sizes[i] for i in ix]), self._by_count
             )
-        else:
-            blobs = [image_bytes(i) for i in images]
-            keys = [mm_hash(b) for b in blobs]
+        else:  # images, or videos counted from their header
+            inputs = [media(i) for i in images]
+            keys = [mm_hash(m.data) for m in inputs]
             found = yield from self._rounds(
-                "tokens", keys, lambda ix: ("items", [blobs[i] for i in ix]), self._by_bytes(blobs)
+                "tokens", keys, lambda ix: ("items", [_upload(None, inputs[i]) for i in ix]),
+                self._by_bytes([m.data for m in inputs]),
             )
         return [
             TokenCount(i, found[i].num_tokens, found[i].width, found[i].height, found[i].meta) for i in range(len(keys))
@@ -330,6 +338,21 @@ class BaseClient:
     def _model_flow(self) -> Flow[dict[str, Any]]:
         found = yield from self._rounds("model", ["model"], lambda ix: None, lambda ix: [ix])
         return dict(found[0])
+
+
+def _in_callers_terms(exc: BaseException, indices: Sequence[int], caller_index: Callable[[int], int]) -> BaseException:
+    """A server's error naming the caller's item: the server counts within the one request that
+    failed, which the client made from a chunk of the distinct misses."""
+    if not isinstance(exc, ServerError) or exc.index is None or not 0 <= exc.index < len(indices):
+        return exc
+    out = ServerError(exc.status, exc.type, exc.message, caller_index(indices[exc.index]),
+                      retry_after=exc.retry_after, replica=exc.replica)
+    out.__cause__ = exc
+    return out
+
+
+def _upload(hash_: str | None, m: Media) -> WireItem:
+    return WireItem(hash_, m.data, m.modality, m.content_type)
 
 
 def _reindex(result: Result, index: int) -> Result:

@@ -54,8 +54,9 @@ class Client(BaseClient):
             channel.close()
 
     def encode(self, images: Sequence[ImageInput]) -> list[Result]:
-        """Embeddings for ``images`` (paths, bytes or PIL images), in order. Bytes travel only for
-        images that no replica tier holds, once per distinct image."""
+        """Embeddings for ``images`` (paths, bytes, PIL images, or videos: a video file's path or
+        bytes, detected by suffix or content, or wrapped in ``Video``), in order. Bytes travel only
+        for items that no replica tier holds, once per distinct file."""
         return self._run(self._encode_flow(images))
 
     def hand_off(self, images: Sequence[ImageInput]) -> list[Result]:
@@ -73,6 +74,7 @@ class Client(BaseClient):
     def tokens(
         self, images: Sequence[ImageInput] = (), *, sizes: Sequence[tuple[int, int]] = ()
     ) -> list[TokenCount]:
+        """Tokens per image or video (a video's from its container's header) or per image size."""
         return self._run(self._tokens_flow(images, sizes))
 
     def model(self) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from typing import Any
 import grpc
 
 from encode_client._errors import ReplicaUnavailable, ServerError
+from encode_client._images import VIDEO, WireItem
 from encode_client._proto import encoder_pb2 as pb
 from encode_client._types import LookupItem, Result, TokenCount
 
@@ -25,30 +26,32 @@ _HTTP_STATUS = {
     grpc.StatusCode.UNAVAILABLE: 503,
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,
 }
-_BY_TYPE = {"invalid_request": 422, "unsupported_media_type": 415}
+_BY_TYPE = {"invalid_request": 422, "unsupported_media_type": 415, "unsupported_video": 415}
 
 
-def _item(hash_: str | None, data: bytes | None) -> Any:
+def _item(wire: WireItem) -> Any:
     item = pb.Item()
-    if hash_ is not None:
-        item.hash = hash_
-    if data is not None:
-        item.data = data
+    if wire.hash is not None:
+        item.hash = wire.hash
+    if wire.data is not None:
+        item.data = wire.data
+    if wire.modality == VIDEO:
+        item.modality = pb.MODALITY_VIDEO
     return item
 
 
 def build(op: str, payload: Any) -> Any:
     if op == "encode":
-        return pb.EncodeRequest(items=[_item(h, d) for h, d in payload])
+        return pb.EncodeRequest(items=[_item(item) for item in payload])
     if op == "handoff":
-        return pb.EncodeRequest(items=[_item(h, d) for h, d in payload], return_kind=pb.RETURN_METADATA)
+        return pb.EncodeRequest(items=[_item(item) for item in payload], return_kind=pb.RETURN_METADATA)
     if op == "lookup":
         return pb.LookupRequest(hashes=list(payload))
     if op == "tokens":
         kind, entries = payload
         if kind == "sizes":
             return pb.TokensRequest(sizes=[pb.Size(width=w, height=h) for w, h in entries])
-        return pb.TokensRequest(items=[_item(None, d) for d in entries])
+        return pb.TokensRequest(items=[_item(item) for item in entries])
     if op == "model":
         return pb.ModelRequest()
     raise ValueError(f"unknown operation {op!r}")

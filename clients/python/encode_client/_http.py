@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from encode_client._errors import ServerError
+from encode_client._images import VIDEO, WireItem
 from encode_client._types import LookupItem, Result, TokenCount
 from encode_client.safetensors import load_safetensors
 
@@ -30,22 +31,26 @@ class HttpRequest:
     files: list[tuple[str, tuple[str, bytes, str]]] | None = None
 
 
-def _item(hash_: str | None, data: bytes | None) -> dict[str, str]:
+def _item(item: WireItem) -> dict[str, str]:
+    """A JSON item; ``"modality"`` only for a video, so an image's item is what it always was."""
     out = {}
-    if hash_ is not None:
-        out["hash"] = hash_
-    if data is not None:
-        out["data"] = base64.b64encode(data).decode("ascii")
+    if item.hash is not None:
+        out["hash"] = item.hash
+    if item.data is not None:
+        out["data"] = base64.b64encode(item.data).decode("ascii")
+    if item.modality == VIDEO:
+        out["modality"] = VIDEO
     return out
 
 
-def _upload(url: str, blobs: list[bytes], headers: dict[str, str]) -> HttpRequest:
-    """Image bytes as they are, never base64 in JSON (a third bigger, and decoded on the server):
-    one image is the whole body, several are the files of a multipart body."""
-    if len(blobs) == 1:
-        return HttpRequest("POST", url, headers={**headers, "Content-Type": "application/octet-stream"},
-                           content=blobs[0])
-    files = [("file", (f"{i}", blob, "application/octet-stream")) for i, blob in enumerate(blobs)]
+def _upload(url: str, items: list[WireItem], headers: dict[str, str]) -> HttpRequest:
+    """File bytes as they are, never base64 in JSON (a third bigger, and decoded on the server):
+    one file is the whole body, several are the files of a multipart body. A video's body or part
+    is ``video/*``, which is how the server tells it from an image."""
+    if len(items) == 1:
+        ((_, data, _, content_type),) = items
+        return HttpRequest("POST", url, headers={**headers, "Content-Type": content_type}, content=data)
+    files = [("file", (f"{i}", item.data or b"", item.content_type)) for i, item in enumerate(items)]
     return HttpRequest("POST", url, headers=headers, files=files)
 
 
@@ -54,18 +59,18 @@ def build(base_url: str, op: str, payload: Any, *, response: str, api_key: str |
     base = base_url.rstrip("/")
     if op == "encode":
         headers["Accept"] = SAFETENSORS if response == "safetensors" else "application/json"
-        if payload and all(d is not None for _, d in payload):
-            return _upload(base + "/v1/encode", [d for _, d in payload], headers)
-        return HttpRequest("POST", base + "/v1/encode", {"items": [_item(h, d) for h, d in payload]}, headers)
+        if payload and all(item.data is not None for item in payload):
+            return _upload(base + "/v1/encode", list(payload), headers)
+        return HttpRequest("POST", base + "/v1/encode", {"items": [_item(item) for item in payload]}, headers)
     if op == "handoff":  # the EPD hand-off: into the shared tier, metadata and keys back
-        handoff = {"items": [_item(h, d) for h, d in payload], "return": "metadata"}
+        handoff = {"items": [_item(item) for item in payload], "return": "metadata"}
         return HttpRequest("POST", base + "/v1/encode", handoff, {**headers, "Accept": "application/json"})
     if op == "lookup":
         return HttpRequest("POST", base + "/v1/lookup", {"hashes": list(payload)}, headers)
     if op == "tokens":
         kind, entries = payload
         body: dict[str, Any] = (
-            {"sizes": [list(s) for s in entries]} if kind == "sizes" else {"items": [_item(None, d) for d in entries]}
+            {"sizes": [list(s) for s in entries]} if kind == "sizes" else {"items": [_item(item) for item in entries]}
         )
         return HttpRequest("POST", base + "/v1/tokens", body, headers)
     if op == "model":

@@ -37,7 +37,8 @@ def to_torch(raw: bytes, dtype: str, shape: Sequence[int]) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Result:
-    """One image's embedding (``status`` "hit" or "encoded"; "miss" carries no tensor).
+    """One item's embedding, an image's or a video's (``status`` "hit" or "encoded"; "miss"
+    carries no tensor). A video's ``meta`` has ``video_grid_thw`` and ``timestamps``.
 
     ``model`` and ``fingerprint`` are those of the replica that answered (``GET /v1/model``)."""
 
@@ -76,7 +77,8 @@ class LookupItem:
 
 @dataclass(frozen=True)
 class TokenCount:
-    """Tokens an image will produce (its EXIF-oriented size as the server sees it)."""
+    """Tokens an image or video will produce; ``width``/``height``: an image's EXIF-oriented size
+    as the server sees it, a video's frames'."""
 
     index: int
     num_tokens: int

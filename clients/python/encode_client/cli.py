@@ -1,4 +1,8 @@
-"""``encode-client``: hash, encode, lookup, tokens and warm from the shell.
+"""``encode-client``: hash, encode, lookup, tokens and warm from the shell, for images and videos.
+
+A file is sent as a video when its name ends in a video suffix (.mp4 .m4v .mov .webm .mkv .avi)
+or its bytes start like one (mp4/mov, webm/mkv, avi); ``--video`` sends every file of ``encode``
+and ``tokens`` as a video whatever its name. Anything else is an image (a GIF too, as vLLM reads it).
 
 Every argument is taken on its own: one that cannot be read (for ``lookup``: neither a file nor
 an mm_hash) is reported on stderr and the others are still processed; the exit code says so.
@@ -19,10 +23,10 @@ from typing import TypeVar
 
 from encode_client._client import AsyncClient, Client
 from encode_client._errors import ReplicaUnavailable, ServerError
-from encode_client._images import mm_hash
+from encode_client._images import VIDEO_SUFFIXES, ImageInput, Video, mm_hash
 from encode_client.safetensors import WireTensor, dump_safetensors
 
-__all__ = ["EXIT_CODES", "IMAGE_SUFFIXES", "main"]
+__all__ = ["EXIT_CODES", "IMAGE_SUFFIXES", "VIDEO_SUFFIXES", "main"]
 
 IMAGE_SUFFIXES = frozenset({".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp", ".tif", ".tiff"})
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -71,14 +75,18 @@ def _parser() -> argparse.ArgumentParser:
         return c
 
     command("hash", "print each file's mm_hash (the same hex as b3sum)").add_argument("files", nargs="+")
-    enc = command("encode", "encode images into one safetensors file")
+    video_help = "send every file as a video, whatever its name (default: by suffix or content)"
+    enc = command("encode", "encode images and videos into one safetensors file")
     enc.add_argument("files", nargs="+")
     enc.add_argument("-o", "--output", required=True,
                      help="OUT.safetensors: tensor i per file; metadata: model, fingerprint, items")
-    command("lookup", "which tier holds each image, by file or by mm_hash (mixed)").add_argument(
+    enc.add_argument("--video", action="store_true", help=video_help)
+    command("lookup", "which tier holds each image or video, by file or by mm_hash (mixed)").add_argument(
         "items", nargs="+", metavar="FILE_OR_HASH")
-    command("tokens", "token count and grid per image, without encoding").add_argument("files", nargs="+")
-    warm = command("warm", "pre-warm the cache with every image under a folder")
+    tok = command("tokens", "token count and grid per image or video (a video's from its header), without encoding")
+    tok.add_argument("files", nargs="+")
+    tok.add_argument("--video", action="store_true", help=video_help)
+    warm = command("warm", "pre-warm the cache with every image and video under a folder (by suffix)")
     warm.add_argument("directory")
     warm.add_argument("--concurrency", type=int, default=4, help="uploads in flight (default: 4)")
     return p
@@ -100,6 +108,17 @@ def _read(path: str) -> bytes:
         return Path(path).read_bytes()
     except OSError as exc:
         raise UsageError(f"cannot read {path}: {exc.strerror or exc}") from exc
+
+
+def _reader(video: bool) -> Callable[[str], ImageInput]:
+    """A file's bytes, wrapped as a ``Video`` when ``--video`` or its suffix says so (the client
+    sees only bytes, and detects a video by its content)."""
+
+    def read(path: str) -> ImageInput:
+        data = _read(path)
+        return Video(data) if video or Path(path).suffix.lower() in VIDEO_SUFFIXES else data
+
+    return read
 
 
 class Arguments:
@@ -140,10 +159,10 @@ def _cmd_hash(args: argparse.Namespace, given: Arguments) -> int:
 
 
 def _cmd_encode(args: argparse.Namespace, client: Client, given: Arguments) -> int:
-    files = given.each(args.files, _read)
+    files = given.each(args.files, _reader(args.video))
     if not files:
         return given.code()
-    results = client.encode([data for _, data in files])
+    results = client.encode([item for _, item in files])
     answered = {(r.model, r.fingerprint) for r in results}
     if len(answered) != 1:  # one file, one model: mixing them would mislabel the tensors
         print(f"encode-client: the replicas serve different models: {sorted(map(str, answered))}", file=sys.stderr)
@@ -171,8 +190,8 @@ def _cmd_lookup(args: argparse.Namespace, client: Client, given: Arguments) -> i
 
 
 def _cmd_tokens(args: argparse.Namespace, client: Client, given: Arguments) -> int:
-    files = given.each(args.files, _read)
-    for (f, _), count in zip(files, client.tokens([data for _, data in files]) if files else [], strict=True):
+    files = given.each(args.files, _reader(args.video))
+    for (f, _), count in zip(files, client.tokens([item for _, item in files]) if files else [], strict=True):
         print(f"{count.num_tokens:>7}  {count.width}x{count.height}  {json.dumps(count.meta)}  {f}")
     return given.code()
 
@@ -184,8 +203,9 @@ def _count(n: int, noun: str, plural: str | None = None) -> str:
 class Progress:
     """One stderr line redrawn in place: done/total, rate, hits, misses, errors. No dependency."""
 
-    def __init__(self, total: int) -> None:
+    def __init__(self, total: int, unit: str = "img") -> None:
         self.total, self.hits, self.misses, self.errors = total, 0, 0, 0
+        self.unit = unit
         self.started = time.monotonic()
         self._drawn = 0.0
         self._drawn_done = -1
@@ -199,7 +219,7 @@ class Progress:
         rate = self.done / max(1e-9, time.monotonic() - self.started)
         width = 24
         filled = width * self.done // max(1, self.total)
-        return (f"[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {rate:.1f} img/s "
+        return (f"[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {rate:.1f} {self.unit}/s "
                 f"hits {self.hits} misses {self.misses} errors {self.errors}")
 
     def draw(self, force: bool = False) -> None:
@@ -219,8 +239,10 @@ async def _warm(args: argparse.Namespace) -> int:
         raise UsageError(f"{root} is not a directory")
     if args.concurrency < 1:
         raise UsageError("--concurrency must be at least 1")
-    files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
-    progress = Progress(len(files))
+    suffixes = IMAGE_SUFFIXES | VIDEO_SUFFIXES
+    files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in suffixes)
+    videos = sum(p.suffix.lower() in VIDEO_SUFFIXES for p in files)
+    progress = Progress(len(files), "files" if videos else "img")
     semaphore = asyncio.Semaphore(args.concurrency)
     failures: list[str] = []
 
@@ -229,7 +251,8 @@ async def _warm(args: argparse.Namespace) -> int:
         async def one(path: Path) -> None:
             async with semaphore:
                 try:
-                    item = (await client.warm([path.read_bytes()]))[0]
+                    data = path.read_bytes()
+                    item = (await client.warm([Video(data) if path.suffix.lower() in VIDEO_SUFFIXES else data]))[0]
                 except ServerError as exc:
                     progress.errors += 1
                     failures.append(f"{path}: {exc}")
@@ -248,7 +271,8 @@ async def _warm(args: argparse.Namespace) -> int:
     for failure in failures:
         print(f"error: {failure}", file=sys.stderr)
     elapsed = time.monotonic() - progress.started
-    print(f"warmed {_count(len(files), 'image')} in {elapsed:.2f} s: {_count(progress.hits, 'hit')}, "
+    warmed = _count(len(files) - videos, "image") + (f" and {_count(videos, 'video')}" if videos else "")
+    print(f"warmed {warmed} in {elapsed:.2f} s: {_count(progress.hits, 'hit')}, "
           f"{_count(progress.misses, 'miss', 'misses')} (encoded), {_count(progress.errors, 'error')}",
           file=sys.stderr)
     return 1 if progress.errors else 0

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from encode_client import UploadStats
 from encode_client._base import BaseClient, Call, HitWindow
 from encode_client._http import build
+from encode_client._images import WireItem, mm_hash
 from encode_client._types import Result
 
 
 def _answer(call: Call, cached: set[str]) -> list[Result]:
     out = []
-    for h, data in call.payload:
+    for h, data, *_ in call.payload:
         if data is None:
             status = "hit" if h in cached else "miss"
         else:
@@ -77,7 +79,7 @@ def test_adaptive_goes_back_to_hash_first_when_uploads_turn_out_to_be_hits() -> 
             drive(client, [b"new-%d" % i], cached)
     assert client.stats.mode == "hash-first"
     _, calls = drive(client, [b"new-0"], cached)
-    assert len(calls) == 1 and calls[0].payload[0][1] is None, "a hit costs a hash, not the bytes"
+    assert len(calls) == 1 and calls[0].payload[0].data is None, "a hit costs a hash, not the bytes"
 
 
 def test_hash_first_mode_never_sends_bytes_for_a_cached_image_and_always_mode_never_asks() -> None:
@@ -88,16 +90,34 @@ def test_hash_first_mode_never_sends_bytes_for_a_cached_image_and_always_mode_ne
     assert hf.stats.mode == "hash-first" and hf.stats.direct_items == 0
     always = BaseClient("http://a:1", upload="always")
     results, calls = drive(always, [b"x-1", b"x-2"], cached)
-    assert len(calls) == 1 and all(d is not None for _, d in calls[0].payload)
+    assert len(calls) == 1 and all(item.data is not None for item in calls[0].payload)
     assert [r.status for r in results] == ["hit", "hit"]
     assert always.stats.uploaded_bytes == len(b"x-1") + len(b"x-2")
 
 
 def test_uploads_travel_as_raw_bytes_not_base64_json() -> None:
-    one = build("http://a:1", "encode", [("ab" * 32, b"\xff\xd8jpeg")], response="safetensors", api_key=None)
+    one = build("http://a:1", "encode", [WireItem("ab" * 32, b"\xff\xd8jpeg")], response="safetensors", api_key=None)
     assert one.content == b"\xff\xd8jpeg" and one.json is None
     assert one.headers["Content-Type"] == "application/octet-stream"
-    many = build("http://a:1", "encode", [("a" * 64, b"one"), ("b" * 64, b"two")], response="json", api_key="k")
+    two = [WireItem("a" * 64, b"one"), WireItem("b" * 64, b"two")]
+    many = build("http://a:1", "encode", two, response="json", api_key="k")
     assert many.files is not None and [f[1][1] for f in many.files] == [b"one", b"two"] and many.json is None
-    hashes = build("http://a:1", "encode", [("a" * 64, None)], response="json", api_key=None)
+    hashes = build("http://a:1", "encode", [WireItem("a" * 64, None)], response="json", api_key=None)
     assert hashes.json == {"items": [{"hash": "a" * 64}]}
+
+
+def test_a_refused_upload_names_the_callers_item_not_its_place_in_the_request() -> None:
+    """The client dedupes and sends only the misses: the server's index counts within that
+    request, and the error the caller sees is turned back into the caller's own index."""
+    from encode_client import ServerError
+
+    client = BaseClient("http://a:1", upload="hash-first")
+    cached_one, bad = b"cached", b"bad"
+    flow = client._encode_flow([cached_one, cached_one, bad, bad])
+    asked = next(flow)
+    uploads = flow.send([_answer(c, {mm_hash(cached_one)}) for c in asked])
+    assert [i.data for c in uploads for i in c.payload] == [bad]
+    with pytest.raises(ServerError) as info:
+        flow.send([ServerError(400, "invalid_image", "no", 0, replica="http://a:1")])
+    assert (info.value.type, info.value.index) == ("invalid_image", 2)
+    assert isinstance(info.value.__cause__, ServerError) and info.value.__cause__.index == 0

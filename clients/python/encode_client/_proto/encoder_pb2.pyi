@@ -7,20 +7,29 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class Modality(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MODALITY_IMAGE: _ClassVar[Modality]
+    MODALITY_VIDEO: _ClassVar[Modality]
+
 class Return(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     RETURN_EMBEDDINGS: _ClassVar[Return]
     RETURN_METADATA: _ClassVar[Return]
+MODALITY_IMAGE: Modality
+MODALITY_VIDEO: Modality
 RETURN_EMBEDDINGS: Return
 RETURN_METADATA: Return
 
 class Item(_message.Message):
-    __slots__ = ("hash", "data")
+    __slots__ = ("hash", "data", "modality")
     HASH_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    MODALITY_FIELD_NUMBER: _ClassVar[int]
     hash: str
     data: bytes
-    def __init__(self, hash: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
+    modality: Modality
+    def __init__(self, hash: _Optional[str] = ..., data: _Optional[bytes] = ..., modality: _Optional[_Union[Modality, str]] = ...) -> None: ...
 
 class EncodeRequest(_message.Message):
     __slots__ = ("items", "return_kind")

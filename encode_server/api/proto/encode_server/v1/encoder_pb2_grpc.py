@@ -60,7 +60,7 @@ class EncoderServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Encode(self, request, context):
-        """Resolve images (uploads, hashes, or both) to embeddings: tiers first, encoder last.
+        """Resolve images and videos (uploads, hashes, or both) to embeddings: tiers first, encoder last.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -74,7 +74,7 @@ class EncoderServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Tokens(self, request, context):
-        """Token count and grid per image without running the encoder.
+        """Token count and grid per image or video without running the encoder (a video's from its header).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -34,11 +34,22 @@ from encode_client._images import ImageInput, image_bytes, mm_hash
 from encode_client._retry import Limits, RetryPolicy
 from encode_client._types import LookupItem, Result, TokenCount, UploadStats, WarmItem
 
-__all__ = ["UPLOAD_MODES", "BaseClient", "Call", "Flow", "HitWindow", "Sleep", "rank_replicas"]
+__all__ = [
+    "HANDOFF_OPS", "UPLOAD_MODES", "BaseClient", "Call", "Flow", "HitWindow", "Sleep", "handoff_op", "rank_replicas"
+]
 
 T = TypeVar("T")
 
 UPLOAD_MODES = ("adaptive", "hash-first", "always")
+# The hand-off's operation per modality: a video's items say so on the wire (the server tells a
+# video from an image by the item's modality, never by sniffing its bytes).
+HANDOFF_OPS = {"image": "handoff", "video": "handoff_video"}
+
+
+def handoff_op(modality: str) -> str:
+    if modality not in HANDOFF_OPS:
+        raise ValueError(f"modality must be one of {', '.join(HANDOFF_OPS)}, not {modality!r}")
+    return HANDOFF_OPS[modality]
 
 
 class HitWindow:
@@ -257,7 +268,7 @@ class BaseClient:
         """Hash locally; ask for every distinct hash without bytes (unless the upload mode says
         to send them at once); upload only the misses, once, to the replica that missed (its
         local tier then holds them). ``op="handoff"``: the same, with ``"return": "metadata"``
-        (into the shared tier; metadata and store keys back)."""
+        (into the shared tier; metadata and store keys back), ``"handoff_video"`` for video files."""
         blobs = [image_bytes(i) for i in images]
         hashes = [mm_hash(b) for b in blobs]
         unique = list(dict.fromkeys(hashes))

@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 import httpx
 
 from encode_client import _http
-from encode_client._base import BaseClient, Call, Flow, Sleep
+from encode_client._base import BaseClient, Call, Flow, Sleep, handoff_op
 from encode_client._errors import ReplicaUnavailable
 from encode_client._images import ImageInput
 from encode_client._lanes import AsyncLanes
@@ -58,11 +58,12 @@ class Client(BaseClient):
         images that no replica tier holds, once per distinct image."""
         return self._run(self._encode_flow(images))
 
-    def hand_off(self, images: Sequence[ImageInput]) -> list[Result]:
+    def hand_off(self, images: Sequence[ImageInput], *, modality: str = "image") -> list[Result]:
         """The EPD hand-off: make sure each image is in the server's shared tier (hash first,
         upload only the misses) and get its metadata and store ``key`` back, no embedding bytes.
-        Needs a server with ``--redis-url`` (else ``ServerError`` 409 ``no_shared_tier``)."""
-        return self._run(self._encode_flow(images, "handoff"))
+        Needs a server with ``--redis-url`` (else ``ServerError`` 409 ``no_shared_tier``).
+        ``modality="video"``: the items are video files (bytes or paths; over HTTP only)."""
+        return self._run(self._encode_flow(images, handoff_op(modality)))
 
     def lookup(self, hashes: Sequence[str]) -> list[LookupItem]:
         return self._run(self._lookup_flow(hashes))
@@ -160,9 +161,9 @@ class AsyncClient(BaseClient):
         """See ``Client.encode``."""
         return await self._run(self._encode_flow(images))
 
-    async def hand_off(self, images: Sequence[ImageInput]) -> list[Result]:
+    async def hand_off(self, images: Sequence[ImageInput], *, modality: str = "image") -> list[Result]:
         """See ``Client.hand_off``."""
-        return await self._run(self._encode_flow(images, "handoff"))
+        return await self._run(self._encode_flow(images, handoff_op(modality)))
 
     async def lookup(self, hashes: Sequence[str]) -> list[LookupItem]:
         return await self._run(self._lookup_flow(hashes))

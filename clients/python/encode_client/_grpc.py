@@ -42,6 +42,8 @@ def build(op: str, payload: Any) -> Any:
         return pb.EncodeRequest(items=[_item(h, d) for h, d in payload])
     if op == "handoff":
         return pb.EncodeRequest(items=[_item(h, d) for h, d in payload], return_kind=pb.RETURN_METADATA)
+    if op == "handoff_video":
+        raise ValueError("this client hands videos off over HTTP only (an http:// encode-server URL), not gRPC")
     if op == "lookup":
         return pb.LookupRequest(hashes=list(payload))
     if op == "tokens":

@@ -30,8 +30,8 @@ class HttpRequest:
     files: list[tuple[str, tuple[str, bytes, str]]] | None = None
 
 
-def _item(hash_: str | None, data: bytes | None) -> dict[str, str]:
-    out = {}
+def _item(hash_: str | None, data: bytes | None, modality: str | None = None) -> dict[str, str]:
+    out = {"modality": modality} if modality is not None else {}
     if hash_ is not None:
         out["hash"] = hash_
     if data is not None:
@@ -57,8 +57,9 @@ def build(base_url: str, op: str, payload: Any, *, response: str, api_key: str |
         if payload and all(d is not None for _, d in payload):
             return _upload(base + "/v1/encode", [d for _, d in payload], headers)
         return HttpRequest("POST", base + "/v1/encode", {"items": [_item(h, d) for h, d in payload]}, headers)
-    if op == "handoff":  # the EPD hand-off: into the shared tier, metadata and keys back
-        handoff = {"items": [_item(h, d) for h, d in payload], "return": "metadata"}
+    if op in ("handoff", "handoff_video"):  # the EPD hand-off: into the shared tier, metadata and keys back
+        modality = "video" if op == "handoff_video" else None
+        handoff = {"items": [_item(h, d, modality) for h, d in payload], "return": "metadata"}
         return HttpRequest("POST", base + "/v1/encode", handoff, {**headers, "Accept": "application/json"})
     if op == "lookup":
         return HttpRequest("POST", base + "/v1/lookup", {"hashes": list(payload)}, headers)
@@ -93,7 +94,7 @@ def parse(op: str, status: int, headers: Mapping[str, str], content: bytes, repl
     """The answer as a list aligned with the request's items (``model``: a one-item list)."""
     if status != 200:
         raise _error(status, headers, content, replica)
-    if op in ("encode", "handoff"):
+    if op in ("encode", "handoff", "handoff_video"):
         if headers.get("content-type", "").startswith(SAFETENSORS):
             return _encode_safetensors(content, replica)
         body = json.loads(content)

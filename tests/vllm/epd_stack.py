@@ -17,6 +17,8 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +26,9 @@ import httpx
 
 from tests.server import free_port
 
-__all__ = ["Relay", "chat", "data_url", "post_chat", "video_file", "video_url_part", "vllm_openai_server"]
+__all__ = [
+    "Relay", "chat", "data_url", "entered_together", "post_chat", "video_file", "video_url_part", "vllm_openai_server"
+]
 
 _UUID = re.compile(rb'"uuid": ?"([^"]+)"')
 _SALT = re.compile(rb'"cache_salt": ?"([^"]+)"')
@@ -190,3 +194,17 @@ def vllm_openai_server(
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(10)
+
+
+@contextlib.contextmanager
+def entered_together(*managers: AbstractContextManager[Any]) -> Iterator[list[Any]]:
+    """Enter ``managers`` at once, each in a thread (two vLLM servers start in the time of the
+    slower one), and exit every one that entered, whatever failed."""
+    with ThreadPoolExecutor(len(managers)) as pool:
+        futures = [pool.submit(m.__enter__) for m in managers]
+    try:
+        yield [f.result() for f in futures]  # the first failure is raised here
+    finally:
+        for manager, future in zip(managers, futures, strict=True):
+            if future.exception() is None:
+                manager.__exit__(None, None, None)

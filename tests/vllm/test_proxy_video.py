@@ -26,7 +26,15 @@ from encode_client.proxy import EPDProxy
 from tests.redis_procs import delete_prefix
 from tests.server import ServerProcess, start_server
 from tests.vllm.conftest import REDIS_URL, metric, png, running_proxy
-from tests.vllm.epd_stack import Relay, chat, post_chat, video_file, video_url_part, vllm_openai_server
+from tests.vllm.epd_stack import (
+    Relay,
+    chat,
+    entered_together,
+    post_chat,
+    video_file,
+    video_url_part,
+    vllm_openai_server,
+)
 from tests.vllm.tiny_qwen3 import make_tiny_qwen3
 
 PREFIX = f"test-vllm-proxy-video-{os.getpid()}"
@@ -36,6 +44,8 @@ IMAGE = png(64, 64, seed=60)  # a multiple of 32 within the processor's pixel li
 # One fresh video per retry case: vLLM's encoder cache keeps a video under its uuid once encoded.
 CLIP = (4, 2.0, 64, 64)
 LOST_CLIPS = {False: (5, 2.0, 64, 64), True: (6, 2.0, 64, 64)}
+# The first test starts both vLLM servers (each 20-140 s on the 2-core CI machine, by its load).
+pytestmark = pytest.mark.timeout(600)
 
 
 @pytest.fixture(scope="module")
@@ -59,18 +69,26 @@ def server(qwen3_dir: Path, logs: Path) -> Iterator[ServerProcess]:
 
 
 @pytest.fixture(scope="module")
-def consumer(qwen3_dir: Path, server: ServerProcess, logs: Path) -> Iterator[dict[str, Any]]:
-    """The tower-free EC consumer docs/vllm.md tells an operator to run: the module's one EPD server."""
+def vllms(qwen3_dir: Path, server: ServerProcess, logs: Path) -> Iterator[list[dict[str, Any]]]:
+    """The module's two vLLM OpenAI servers, started at once: the tower-free EC consumer docs/vllm.md
+    tells an operator to run, and plain vLLM with its tower taking an image and a video per prompt
+    (the oracle)."""
     extra = {"redis_url": REDIS_URL, "encoder_url": server.url, "prefix": PREFIX}
-    with vllm_openai_server(qwen3_dir, extra, logs) as running:
+    with entered_together(
+        vllm_openai_server(qwen3_dir, extra, logs),
+        vllm_openai_server(qwen3_dir, None, logs, tower=True, limits={"image": 1, "video": 1}),
+    ) as running:
         yield running
 
 
 @pytest.fixture(scope="module")
-def plain(qwen3_dir: Path, logs: Path) -> Iterator[dict[str, Any]]:
-    """Plain vLLM with its tower, taking an image and a video per prompt: the oracle."""
-    with vllm_openai_server(qwen3_dir, None, logs, tower=True, limits={"image": 1, "video": 1}) as running:
-        yield running
+def consumer(vllms: list[dict[str, Any]]) -> dict[str, Any]:
+    return vllms[0]
+
+
+@pytest.fixture(scope="module")
+def plain(vllms: list[dict[str, Any]]) -> dict[str, Any]:
+    return vllms[1]
 
 
 @pytest.fixture(scope="module")

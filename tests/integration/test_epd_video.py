@@ -113,3 +113,39 @@ def test_a_video_for_a_family_without_video_is_a_400_before_anything_moves(
     assert (error["type"], error["param"]) == ("invalid_request_error", "messages[0].content[1]")
     assert "takes no video through the EPD path" in error["message"]
     assert _items(builtin_server) == before, "neither the image nor the video was handed off"
+
+
+def _status(server: ServerProcess, status: str) -> float:
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    return sum(float(line.rpartition(" ")[2]) for line in text.splitlines()
+               if line.startswith("encode_server_items_total{") and f'status="{status}"' in line)
+
+
+def test_a_request_with_only_a_video_that_vllm_failed_is_handed_off_again_and_retried(
+    qwen3_server: ServerProcess,
+) -> None:
+    """vLLM (played by a stub: a real one cannot be made to fail on demand; tests/vllm/test_proxy_video.py
+    has vLLM itself) fails the first try as its EC connector does: the proxy hands the video off again
+    and sends the same rewritten request again; the client gets the second answer."""
+    from tests.proxy_upstream import StubVllm
+
+    fresh = make_video(6, 3.0, 64, 64)
+    body = {"model": "stub", "max_tokens": 4, "messages": [{"role": "user", "content": [
+        {"type": "video_url", "video_url": {"url": _url(fresh, "video/mp4")}}, {"type": "text", "text": "what?"}]}]}
+    with StubVllm() as stub:
+        p = EPDProxy(("127.0.0.1", 0), stub.url, [qwen3_server.url], api_key=KEY)
+        threading.Thread(target=p.serve_forever, daemon=True).start()
+        try:
+            stub.fail_next = 1
+            encoded, hits = _status(qwen3_server, "encoded"), _status(qwen3_server, "hit")
+            r = httpx.post(p.url + "/v1/chat/completions", json=body, timeout=60)
+            metrics = httpx.get(p.url + "/metrics", timeout=10).text
+        finally:
+            p.shutdown()
+            p.server_close()
+    assert r.status_code == 200 and "InternalServerError" not in r.text, r.text
+    assert len(stub.bodies) == 2 and stub.bodies[0] == stub.bodies[1], "the same rewritten request, twice"
+    assert stub.bodies[0]["messages"][0]["content"][0]["type"] == "video_embeds"
+    assert (_status(qwen3_server, "encoded"), _status(qwen3_server, "hit")) == (encoded + 1, hits + 1)
+    assert 'encode_epd_proxy_retries_total{reason="prefill_error"} 1.0' in metrics
+    assert "encode_epd_proxy_handoff_videos_total 2.0" in metrics

@@ -263,8 +263,9 @@ class ProxyApp:
         exchange.cleanup.append(self._left)
         body = await self._body(request)
         prepare = self._preparer(request, body, caller, exchange)
-        media = exchange.images or exchange.videos
-        return await self._forward(request, await prepare(), prepare if media else None, exchange)
+        prepared = await prepare()  # counts the request's images and videos
+        retryable = exchange.images or exchange.videos
+        return await self._forward(request, prepared, prepare if retryable else None, exchange)
 
     async def _left(self) -> None:
         self.inflight -= 1

@@ -363,8 +363,11 @@ def _refused_video(part: MediaPart, exc: ServerError) -> EPDError | ServerError:
 
 
 def rewrite_chat_plan(
-    body: Mapping[str, Any], plan: ChatPlan, client: Client, *, contract: EpdContract | Callable[[], EpdContract]
-    | None = None,
+    body: Mapping[str, Any],
+    plan: ChatPlan,
+    client: Client,
+    *,
+    contract: EpdContract | Callable[[], EpdContract] | None = None,
 ) -> tuple[dict[str, Any], list[Result]]:
     """``rewrite_chat_request`` for a request already checked into ``plan``."""
     if not plan.media:
@@ -438,9 +441,9 @@ async def rewrite_chat_plan_async(
     calls = [client.hand_off([p.data for p in plan.images])] if plan.images else []
     calls += [client.hand_off([v.data], modality="video") for v in plan.videos]
     outcomes = await asyncio.gather(*calls, return_exceptions=True)
-    videos: list[MediaPart | None] = [None] if plan.images else []  # the images' call names no one part
+    named: list[MediaPart | None] = [None] if plan.images else []  # the images' call names no one part
     results: list[Result] = []
-    for video, outcome in zip([*videos, *plan.videos], outcomes, strict=True):
+    for video, outcome in zip([*named, *plan.videos], outcomes, strict=True):
         if video is not None and isinstance(outcome, ServerError):
             raise _refused_video(video, outcome)
         if isinstance(outcome, BaseException):

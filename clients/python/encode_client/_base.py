@@ -39,8 +39,6 @@ __all__ = ["UPLOAD_MODES", "BaseClient", "Call", "Flow", "HitWindow", "Sleep", "
 T = TypeVar("T")
 
 UPLOAD_MODES = ("adaptive", "hash-first", "always")
-
-
 class HitWindow:
     """Hit or miss of the last ``size`` images, and the adaptive decision drawn from it.
 
@@ -255,13 +253,15 @@ class BaseClient:
 
     # -- flows -----------------------------------------------------------------------------------
 
-    def _encode_flow(self, images: Sequence[ImageInput], op: str = "encode") -> Flow[list[Result]]:
+    def _encode_flow(
+        self, images: Sequence[ImageInput], op: str = "encode", modality: str | None = None
+    ) -> Flow[list[Result]]:
         """Hash locally; ask for every distinct hash without bytes (unless the upload mode says
         to send them at once); upload only the misses, once, to the replica that missed (its
         local tier then holds them). ``op="handoff"``: the same, with ``"return": "metadata"``
         (into the shared tier; metadata and store keys back). A video goes the same way, its
         hash-only item marked as a video."""
-        inputs = [media(i) for i in images]
+        inputs = [media(i, modality) for i in images]
         hashes = [mm_hash(m.data) for m in inputs]
         unique = list(dict.fromkeys(hashes))
         by_hash = {h: m for h, m in zip(hashes, inputs, strict=True)}

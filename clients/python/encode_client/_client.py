@@ -59,11 +59,13 @@ class Client(BaseClient):
         for items that no replica tier holds, once per distinct file."""
         return self._run(self._encode_flow(images))
 
-    def hand_off(self, images: Sequence[ImageInput]) -> list[Result]:
+    def hand_off(self, images: Sequence[ImageInput], *, modality: str | None = None) -> list[Result]:
         """The EPD hand-off: make sure each image is in the server's shared tier (hash first,
         upload only the misses) and get its metadata and store ``key`` back, no embedding bytes.
-        Needs a server with ``--redis-url`` (else ``ServerError`` 409 ``no_shared_tier``)."""
-        return self._run(self._encode_flow(images, "handoff"))
+        Needs a server with ``--redis-url`` (else ``ServerError`` 409 ``no_shared_tier``).
+        ``modality``: ``"image"`` or ``"video"`` for every item, instead of telling each by its name
+        or first bytes (``Video`` wraps one)."""
+        return self._run(self._encode_flow(images, "handoff", modality))
 
     def lookup(self, hashes: Sequence[str]) -> list[LookupItem]:
         return self._run(self._lookup_flow(hashes))
@@ -162,9 +164,9 @@ class AsyncClient(BaseClient):
         """See ``Client.encode``."""
         return await self._run(self._encode_flow(images))
 
-    async def hand_off(self, images: Sequence[ImageInput]) -> list[Result]:
+    async def hand_off(self, images: Sequence[ImageInput], *, modality: str | None = None) -> list[Result]:
         """See ``Client.hand_off``."""
-        return await self._run(self._encode_flow(images, "handoff"))
+        return await self._run(self._encode_flow(images, "handoff", modality))
 
     async def lookup(self, hashes: Sequence[str]) -> list[LookupItem]:
         return await self._run(self._lookup_flow(hashes))

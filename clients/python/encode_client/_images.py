@@ -100,8 +100,16 @@ def image_bytes(image: ImageInput) -> bytes:
     raise TypeError(f"an item is bytes, a path, a PIL image or a Video, not {type(image).__name__}")
 
 
-def media(item: ImageInput) -> Media:
-    """An input's bytes, modality and upload ``Content-Type`` (see the module doc for the rule)."""
+def media(item: ImageInput, modality: str | None = None) -> Media:
+    """An input's bytes, modality and upload ``Content-Type`` (see the module doc for the rule);
+    ``modality`` given (``"image"`` or ``"video"``) says it instead of the rule: the EPD proxy's
+    ``image_url`` part is an image whatever its bytes look like."""
+    if modality not in (None, IMAGE, VIDEO):
+        raise ValueError(f"modality must be {IMAGE!r} or {VIDEO!r}, not {modality!r}")
+    if modality == IMAGE and not isinstance(item, Video):
+        return Media(image_bytes(item), IMAGE, _UPLOAD_IMAGE)
+    if modality == VIDEO and not isinstance(item, Video):
+        item = Video(item)
     data = image_bytes(item)
     sniffed = video_type(data)
     source = item.source if isinstance(item, Video) else item

@@ -23,11 +23,15 @@ class ProxyMetrics:
             namespace=ns, registry=r, buckets=_LATENCY,
         )
         self.handoff_seconds = Histogram(
-            "handoff_seconds", "Time to hand a chat request's images off to encode-server and rewrite it.",
+            "handoff_seconds", "Time to hand a chat request's images and videos off to encode-server and rewrite it.",
             namespace=ns, registry=r, buckets=_LATENCY,
         )
         self.handoff_images = Counter(
             "handoff_images", "Images handed off to encode-server.", namespace=ns, registry=r
+        )
+        self.handoff_videos = Counter(
+            "handoff_videos", "Videos handed off to encode-server (each in a call of its own).", namespace=ns,
+            registry=r,
         )
         self.upstream_seconds = Histogram(
             "upstream_seconds", "Time from sending a request to vLLM to its answer's headers.", ("upstream",),

@@ -1,5 +1,5 @@
-"""The EPD request path: an OpenAI chat-completions request with images, rewritten for a prefill
-worker that takes its image embeddings from encode-server (an EC consumer, see
+"""The EPD request path: an OpenAI chat-completions request with images and videos, rewritten for a
+prefill worker that takes their embeddings from encode-server (an EC consumer, see
 ``encode_client.vllm_connector``).
 
 Every image part (``{"type": "image_url", "image_url": {"url": "data:image/...;base64,..."}}``, or
@@ -24,6 +24,20 @@ the EPD mode of the family encode-server serves (``GET /v1/model``'s ``family.ep
 Either way vLLM asks its EC connector for the identifier, which reads the embedding from the shared
 tier, and its own tower does not run for the image.
 
+Every video part (``{"type": "video_url", "video_url": {"url": "data:video/mp4;base64,..."}}``) is
+handed off the same way, as a video item (one file, one item, one ``mm_hash``, its sampled frames'
+rows), each video in a call of its own (so an error names its part), and becomes the family's
+pixel-free video part, with exactly the fields its contract declares for ``video`` (Qwen3-VL's
+parser: ``video_grid_thw`` and ``timestamps``)::
+
+    {"type": "video_embeds", "video_embeds": {"video_grid_thw": [2, 4, 4], "timestamps": [0.25, 1.25]},
+     "uuid": "<identifier>"}
+
+A video for a family whose contract has no pixel-free video item (a ``pixels_uuid`` family, or one
+that declares no ``video`` fields) is refused, naming the part, before anything is handed off: it is
+never forwarded with its frames. A video encode-server refuses (unreadable, too long, a codec its
+FFmpeg lacks: its 4xx names the item) is an ``EPDError`` naming the part, with the server's reason.
+
 vLLM keeps what it computed for an item (encoder output, processed inputs, prefix blocks) under
 the item's identifier, for every later request that names it. So the rewrite lets no client name
 an item (``check_chat_request``; each refusal is an ``EPDError`` naming the part):
@@ -40,24 +54,26 @@ an item (``check_chat_request``; each refusal is an ``EPDError`` naming the part
   and ``ec_transfer_params`` are refused: they steer vLLM's transfer connectors, which only the
   serving system may do.
 
-Only ``data:`` URLs are accepted: fetching ``http(s)://`` URLs would make the proxy an open fetcher
-(SSRF), so such a part is refused with a clear error naming it.
+Only ``data:`` URLs are accepted, for images and videos: fetching ``http(s)://`` URLs would make the
+proxy an open fetcher (SSRF), so such a part is refused with a clear error naming it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import copy
 import inspect
 import json
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from blake3 import blake3
 
 from encode_client._client import AsyncClient, Client
+from encode_client._errors import ServerError
 from encode_client._images import mm_hash
 from encode_client._types import Result
 from encode_client.keys import embeds_identifier, epd_identifier
@@ -66,27 +82,33 @@ __all__ = [
     "EMBEDS_PARTS",
     "IMAGE_PARTS",
     "REFUSED_FIELDS",
+    "VIDEO_PARTS",
     "ChatPlan",
     "EPDError",
     "EmbedsPart",
     "EpdContract",
     "EpdContractError",
-    "ImagePart",
+    "MediaPart",
+    "apply_results",
     "cache_salt",
     "check_chat_request",
+    "check_contract",
     "check_request_fields",
     "find_image_parts",
+    "rewrite_chat_plan",
+    "rewrite_chat_plan_async",
     "rewrite_chat_request",
     "rewrite_chat_request_async",
 ]
 
 IMAGE_PARTS = frozenset({"image_url", "input_image"})
+VIDEO_PARTS = frozenset({"video_url"})
 EMBEDS_PARTS = frozenset({"image_embeds", "video_embeds", "audio_embeds"})
 REFUSED_FIELDS: dict[str, str] = {
-    "mm_processor_kwargs": "encode-server preprocesses every image under its fingerprint; a per-request "
-    "preprocessing setting cannot apply to it",
-    "media_io_kwargs": "encode-server decodes every image itself; per-request media loading settings cannot "
-    "apply to it",
+    "mm_processor_kwargs": "encode-server preprocesses every image and video under its fingerprint; a "
+    "per-request preprocessing setting cannot apply to it",
+    "media_io_kwargs": "encode-server decodes every image and video itself (and samples a video's frames under "
+    "its fingerprint); per-request media loading settings cannot apply to it",
     "kv_transfer_params": "it steers vLLM's KV transfer connector, which only the serving system may do",
     "ec_transfer_params": "it steers vLLM's encoder-cache connector, which only the serving system may do",
 }
@@ -137,16 +159,22 @@ class EpdContract:
 
 
 @dataclass(frozen=True)
-class ImagePart:
+class MediaPart:
+    """An image or video part, its file decoded from its data: URL."""
+
     message: int
     part: int
     data: bytes
-    kind: str = "image_url"  # or the Responses form, "input_image"
+    kind: str = "image_url"  # or the Responses form, "input_image", or "video_url"
     url: str = ""  # the data: URL, as the client sent it
 
     @property
     def where(self) -> str:
         return _where(self.message, self.part)
+
+    @property
+    def modality(self) -> str:
+        return "video" if self.kind in VIDEO_PARTS else "image"
 
 
 @dataclass(frozen=True)
@@ -161,25 +189,32 @@ class EmbedsPart:
 
 @dataclass(frozen=True)
 class ChatPlan:
-    """What the rewrite will do: the images to hand off, the trusted embeddings to re-key."""
+    """What the rewrite will do: the images and videos to hand off, the trusted embeddings to re-key."""
 
-    images: list[ImagePart]
+    images: list[MediaPart]
     embeds: list[EmbedsPart]
+    videos: list[MediaPart] = field(default_factory=list)
+
+    @property
+    def media(self) -> list[MediaPart]:
+        """Every part to hand off, images then videos: the order of the rewrite's results."""
+        return [*self.images, *self.videos]
 
 
 def _where(message: int, part: int) -> str:
     return f"messages[{message}].content[{part}]"
 
 
-def _data_url_bytes(url: object, where: str) -> bytes:
+def _data_url_bytes(url: object, where: str, modality: str = "image") -> bytes:
     if not isinstance(url, str):
-        raise EPDError("image_url.url must be a string", where)
+        raise EPDError(f"{modality}_url.url must be a string", where)
     if not url.startswith("data:"):
         scheme = url.split(":", 1)[0] if ":" in url else "a relative URL"
         raise EPDError(f"only data: URLs are accepted (the proxy fetches nothing), got {scheme}", where)
     header, sep, payload = url.partition(",")
     if not sep or not header.endswith(";base64"):
-        raise EPDError("a data: URL must be base64 (data:image/png;base64,...)", where)
+        example = "data:video/mp4;base64,..." if modality == "video" else "data:image/png;base64,..."
+        raise EPDError(f"a data: URL must be base64 ({example})", where)
     try:
         return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
@@ -199,7 +234,8 @@ def check_chat_request(body: Mapping[str, Any], *, trust_client_embeds: bool = F
     messages = body.get("messages")
     if not isinstance(messages, list):
         raise EPDError("messages must be a list")
-    images: list[ImagePart] = []
+    images: list[MediaPart] = []
+    videos: list[MediaPart] = []
     embeds: list[EmbedsPart] = []
     for m, message in enumerate(messages):
         content = message.get("content") if isinstance(message, Mapping) else None
@@ -226,18 +262,36 @@ def check_chat_request(body: Mapping[str, Any], *, trust_client_embeds: bool = F
             elif "uuid" in part:
                 raise EPDError(
                     "a client's uuid is refused: vLLM would serve whatever it caches under it to every request "
-                    "naming it; the proxy names every image by its bytes",
+                    "naming it; the proxy names every image and video by its bytes",
                     where,
                 )
             elif kind in IMAGE_PARTS:
                 image_url = part.get("image_url")
                 url = image_url.get("url") if isinstance(image_url, Mapping) else image_url
                 data = _data_url_bytes(url, where)  # url is a data: URL string from here on
-                images.append(ImagePart(m, p, data, kind, str(url)))
-    return ChatPlan(images, embeds)
+                images.append(MediaPart(m, p, data, kind, str(url)))
+            elif kind in VIDEO_PARTS:
+                video_url = part.get("video_url")
+                url = video_url.get("url") if isinstance(video_url, Mapping) else video_url
+                videos.append(MediaPart(m, p, _data_url_bytes(url, where, "video"), kind, str(url)))
+    return ChatPlan(images, embeds, videos)
 
 
-def find_image_parts(body: Mapping[str, Any], *, trust_client_embeds: bool = False) -> list[ImagePart]:
+def check_contract(plan: ChatPlan, contract: EpdContract) -> None:
+    """Refuse a video the served family cannot take pixel-free (a ``pixels_uuid`` family, or no
+    ``video`` fields in its contract): forwarding its frames would have a prefill worker run its
+    own tower on them (or fail, tower-free), outside encode-server's cache and bounds."""
+    for video in plan.videos:
+        if contract.mode != "pixel_free" or not contract.fields.get("video"):
+            why = (
+                "its EPD mode is pixels + uuid (vLLM takes no metadata-only item for it)"
+                if contract.mode != "pixel_free"
+                else "its EPD contract declares no pixel-free video item"
+            )
+            raise EPDError(f"the served model takes no video through the EPD path: {why}", video.where)
+
+
+def find_image_parts(body: Mapping[str, Any], *, trust_client_embeds: bool = False) -> list[MediaPart]:
     """The image parts of ``body["messages"]``, decoded, in order (after ``check_chat_request``)."""
     return check_chat_request(body, trust_client_embeds=trust_client_embeds).images
 
@@ -252,36 +306,45 @@ def cache_salt(tenant: str | None, client_salt: object = None) -> str:
     return blake3(canonical.encode("utf-8", "surrogatepass")).hexdigest()
 
 
-def _image_identifier(part: ImagePart, result: Result) -> str:
+def _identifier(part: MediaPart, result: Result) -> str:
     if result.status == "miss" or not result.meta:
-        raise EPDError(f"encode-server returned no metadata for image {result.hash} ({result.status})", part.where)
+        raise EPDError(
+            f"encode-server returned no metadata for {part.modality} {result.hash} ({result.status})", part.where
+        )
     own = mm_hash(part.data)
     try:
         return epd_identifier(result.key, own) if result.key is not None else own
     except ValueError as exc:
-        raise EPDError(f"encode-server's answer does not name this image: {exc}", part.where) from None
+        raise EPDError(f"encode-server's answer does not name this {part.modality}: {exc}", part.where) from None
 
 
-def _image_part(part: ImagePart, result: Result, contract: EpdContract) -> dict[str, Any]:
-    """The part vLLM gets for one image, rebuilt from what was checked only (no other key of the client's)."""
-    identifier = _image_identifier(part, result)
-    if contract.mode == "pixels_uuid":
+def _media_part(part: MediaPart, result: Result, contract: EpdContract) -> dict[str, Any]:
+    """The part vLLM gets for one image or video, rebuilt from what was checked only (no other key
+    of the client's)."""
+    identifier = _identifier(part, result)
+    if part.modality == "image" and contract.mode == "pixels_uuid":
         image_url: Any = {"url": part.url} if part.kind == "image_url" else part.url
         return {"type": part.kind, "image_url": image_url, "uuid": identifier}
-    fields = contract.fields["image"]
+    fields = contract.fields.get(part.modality) or ()
+    if contract.mode != "pixel_free" or not fields:  # check_contract refuses these first
+        raise EPDError(f"the served model takes no pixel-free {part.modality}", part.where)
     missing = [f for f in fields if f not in result.meta]
     if missing:
-        raise EPDError(f"encode-server's metadata for image {result.hash} lacks {missing}", part.where)
-    return {"type": "image_embeds", "image_embeds": {f: result.meta[f] for f in fields}, "uuid": identifier}
+        raise EPDError(f"encode-server's metadata for {part.modality} {result.hash} lacks {missing}", part.where)
+    kind = f"{part.modality}_embeds"
+    return {"type": kind, kind: {f: result.meta[f] for f in fields}, "uuid": identifier}
 
 
-def _apply(
+def apply_results(
     body: Mapping[str, Any], plan: ChatPlan, results: list[Result], contract: EpdContract | None
 ) -> dict[str, Any]:
+    """``body`` rewritten from the hand-off's ``results`` (one per ``plan.media``, in order) in the
+    served family's EPD mode, and the trusted embeddings re-keyed by content. No I/O; ``body`` is
+    not changed."""
     out = copy.deepcopy(dict(body))
-    for part, result in zip(plan.images, results, strict=True):
-        assert contract is not None  # read whenever there are images
-        out["messages"][part.message]["content"][part.part] = _image_part(part, result, contract)
+    for part, result in zip(plan.media, results, strict=True):
+        assert contract is not None  # read whenever there are images or videos
+        out["messages"][part.message]["content"][part.part] = _media_part(part, result, contract)
     for e in plan.embeds:  # rebuilt from type and payload only: no other key of the client's goes on
         out["messages"][e.message]["content"][e.part] = {
             "type": e.type,
@@ -291,6 +354,35 @@ def _apply(
     return out
 
 
+def _refused_video(part: MediaPart, exc: ServerError) -> EPDError | ServerError:
+    """A video encode-server refused (a 4xx naming the item): the request's fault, named by its part.
+    Anything else (overload, no shared tier, a key refused) stays the server's error."""
+    if 400 <= exc.status < 500 and exc.index is not None and exc.status not in (401, 403, 409, 429):
+        return EPDError(f"encode-server refused this video: {exc.status} {exc.type}: {exc.message}", part.where)
+    return exc
+
+
+def rewrite_chat_plan(
+    body: Mapping[str, Any],
+    plan: ChatPlan,
+    client: Client,
+    *,
+    contract: EpdContract | Callable[[], EpdContract] | None = None,
+) -> tuple[dict[str, Any], list[Result]]:
+    """``rewrite_chat_request`` for a request already checked into ``plan``."""
+    if not plan.media:
+        return apply_results(body, plan, [], None), []
+    contract = contract() if callable(contract) else contract or EpdContract.from_model(client.model())
+    check_contract(plan, contract)
+    results = client.hand_off([p.data for p in plan.images], modality="image") if plan.images else []
+    for video in plan.videos:
+        try:
+            results += client.hand_off([video.data], modality="video")
+        except ServerError as exc:
+            raise _refused_video(video, exc) from None
+    return apply_results(body, plan, results, contract), results
+
+
 def rewrite_chat_request(
     body: Mapping[str, Any],
     client: Client,
@@ -298,22 +390,21 @@ def rewrite_chat_request(
     trust_client_embeds: bool = False,
     contract: EpdContract | Callable[[], EpdContract] | None = None,
 ) -> tuple[dict[str, Any], list[Result]]:
-    """``body`` with each image part rewritten in the served family's EPD mode (module docstring),
-    named by its identifier; ``trust_client_embeds`` lets embeddings parts through, re-keyed by
-    content. ``contract``: the family's contract, or a callable giving it (the proxy's, which reads
-    it once), used only when the request has an image; None: read from ``client.model()`` then.
+    """``body`` with each image and video part rewritten in the served family's EPD mode (module
+    docstring), named by its identifier; ``trust_client_embeds`` lets embeddings parts through,
+    re-keyed by content. ``contract``: the family's contract, or a callable giving it (the proxy's,
+    which reads it once), used only when the request has an image or a video; None: read from
+    ``client.model()`` then. The results are the hand-off's, one per ``ChatPlan.media`` (images,
+    then videos, each in request order).
 
-    Each image is in encode-server's shared tier when this returns (``client.hand_off``). Raises
-    ``EPDError`` for a part it cannot read or refuses, ``EpdContractError`` when the served model
-    has no EPD contract, and the client's errors (``ServerError``, ``ReplicaUnavailable``) when
-    encode-server refuses or does not answer. ``body`` is not changed.
+    Each image and video is in encode-server's shared tier when this returns (``client.hand_off``).
+    Raises ``EPDError`` for a part it cannot read or refuses (a video encode-server refuses
+    included), ``EpdContractError`` when the served model has no EPD contract, and the client's
+    errors (``ServerError``, ``ReplicaUnavailable``) when encode-server refuses or does not answer.
+    ``body`` is not changed.
     """
     plan = check_chat_request(body, trust_client_embeds=trust_client_embeds)
-    if not plan.images:
-        return _apply(body, plan, [], None), []
-    contract = contract() if callable(contract) else contract or EpdContract.from_model(client.model())
-    results = client.hand_off([p.data for p in plan.images])
-    return _apply(body, plan, results, contract), results
+    return rewrite_chat_plan(body, plan, client, contract=contract)
 
 
 async def rewrite_chat_request_async(
@@ -324,15 +415,38 @@ async def rewrite_chat_request_async(
     contract: EpdContract | Callable[[], EpdContract | Awaitable[EpdContract]] | None = None,
 ) -> tuple[dict[str, Any], list[Result]]:
     """``rewrite_chat_request`` with an ``AsyncClient``. A callable ``contract`` is called in the loop,
-    after the request is checked and only when it has images; it may be a coroutine function (the
-    proxy's, which reads the contract from encode-server once)."""
+    after the request is checked and only when it has images or videos; it may be a coroutine
+    function (the proxy's, which reads the contract from encode-server once)."""
     plan = check_chat_request(body, trust_client_embeds=trust_client_embeds)
-    if not plan.images:
-        return _apply(body, plan, [], None), []
+    return await rewrite_chat_plan_async(body, plan, client, contract=contract)
+
+
+async def rewrite_chat_plan_async(
+    body: Mapping[str, Any],
+    plan: ChatPlan,
+    client: AsyncClient,
+    *,
+    contract: EpdContract | Callable[[], EpdContract | Awaitable[EpdContract]] | None = None,
+) -> tuple[dict[str, Any], list[Result]]:
+    """``rewrite_chat_request_async`` for a request already checked into ``plan``: the images in one
+    hand-off, each video in one of its own, all at once."""
+    if not plan.media:
+        return apply_results(body, plan, [], None), []
     if callable(contract):
         made = contract()
         contract = await made if inspect.isawaitable(made) else made
     elif contract is None:
         contract = EpdContract.from_model(await client.model())
-    results = await client.hand_off([p.data for p in plan.images])
-    return _apply(body, plan, results, contract), results
+    check_contract(plan, contract)
+    calls = [client.hand_off([p.data for p in plan.images], modality="image")] if plan.images else []
+    calls += [client.hand_off([v.data], modality="video") for v in plan.videos]
+    outcomes = await asyncio.gather(*calls, return_exceptions=True)
+    named: list[MediaPart | None] = [None] if plan.images else []  # the images' call names no one part
+    results: list[Result] = []
+    for video, outcome in zip([*named, *plan.videos], outcomes, strict=True):
+        if video is not None and isinstance(outcome, ServerError):
+            raise _refused_video(video, outcome)
+        if isinstance(outcome, BaseException):
+            raise outcome
+        results += outcome
+    return apply_results(body, plan, results, contract), results

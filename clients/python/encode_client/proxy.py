@@ -1,9 +1,9 @@
 """``encode-epd-proxy``: an OpenAI-compatible proxy that puts encode-server in front of vLLM servers.
 
 Users change one URL (their OpenAI base URL, to the proxy's); the proxy rewrites each
-``POST /v1/chat/completions`` with ``encode_client.epd.rewrite_chat_request_async`` (images go to
-encode-server; the prefill server gets an identifier computed from the bytes, with the metadata or
-the image itself as the served family's EPD mode says, read once from encode-server's
+``POST /v1/chat/completions`` with ``encode_client.epd`` (images and videos go to encode-server; the
+prefill server gets an identifier computed from the bytes, with the metadata or the image itself as
+the served family's EPD mode says, read once from encode-server's
 ``GET /v1/model``) and forwards it, and every answer, streamed (SSE) or not, comes back as it arrives::
 
     encode-epd-proxy --listen 0.0.0.0:8080 --vllm http://prefill-a:8000 --vllm http://prefill-b:8000 \\
@@ -20,7 +20,7 @@ drains: no new connection is accepted, requests in flight (streams too) finish w
 
 A request vLLM failed before answering (its EC connector found the embedding neither in Redis nor
 at encode-server: vLLM's generic 500, or the same error as a stream's first event,
-``_vllm_failure``) is retried ``--retries`` times, after its images are handed off again.
+``_vllm_failure``) is retried ``--retries`` times, after its images and videos are handed off again.
 
 The proxy is the only client of the prefill servers (docs/vllm.md, "Threat model"), so it forwards
 only what it checks: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (the fields that
@@ -71,8 +71,9 @@ from encode_client.epd import (
     EpdContractError,
     EPDError,
     cache_salt,
+    check_chat_request,
     check_request_fields,
-    rewrite_chat_request_async,
+    rewrite_chat_plan_async,
 )
 
 __all__ = ["FORWARDED", "OPEN_PATHS", "OWN_ROUTES", "EPDProxy", "ProxyApp", "ProxySettings", "build_parser", "main"]
@@ -123,6 +124,7 @@ class _Exchange:
     started: float = field(default_factory=time.perf_counter)
     status: int = 0
     images: int = 0
+    videos: int = 0
     tenant: str | None = None
     cleanup: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
 
@@ -215,8 +217,9 @@ class ProxyApp:
         self.metrics.request_seconds.labels(route).observe(time.perf_counter() - exchange.started)
         if exchange.path not in OPEN_PATHS:
             log.info(
-                "%s %s %d images=%d tenant=%s %.1f ms", exchange.method, exchange.path, exchange.status,
-                exchange.images, exchange.tenant or "-", (time.perf_counter() - exchange.started) * 1000,
+                "%s %s %d images=%d videos=%d tenant=%s %.1f ms", exchange.method, exchange.path, exchange.status,
+                exchange.images, exchange.videos, exchange.tenant or "-",
+                (time.perf_counter() - exchange.started) * 1000,
             )
 
     # -- one request ----------------------------------------------------------------------------
@@ -260,7 +263,9 @@ class ProxyApp:
         exchange.cleanup.append(self._left)
         body = await self._body(request)
         prepare = self._preparer(request, body, caller, exchange)
-        return await self._forward(request, await prepare(), prepare if exchange.images else None, exchange)
+        prepared = await prepare()  # counts the request's images and videos
+        retryable = exchange.images or exchange.videos
+        return await self._forward(request, prepared, prepare if retryable else None, exchange)
 
     async def _left(self) -> None:
         self.inflight -= 1
@@ -287,7 +292,7 @@ class ProxyApp:
     def _preparer(
         self, request: Request, body: bytes, caller: Caller | None, exchange: _Exchange
     ) -> Callable[[], Awaitable[bytes]]:
-        """The body to send vLLM, made afresh by each call (a retry hands the images off again)."""
+        """The body to send vLLM, made afresh by each call (a retry hands the images and videos off again)."""
 
         async def prepare() -> bytes:
             if request.method != "POST":
@@ -298,14 +303,16 @@ class ProxyApp:
                     raise EPDError("the body must be a JSON object")
                 if request.url.path == _CHAT:
                     started = time.perf_counter()
-                    rewritten, results = await rewrite_chat_request_async(
-                        parsed, self.encoder_for(caller), trust_client_embeds=self.settings.trust_client_embeds,
-                        contract=lambda: self.contract(caller),  # read after the checks, when there are images
+                    plan = check_chat_request(parsed, trust_client_embeds=self.settings.trust_client_embeds)
+                    rewritten, results = await rewrite_chat_plan_async(
+                        parsed, plan, self.encoder_for(caller),
+                        contract=lambda: self.contract(caller),  # read after the checks, with images or videos
                     )
                     if results:
                         self.metrics.handoff_seconds.observe(time.perf_counter() - started)
-                        self.metrics.handoff_images.inc(len(results))
-                    exchange.images = len(results)
+                        self.metrics.handoff_images.inc(len(plan.images))
+                        self.metrics.handoff_videos.inc(len(plan.videos))
+                    exchange.images, exchange.videos = len(plan.images), len(plan.videos)
                 else:
                     check_request_fields(parsed)
                     rewritten = dict(parsed)
@@ -336,7 +343,7 @@ class ProxyApp:
         self, request: Request, body: bytes, prepare: Callable[[], Awaitable[bytes]] | None, exchange: _Exchange
     ) -> Response:
         """Send to an upstream; retry a request vLLM failed before answering (``prepare`` set: it has
-        images to hand off again); stream the answer back as it arrives."""
+        images or videos to hand off again); stream the answer back as it arrives."""
         target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
         headers = self._upstream_headers(request)
         attempt = 0
@@ -375,7 +382,7 @@ class ProxyApp:
             assert prepare is not None  # retry is False without it
             attempt += 1
             self.metrics.retries.labels("prefill_error").inc()
-            log.warning("%s %s: vLLM failed the request before answering; images handed off again, retry %d",
+            log.warning("%s %s: vLLM failed the request before answering; media handed off again, retry %d",
                         request.method, request.url.path, attempt)
             body = await prepare()
 
@@ -592,7 +599,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-body-bytes", type=int, default=64 * 1024 * 1024, help="largest request body")
     parser.add_argument(
         "--retries", type=int, default=1,
-        help="times a request vLLM failed before answering is sent again, after its images are handed off again",
+        help="times a request vLLM failed before answering is sent again, after its images and videos are handed off "
+        "again",
     )
     parser.add_argument(
         "--drain-seconds", type=float, default=30.0, help="on SIGTERM, how long requests in flight may take to finish"

@@ -1,0 +1,234 @@
+"""Videos through the EPD proxy, proven by vLLM's OpenAI server: client -> encode-epd-proxy -> an EC
+consumer (``EncodeServerECConnector``) serving a tiny Qwen3-VL, with encode-server and Redis beside
+them, a recording relay in front of vLLM.
+
+The proxy hands the image and the video off and sends vLLM ``image_embeds`` and ``video_embeds``
+parts (the grid, the video's ``timestamps``, the identifier); the relay shows that no pixel or frame
+byte arrives, so vLLM cannot have run its tower on them: the connector supplied both embeddings.
+Plain vLLM with its tower answers the chat on the pixels and the video (its own loader: OpenCV's
+FFmpeg, 2 fps): the answers are equal. The videos are made with PyAV by the server's Python
+(``ENCODE_SERVER_PYTHON``).
+
+The consumer keeps its tower: vLLM 0.32 cannot take Qwen3-VL's DeepStack-wide embeddings tower-free
+(``Qwen3VLForConditionalGeneration.use_deepstack`` is False when the tower is a ``StageMissingLayer``,
+and merging the wide rows then fails, ``shape mismatch: value tensor of shape [12, 192] cannot be
+broadcast to indexing result of shape [12, 64]``, killing the engine: measured with
+``--limit-mm-per-prompt '{"image":0,"video":0}'``).
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis
+from encode_client import mm_hash
+from encode_client.proxy import EPDProxy
+
+from tests.redis_procs import delete_prefix
+from tests.server import ServerProcess, start_server
+from tests.vllm.conftest import REDIS_URL, metric, png, running_proxy
+from tests.vllm.epd_stack import (
+    Relay,
+    chat,
+    entered_together,
+    post_chat,
+    video_file,
+    video_url_part,
+    vllm_openai_server,
+)
+from tests.vllm.tiny_qwen3 import make_tiny_qwen3
+
+PREFIX = f"test-vllm-proxy-video-{os.getpid()}"
+IMAGE = png(64, 64, seed=60)  # a multiple of 32 within the processor's pixel limits: not resized
+# (frames, fps, width, height): 2 s at 2 fps, 4 frames in 2 groups; 2.5 s, 5 frames padded to 6 (3
+# groups). 64x64 frames are not resized, so vLLM's own path and encode-server's agree exactly.
+# One fresh video per retry case: vLLM's encoder cache keeps a video under its uuid once encoded.
+CLIP = (4, 2.0, 64, 64)
+LOST_CLIPS = {False: (5, 2.0, 64, 64), True: (6, 2.0, 64, 64)}
+# The first test starts both vLLM servers (each 20-140 s on the 2-core CI machine, by its load).
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_qwen3(tmp_path_factory.mktemp("qwen3_vl_proxy_video"))
+
+
+@pytest.fixture(scope="module")
+def videos(tmp_path_factory: pytest.TempPathFactory) -> dict[str, bytes]:
+    tmp = tmp_path_factory.mktemp("proxy_videos")
+    return {"clip": video_file(tmp, *CLIP), **{f"lost-{k}": video_file(tmp, *v) for k, v in LOST_CLIPS.items()}}
+
+
+@pytest.fixture(scope="module")
+def server(qwen3_dir: Path, logs: Path) -> Iterator[ServerProcess]:
+    proc = start_server("--model", str(qwen3_dir), "--redis-url", REDIS_URL, "--cache-prefix", PREFIX,
+                        "--grpc-port", "0", "--dtype", "float32", log_dir=logs)
+    yield proc
+    proc.stop()
+    delete_prefix(redis.Redis.from_url(REDIS_URL), PREFIX)
+
+
+@pytest.fixture(scope="module")
+def vllms(qwen3_dir: Path, server: ServerProcess, logs: Path) -> Iterator[list[dict[str, Any]]]:
+    """The module's two vLLM OpenAI servers, started at once: the EC consumer (with its tower, see the
+    module docstring), and plain vLLM with its tower (the oracle), each taking an image and a video
+    per prompt."""
+    extra = {"redis_url": REDIS_URL, "encoder_url": server.url, "prefix": PREFIX}
+    with entered_together(
+        vllm_openai_server(qwen3_dir, extra, logs, tower=True, limits={"image": 1, "video": 1}),
+        vllm_openai_server(qwen3_dir, None, logs, tower=True, limits={"image": 1, "video": 1}),
+    ) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def consumer(vllms: list[dict[str, Any]]) -> dict[str, Any]:
+    return vllms[0]
+
+
+@pytest.fixture(scope="module")
+def plain(vllms: list[dict[str, Any]]) -> dict[str, Any]:
+    return vllms[1]
+
+
+@pytest.fixture(scope="module")
+def relay(consumer: dict[str, Any]) -> Iterator[Relay]:
+    r = Relay(consumer["port"])
+    r.start()
+    yield r
+    r.close()
+
+
+@pytest.fixture(scope="module")
+def proxy(relay: Relay, server: ServerProcess) -> Iterator[EPDProxy]:
+    with running_proxy(relay.url, [server.url]) as p:
+        yield p
+
+
+def _chat(video: bytes, **extra: Any) -> dict[str, Any]:
+    """One image, one video, then the text."""
+    return chat([IMAGE], video_url_part(video), **extra)
+
+
+def _answer(response: httpx.Response) -> str:
+    assert response.status_code == 200, response.text
+    return str(response.json()["choices"][0]["message"]["content"])
+
+
+def _encoded_and_hits(server: ServerProcess) -> tuple[float, float]:
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    return (metric(text, "encode_server_items_total", status="encoded"),
+            metric(text, "encode_server_items_total", status="hit"))
+
+
+def test_a_chat_with_an_image_and_a_video_sends_vllm_no_pixels_and_answers_as_plain_vllm(
+    proxy: EPDProxy, relay: Relay, server: ServerProcess, plain: dict[str, Any], videos: dict[str, bytes],
+) -> None:
+    video = videos["clip"]
+    encoded, hits, mark = *_encoded_and_hits(server), relay.mark()
+    started = time.perf_counter()
+    first = _answer(post_chat(proxy.url, _chat(video)))
+    first_ms = (time.perf_counter() - started) * 1000
+
+    sent = relay.since(mark)
+    for data in (IMAGE, video):
+        payload = base64.b64encode(data)
+        assert payload[:64] not in sent and payload[-64:] not in sent, "pixel or frame bytes reached vLLM"
+    assert b"image_url" not in sent and b"video_url" not in sent
+    assert b'"video_embeds"' in sent and b'"video_grid_thw"' in sent and b'"timestamps"' in sent
+    assert relay.uuids_since(mark) == [mm_hash(IMAGE), mm_hash(video)]
+    assert _encoded_and_hits(server) == (encoded + 2, hits)
+
+    proxy_metrics = httpx.get(proxy.url + "/metrics", timeout=10).text
+    assert metric(proxy_metrics, "encode_epd_proxy_handoff_videos_total") >= 1
+
+    started = time.perf_counter()
+    again = _answer(post_chat(proxy.url, _chat(video)))  # the repeat: both from encode-server's cache
+    again_ms = (time.perf_counter() - started) * 1000
+    assert again == first
+    assert _encoded_and_hits(server) == (encoded + 2, hits + 2)
+
+    # The same chat with its pixels and its video: plain vLLM loads and encodes them itself.
+    started = time.perf_counter()
+    assert _answer(post_chat(plain["url"], _chat(video))) == first
+    plain_ms = (time.perf_counter() - started) * 1000
+    print(f"\nchat with an image and a {CLIP[0] / CLIP[1]:.0f} s video: via the proxy {first_ms:.0f} ms (encoded), "
+          f"{again_ms:.0f} ms (cached); plain vLLM on the pixels and the video {plain_ms:.0f} ms")
+
+
+def test_video_parts_the_proxy_refuses_are_400s_naming_the_part_and_reach_no_one(
+    proxy: EPDProxy, relay: Relay, videos: dict[str, bytes]
+) -> None:
+    video = videos["clip"]
+    truncated = video[: len(video) // 3]
+    cases = {
+        "encode-server refused this video": video_url_part(truncated),
+        "only data: URLs": {"type": "video_url", "video_url": {"url": "http://example.com/v.mp4"}},
+        "a client's uuid is refused": {**video_url_part(video), "uuid": mm_hash(video)},
+        "video_embeds parts from clients are refused": {
+            "type": "video_embeds", "video_embeds": {"video_grid_thw": [2, 4, 4], "timestamps": [0.5, 1.5]},
+            "uuid": mm_hash(video)},
+    }
+    mark = relay.mark()
+    for words, part in cases.items():
+        r = post_chat(proxy.url, chat([IMAGE], part))
+        assert r.status_code == 400, (words, r.text)
+        error = r.json()["error"]
+        assert (error["type"], error["param"]) == ("invalid_request_error", "messages[0].content[1]"), error
+        assert words in error["message"], error
+    assert relay.since(mark) == b"", "a refused request reached vLLM"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_a_video_lost_between_hand_off_and_prefill_is_handed_off_again_and_retried(
+    qwen3_dir: Path, logs: Path, consumer: dict[str, Any], plain: dict[str, Any], videos: dict[str, bytes],
+    stream: bool,
+) -> None:
+    """Redis loses the video's value as the request goes to vLLM (a relay deletes it) and no E holds
+    it (this proxy's encode-server has no local tier; the connector's fallback asks the module's,
+    which never saw it): vLLM fails the request, the proxy hands the image and the video off again
+    (the video re-encoded) and retries, and the answer is plain vLLM's on the pixels and the video."""
+    import json
+
+    video = videos[f"lost-{stream}"]
+    store = redis.Redis.from_url(REDIS_URL)
+    lost: list[str] = []
+
+    def evict_once(chunk: bytes) -> None:
+        if not lost and b'"uuid"' in chunk:
+            keys = list(store.scan_iter(f"{PREFIX}:*{mm_hash(video)}"))
+            lost.extend(k.decode() for k in keys)
+            store.delete(*keys)
+
+    lone = start_server("--model", str(qwen3_dir), "--redis-url", REDIS_URL, "--cache-prefix", PREFIX,
+                        "--grpc-port", "0", "--dtype", "float32", "--cache-mb", "0", log_dir=logs)
+    evicting = Relay(consumer["port"], before_forward=evict_once)
+    evicting.start()
+    try:
+        with running_proxy(evicting.url, [lone.url]) as proxy:
+            body = _chat(video, stream=stream)
+            if stream:
+                with httpx.stream("POST", proxy.url + "/v1/chat/completions", json=body, timeout=120) as r:
+                    assert r.status_code == 200
+                    events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+                assert events[-1] == "[DONE]" and "error" not in "".join(events), events
+                text = "".join(json.loads(e)["choices"][0]["delta"].get("content") or "" for e in events[:-1])
+            else:
+                text = _answer(post_chat(proxy.url, body))
+            proxy_metrics = httpx.get(proxy.url + "/metrics", timeout=10).text
+        assert lost, "the relay evicted the video's value"
+        assert metric(proxy_metrics, "encode_epd_proxy_retries_total", reason="prefill_error") == 1
+        assert metric(proxy_metrics, "encode_epd_proxy_handoff_videos_total") == 2  # handed off, then again
+        assert evicting.since(0).count(b"POST /v1/chat/completions") == 2
+        assert text == _answer(post_chat(plain["url"], _chat(video)))
+    finally:
+        evicting.close()
+        lone.stop()

@@ -48,6 +48,7 @@ from tests.server import ServerProcess, start_server
 from tests.videos import CONTAINERS, make_video
 
 RESULTS = Path(__file__).parent / "results"
+FPS = 2.0  # --video-fps: vLLM's loader's default sampling
 # transformers' Qwen3VLVideoProcessor defaults (the tiny checkpoint's budget is 2 x 8 frames of 128x128).
 DEFAULT_VIDEO = {"size": {"shortest_edge": 128 * 32 * 32, "longest_edge": 32 * 32 * 768}, "max_frames": 768}
 MAX_BODY = 128 * 2**20  # the 60 s clip is ~70 MB: its frames are noise everywhere
@@ -128,11 +129,12 @@ def run(clips: Sequence[Clip], repeats: int, log_dir: Path) -> dict[str, Any]:
     load_before = os.getloadavg()
     model = tiny_models.make_qwen3(log_dir / "qwen3_vl")
     longest = max(c.seconds for c in clips)
-    server = start_server("--model", str(model), "--max-video-seconds", str(longest + 1), "--max-wait-ms", "1",
-                          "--request-timeout", "600", "--max-request-bytes", str(MAX_BODY), log_dir=log_dir)
     encoder = load_encoder(str(model), device="cpu")
     default = load_encoder(str(tiny_models.make_qwen3(log_dir / "qwen3_vl_default", video=DEFAULT_VIDEO)), device="cpu")
     out: dict[str, dict[str, Any]] = {key: {} for key in (*KEYS, "video_clips", "video_tokens_default_processor")}
+    server = start_server("--model", str(model), "--video-fps", str(FPS), "--max-video-seconds", str(longest + 1),
+                          "--max-wait-ms", "1", "--request-timeout", "600", "--max-request-bytes", str(MAX_BODY),
+                          log_dir=log_dir)
     try:
         for clip in clips:
             data = make_video(clip.frames, clip.fps, clip.width, clip.height, codec=clip.codec)
@@ -143,12 +145,12 @@ def run(clips: Sequence[Clip], repeats: int, log_dir: Path) -> dict[str, Any]:
             hit_s, hit = _post(server, {"hash": item["hash"]})
             assert hit["status"] == "hit", hit["status"]
             grid = item["meta"]["video_grid_thw"]
-            stages = _in_process(encoder, data, 2.0, repeats)
+            stages = _in_process(encoder, data, FPS, repeats)
             out["video_encode_s_per_video_s"][clip.name] = miss_s / clip.seconds
             out["video_hit_s_per_video_s"][clip.name] = hit_s / clip.seconds
             out["video_tokens"][clip.name] = item["num_tokens"]
             out["video_frames"][clip.name] = stages.pop("frames")
-            out["video_tokens_default_processor"][clip.name] = default.plan_video(probe(data), 2.0).num_tokens
+            out["video_tokens_default_processor"][clip.name] = default.plan_video(probe(data), FPS).num_tokens
             out["video_stages"][clip.name] = {
                 **stages,
                 "server_preprocess": after["preprocess_seconds"] - before["preprocess_seconds"],

@@ -125,7 +125,8 @@ openapi: install
 # The side-by-side figures of issue 9 (bench/results/latest.json and PNGs; S4 reuses bench/tiers.py),
 # then encode-server against vLLM's own encoder instance (its keys merged into latest.json; builds
 # the vLLM environment first when missing), then the request-memory burst, then the latency
-# encode-epd-proxy adds against vLLM directly (64 concurrent streaming chats). The older benches run
+# encode-epd-proxy adds against vLLM directly (64 concurrent streaming chats), then what a video
+# costs (bench/video.py: seconds of encode per second of video, its stages). The older benches run
 # alone: python -m bench.batching, python -m bench.tiers. A GPU: bench/gpu_check.sh (make gpu-wheels
 # first; make gpu-rehearsal here).
 bench: install tools
@@ -133,6 +134,7 @@ bench: install tools
 	$(BIN)/python -m bench.vllm_peer
 	$(BIN)/python -m bench.memory_burst
 	$(BIN)/python -m bench.proxy
+	$(BIN)/python -m bench.video
 
 # What a tower-free vLLM prefill frees (docs/vllm.md, "The memory it frees"): two vLLM engines, one
 # at a time, with --load-format dummy on a Qwen2.5-VL-3B-sized config; needs ~10 GiB free, checked.

@@ -83,9 +83,10 @@ def decode_frames(data: bytes, indices: Sequence[int], *, index: int | None = No
     were counted for every sampled frame, so a shorter video would not fit its placeholder."""
     import av
 
-    wanted = sorted(set(indices))
+    wanted = set(indices)  # a set: a list's lookup per decoded frame was 0.2 s over a 10-minute video
     if not wanted:
         raise BadInput("no frame to sample from the video", type="invalid_video", index=index)
+    last = max(wanted)
     found: dict[int, np.ndarray] = {}
     container = _open(data, index)
     try:
@@ -94,14 +95,14 @@ def decode_frames(data: bytes, indices: Sequence[int], *, index: int | None = No
         for position, frame in enumerate(container.decode(stream)):
             if position in wanted:
                 found[position] = frame.to_ndarray(format="rgb24")
-            if position >= wanted[-1]:
+            if position >= last:
                 break
     except (av.error.FFmpegError, ValueError, EOFError) as exc:
         raise BadInput(f"the video cannot be decoded at frame {len(found)}: {exc}", type="invalid_video",
                        index=index) from None
     finally:
         container.close()
-    missing = [i for i in wanted if i not in found]
+    missing = sorted(wanted - found.keys())
     if missing:
         raise BadInput(
             f"the video ends after {len(found)} sampled frames; its header promised frame {missing[0]} "

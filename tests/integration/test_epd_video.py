@@ -88,10 +88,19 @@ def test_a_video_the_server_refuses_is_named_by_its_part(qwen3_server: ServerPro
     assert "encode-server refused this video: 400 invalid_video" in str(info.value)
 
 
+@pytest.fixture(scope="module")
+def llava_server(tmp_path_factory: pytest.TempPathFactory, server_logs: Path) -> Iterator[ServerProcess]:
+    """A family that takes images only, and those with pixels + uuid (LLaVA-1.5)."""
+    proc = start_server("--model", str(tiny_models.make_llava(tmp_path_factory.mktemp("llava_epd_video"))),
+                        log_dir=server_logs)
+    yield proc
+    proc.stop()
+
+
 @pytest.fixture()
-def proxy(builtin_server: ServerProcess) -> Iterator[EPDProxy]:
-    """A proxy to the built-in model (images only), whose vLLM is a port where nothing listens."""
-    p = EPDProxy(("127.0.0.1", 0), f"http://127.0.0.1:{free_port()}", [builtin_server.url])
+def proxy(llava_server: ServerProcess) -> Iterator[EPDProxy]:
+    """A proxy to an images-only model, whose vLLM is a port where nothing listens."""
+    p = EPDProxy(("127.0.0.1", 0), f"http://127.0.0.1:{free_port()}", [llava_server.url])
     threading.Thread(target=p.serve_forever, daemon=True).start()
     yield p
     p.shutdown()
@@ -104,15 +113,15 @@ def _items(server: ServerProcess) -> str:
 
 
 def test_a_video_for_a_family_without_video_is_a_400_before_anything_moves(
-    proxy: EPDProxy, builtin_server: ServerProcess
+    proxy: EPDProxy, llava_server: ServerProcess
 ) -> None:
-    before = _items(builtin_server)
+    before = _items(llava_server)
     r = httpx.post(proxy.url + "/v1/chat/completions", json=_chat(VIDEO), timeout=60)
     assert r.status_code == 400, r.text  # not 502: vLLM was never asked
     error = r.json()["error"]
     assert (error["type"], error["param"]) == ("invalid_request_error", "messages[0].content[1]")
     assert "takes no video through the EPD path" in error["message"]
-    assert _items(builtin_server) == before, "neither the image nor the video was handed off"
+    assert _items(llava_server) == before, "neither the image nor the video was handed off"
 
 
 def _status(server: ServerProcess, status: str) -> float:

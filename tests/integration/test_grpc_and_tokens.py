@@ -6,6 +6,8 @@ from __future__ import annotations
 import base64
 import io
 import json
+from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import httpx
@@ -17,7 +19,8 @@ from encode_server.api.proto.encode_server.v1 import encoder_pb2 as pb
 from encode_server.api.proto.encode_server.v1 import encoder_pb2_grpc as pb_grpc
 from tests.images import bomb_png_header, image_bytes, truncated_jpeg
 from tests.integration.test_encode_api import GOOD
-from tests.server import ServerProcess
+from tests.server import ServerProcess, start_server
+from tests.tiny_models import make_clip
 
 
 @pytest.fixture(scope="module")
@@ -175,8 +178,16 @@ def test_tokens_errors_and_openapi(builtin_server: ServerProcess) -> None:
     assert {"200", "400", "413", "415", "422", "503", "504"} <= set(spec["responses"])
 
 
+@pytest.fixture(scope="module")
+def clip_server(tmp_path_factory: pytest.TempPathFactory, server_logs: Path) -> Iterator[ServerProcess]:
+    """A model that takes images only (the built-in one takes videos too)."""
+    proc = start_server("--model", str(make_clip(tmp_path_factory.mktemp("clip_images_only"))), log_dir=server_logs)
+    yield proc
+    proc.stop()
+
+
 def test_a_video_item_to_an_images_only_model_is_unsupported_modality_naming_it(
-    builtin_server: ServerProcess, stub: pb_grpc.EncoderStub
+    clip_server: ServerProcess, stub: pb_grpc.EncoderStub
 ) -> None:
     """Uploaded or hash-only, over gRPC and through the client: a video is refused, not read as
     an image; an unknown modality number (a newer client's) is refused, not read as an image."""
@@ -185,11 +196,12 @@ def test_a_video_item_to_an_images_only_model_is_unsupported_modality_naming_it(
     from tests.videos import make_video
 
     video = make_video(4, 2.0, 32, 32)
+    images_only = pb_grpc.EncoderStub(grpc.insecure_channel(clip_server.grpc_target))
     image = pb.Item(data=image_bytes("PNG", 30, 20, seed=503))
     for item in (pb.Item(data=video, modality=pb.MODALITY_VIDEO), pb.Item(hash="cd" * 32, modality=pb.MODALITY_VIDEO)):
-        for call, request_ in ((stub.Encode, pb.EncodeRequest(items=[image, item])),
-                               (stub.Tokens, pb.TokensRequest(items=[image, item]))):
-            if not item.HasField("data") and call is stub.Tokens:
+        for call, request_ in ((images_only.Encode, pb.EncodeRequest(items=[image, item])),
+                               (images_only.Tokens, pb.TokensRequest(items=[image, item]))):
+            if not item.HasField("data") and call is images_only.Tokens:
                 continue  # a hash-only item is not a tokens item at all
             err = _rpc_error(call, request_)
             md = dict(err.trailing_metadata() or ())
@@ -199,7 +211,7 @@ def test_a_video_item_to_an_images_only_model_is_unsupported_modality_naming_it(
     md = dict(err.trailing_metadata() or ())
     assert (md.get("error-type"), md.get("error-index")) == ("invalid_request", "1") and "MODALITY_VIDEO" in (
         err.details() or "")
-    for url in (builtin_server.url, "grpc://" + builtin_server.grpc_target):
+    for url in (clip_server.url, "grpc://" + clip_server.grpc_target):
         with Client(url, upload="hash-first") as client, pytest.raises(ServerError) as info:
             client.encode([Video(video)])
         assert (info.value.status, info.value.type, info.value.index) == (400, "unsupported_modality", 0), url

@@ -4,8 +4,8 @@ vLLM 0.32 builds them.
 Qwen3-VL and Qwen3-VL-MoE: vLLM turns DeepStack off when it builds no tower, so the wide rows an E
 hands it would kill the engine at the first request (a shape mismatch, ``EngineDeadError``); the
 connector refuses such an engine at start, with an error naming the fix. Qwen3.5 has no DeepStack
-(its rows are the language model's width): it starts tower-free, and its metadata-only items answer
-as the same rows given to it directly.
+(its rows are the language model's width): it starts tower-free, and its metadata-only images and
+videos answer as the same rows given to it directly, and as an engine with its tower answers them.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from tests.vllm.conftest import (
     scheduler_connector,
     tower_parameters,
 )
+from tests.vllm.test_qwen3_video import _direct, _encode, _make, _metadata_only, _rows
 from tests.vllm.tiny_qwen3 import make_tiny_qwen3
 
 PREFIX = f"test-vllm-tower-free-qwen3-{os.getpid()}"
@@ -71,19 +72,32 @@ def server(qwen35_dir: Path, logs: Path) -> Iterator[ServerProcess]:
     delete_prefix(redis.Redis.from_url(REDIS_URL), PREFIX)
 
 
-def test_qwen3_5_runs_tower_free(qwen35_dir: Path, server: ServerProcess) -> None:
+def test_qwen3_5_runs_tower_free(
+    qwen35_dir: Path, server: ServerProcess, tmp_path_factory: pytest.TempPathFactory
+) -> None:
     """No DeepStack: the engine starts without its tower (no vision parameter), the connector
-    serves every metadata-only image, and the tokens equal the same rows given as image_embeds."""
+    serves every metadata-only image and video, and the tokens equal the same rows given as
+    image_embeds / video_embeds, and an engine with its tower's on the same requests."""
     with Client(server.url, response="json", timeout=60) as client:
         results = client.hand_off(IMAGES)
         embeddings = [r.numpy() for r in client.encode(IMAGES)]
     grids = [r.meta["image_grid_thw"] for r in results]
+    video = _make(tmp_path_factory.mktemp("tower_free_video"), (5, 2.0, 64, 64))
+    handed, rows = _encode(server, video, "metadata"), _rows(_encode(server, video, "embeddings"))
+    epd = [*(metadata_only(g, r.hash) for g, r in zip(grids, results, strict=True)),
+           _metadata_only(handed["meta"], handed["hash"])]
+    direct = [*(direct_embeds(e, g) for e, g in zip(embeddings, grids, strict=True)), _direct(rows, handed["meta"])]
     config = connector_config(REDIS_URL, server.url, PREFIX, timeout_ms=500)
-    with engine(qwen35_dir, config, dtype="bfloat16") as llm:  # its text model needs bfloat16 on CPU
-        print(f"\nqwen3_5 tower-free engine started in {llm.startup_seconds:.1f} s")
-        assert tower_parameters(llm) == 0
-        via_connector = greedy(llm, [metadata_only(g, r.hash) for g, r in zip(grids, results, strict=True)])
-        direct = greedy(llm, [direct_embeds(e, g) for e, g in zip(embeddings, grids, strict=True)])
-        counts = dict(scheduler_connector(llm).counts)
-    assert via_connector == direct, (via_connector, direct)
-    assert counts.get("hit", 0) >= len(IMAGES) and counts.get("unavailable", 0) == 0, counts
+    answers = {}
+    # Its text model needs bfloat16 on vLLM's CPU build.
+    for tower, limits in ((False, {"image": 0, "video": 0}), (True, {"image": 1, "video": 1})):
+        with engine(qwen35_dir, config, dtype="bfloat16", limit_mm_per_prompt=limits, max_model_len=2048) as llm:
+            print(f"\nqwen3_5 engine ({'with its tower' if tower else 'tower-free'}) started in "
+                  f"{llm.startup_seconds:.1f} s")
+            assert (tower_parameters(llm) > 0) == tower
+            answers[tower] = greedy(llm, epd)
+            if not tower:
+                assert answers[tower] == greedy(llm, direct)
+            counts = dict(scheduler_connector(llm).counts)
+            assert counts.get("hit", 0) >= len(epd) and counts.get("unavailable", 0) == 0, counts
+    assert answers[False] == answers[True]

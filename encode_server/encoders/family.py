@@ -19,9 +19,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-__all__ = ["EPD_MODES", "Epd", "Family", "by_model_type"]
+__all__ = ["EPD_MODES", "TENSOR_DTYPES", "Epd", "Family", "by_model_type"]
 
 EPD_MODES = ("pixel_free", "pixels_uuid")
+TENSOR_DTYPES = ("float32", "float64", "int64")  # what encode_client.epd_tensor writes
 
 
 @dataclass(frozen=True)
@@ -34,22 +35,35 @@ class Epd:
     - ``pixels_uuid``: the prefill request carries the image (vLLM's processor sizes the
       placeholder from it) and the ``uuid``; its EC connector supplies the embedding, so the tower
       is never run (it stays loaded).
+
+    ``tensors`` (per modality, field -> dtype) names the metadata vLLM's processor takes as a
+    tensor but its parser does not declare: vLLM's chat parser refuses a JSON array for such a key
+    but loads a string as a serialised tensor, so the proxy sends each as one, in the dtype vLLM's
+    own processor gives it (Qwen2.5-VL's ``second_per_grid_ts``: float32). Sent when the item's
+    ``meta`` has the key (Qwen2-VL's has none), never required.
     """
 
     mode: Literal["pixel_free", "pixels_uuid"]
     fields: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     vllm_model: str = ""  # vLLM's model file that decides it, e.g. "qwen2_5_vl.py"
+    tensors: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.mode not in EPD_MODES:
             raise ValueError(f"EPD mode must be one of {EPD_MODES}, not {self.mode!r}")
         if self.mode == "pixel_free" and not self.fields:
             raise ValueError("a pixel-free family must name the fields its prefill items carry")
+        for modality, named in self.tensors.items():
+            if set(named) & set(self.fields.get(modality, ())):
+                raise ValueError(f"a {modality} field is declared both as JSON and as a tensor")
+            if not set(named.values()) <= set(TENSOR_DTYPES):
+                raise ValueError(f"tensor fields must be one of {TENSOR_DTYPES}, not {dict(named)}")
 
     def describe(self) -> dict[str, Any]:
         """The JSON form ``GET /v1/model`` publishes (``epd``)."""
         fields = {modality: list(names) for modality, names in self.fields.items()}
-        return {"mode": self.mode, "fields": fields, "vllm_model": self.vllm_model}
+        tensors = {modality: dict(named) for modality, named in self.tensors.items()}
+        return {"mode": self.mode, "fields": fields, "tensors": tensors, "vllm_model": self.vllm_model}
 
 
 @dataclass(frozen=True)

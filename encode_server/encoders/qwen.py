@@ -273,8 +273,10 @@ def attach_video(encoder: QwenVisionEncoder, saved: dict[str, Any] | None, defau
 # vLLM 0.32's Qwen2-VL multimodal parser (vllm/model_executor/models/qwen2_vl.py,
 # Qwen2VLMultiModalDataParser; Qwen2.5-VL uses it too) declares image_grid_thw as the embedding
 # field of an image and video_grid_thw of a video, so a prefill worker takes either as metadata +
-# uuid, and can run without its tower. It declares no second_per_grid_ts: meta carries it, and
-# vLLM's Qwen2.5-VL processor takes it offline (its OpenAI server takes JSON only for the grid).
+# uuid, and can run without its tower. It declares no second_per_grid_ts, which Qwen2.5-VL's
+# processor takes (field config) and M-RoPE scales a video's time by: meta carries it, and the
+# proxy sends it as a tensor string (vLLM's chat parser refuses it as a JSON array), float32 as
+# vLLM's processor computes it from a file. Qwen2-VL's meta has none.
 FAMILY = Family(
     name="qwen2_vl",
     model_types=tuple(_VISION_MODELS),
@@ -284,5 +286,6 @@ FAMILY = Family(
         "pixel_free",
         {"image": ("image_grid_thw",), "video": ("video_grid_thw",)},
         vllm_model="qwen2_vl.py, qwen2_5_vl.py",
+        tensors={"video": {"second_per_grid_ts": "float32"}},
     ),
 )

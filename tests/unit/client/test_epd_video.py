@@ -142,3 +142,30 @@ def test_a_video_hand_off_says_video_on_every_item_and_an_image_one_does_not() -
     assert image.json == {"items": [{"hash": h}], "return": "metadata"}
     with pytest.raises(ValueError, match="modality must be"):
         media(MP4, "audio")
+
+
+QWEN25 = EpdContract("pixel_free", {"image": ("image_grid_thw",), "video": ("video_grid_thw",)},
+                     {"video": {"second_per_grid_ts": "float32"}})
+
+
+def test_a_tensor_field_goes_as_a_tensor_string_built_from_the_meta_only_when_the_meta_has_it() -> None:
+    """Qwen2.5-VL's ``second_per_grid_ts``: a tensor string (vLLM's chat parser refuses it as JSON);
+    Qwen2-VL's meta has none, so its part has the grid alone."""
+    import io
+
+    import numpy as np
+
+    plan = check_chat_request(body(video(second_per_grid_ts=9.0)))
+    meta = {"video_grid_thw": [2, 4, 4], "second_per_grid_ts": 1.25, "frames": 5}
+    part = apply_results(body(video()), plan, [result(MP4, meta)], QWEN25)["messages"][0]["content"][0]
+    assert set(part) == {"type", "video_embeds", "uuid"} and part["uuid"] == mm_hash(MP4)
+    assert set(part["video_embeds"]) == {"video_grid_thw", "second_per_grid_ts"}
+    assert part["video_embeds"]["video_grid_thw"] == [2, 4, 4]
+    loaded = np.load(io.BytesIO(base64.b64decode(part["video_embeds"]["second_per_grid_ts"])))
+    assert loaded.dtype == np.float32 and loaded.shape == () and float(loaded) == 1.25
+    qwen2 = apply_results(body(video()), plan, [result(MP4, {"video_grid_thw": [2, 4, 4]})], QWEN25)
+    assert qwen2["messages"][0]["content"][0]["video_embeds"] == {"video_grid_thw": [2, 4, 4]}
+    bad = result(MP4, {"video_grid_thw": [2, 4, 4], "second_per_grid_ts": "AAAA"})
+    with pytest.raises(EPDError, match=r"second_per_grid_ts for video .*finite numbers only") as info:
+        apply_results(body(video()), plan, [bad], QWEN25)
+    assert info.value.where == "messages[0].content[0]"

@@ -7,7 +7,8 @@ import subprocess
 import sys
 
 BASE_MODULES = [
-    "encode_client", "encode_client.epd", "encode_client.proxy", "encode_client.keys", "encode_client.store"
+    "encode_client", "encode_client.epd", "encode_client.epd_tensor", "encode_client.proxy", "encode_client.keys",
+    "encode_client.store",
 ]
 
 

@@ -33,7 +33,11 @@ def test_an_epd_contract_is_well_formed() -> None:
         Epd("tower")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="fields"):
         Epd("pixel_free")
-    assert Epd("pixels_uuid").describe() == {"mode": "pixels_uuid", "fields": {}, "vllm_model": ""}
+    assert Epd("pixels_uuid").describe() == {"mode": "pixels_uuid", "fields": {}, "tensors": {}, "vllm_model": ""}
+    with pytest.raises(ValueError, match="both as JSON and as a tensor"):
+        Epd("pixel_free", {"video": ("video_grid_thw",)}, tensors={"video": {"video_grid_thw": "int64"}})
+    with pytest.raises(ValueError, match="tensor fields must be one of"):
+        Epd("pixel_free", {"video": ("video_grid_thw",)}, tensors={"video": {"second_per_grid_ts": "bfloat16"}})
     for family in FAMILIES:
         if family.epd is not None and family.epd.mode == "pixel_free":
             assert set(family.epd.fields) <= set(family.modalities), family.name
@@ -57,7 +61,7 @@ def test_the_builtin_model_is_a_qwen_family_model() -> None:
     assert encoder.family.describe() == {
         "name": "qwen2_vl", "modalities": ["image", "video"],
         "epd": {"mode": "pixel_free", "fields": {"image": ["image_grid_thw"], "video": ["video_grid_thw"]},
-                "vllm_model": "qwen2_vl.py, qwen2_5_vl.py"},
+                "tensors": {"video": {"second_per_grid_ts": "float32"}}, "vllm_model": "qwen2_vl.py, qwen2_5_vl.py"},
     }
     # It takes what it says: a video plans from its header (the settings transformers builds a
     # Qwen2-VL video processor from when there is only the image processor's).

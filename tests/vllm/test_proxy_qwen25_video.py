@@ -1,0 +1,152 @@
+"""Qwen2.5-VL videos through the EPD proxy, proven by vLLM's OpenAI server: client -> encode-epd-proxy
+-> a tower-free EC consumer (``EncodeServerECConnector``) serving a tiny Qwen2.5-VL, with
+encode-server and Redis beside them, a recording relay in front of vLLM; plain vLLM with its tower
+(its own loader: OpenCV's FFmpeg, 2 fps) is the oracle.
+
+Qwen2.5-VL's M-RoPE scales a video's temporal positions by ``second_per_grid_ts``, which vLLM 0.32's
+parser does not declare: its chat parser refuses it as a JSON array, and without it vLLM assumes
+1.0 s per group. The proxy sends it as a tensor string (the contract's ``tensors``), so a clip
+sampled at anything but 1.0 s per group answers as plain vLLM does on the file; the same request
+with the grid alone (what the proxy sent before) answers differently, so the test can fail.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import redis
+from encode_client import mm_hash
+from encode_client.proxy import EPDProxy
+
+from tests.redis_procs import delete_prefix
+from tests.server import ServerProcess, start_server
+from tests.vllm.conftest import REDIS_URL, running_proxy
+from tests.vllm.epd_stack import (
+    Relay,
+    chat,
+    entered_together,
+    post_chat,
+    video_file,
+    video_url_part,
+    vllm_openai_server,
+)
+from tests.vllm.tiny_qwen import make_tiny_qwen2_5_vl
+
+PREFIX = f"test-vllm-proxy-qwen25-video-{os.getpid()}"
+# (frames, fps, width, height): 2.5 s at 2 fps (4 of 5 frames sampled: 1.25 s per group) and 3.5 s at
+# 6 fps (6 of 21: 1.17 s per group, not a float32 number); 56x56 frames are not resized.
+CLIPS = [(5, 2.0, 56, 56), (21, 6.0, 56, 56)]
+# The tiny model's chat template has no video branch: vLLM puts each item's placeholder before the
+# text itself (the model's "<|vision_start|><|video_pad|><|vision_end|>").
+STRING_CONTENT = ("--chat-template-content-format", "string")
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture(scope="module")
+def qwen25_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_qwen2_5_vl(tmp_path_factory.mktemp("qwen2_5_vl_proxy_video"), video={})
+
+
+@pytest.fixture(scope="module")
+def clips(tmp_path_factory: pytest.TempPathFactory) -> list[bytes]:
+    tmp = tmp_path_factory.mktemp("proxy_qwen25_videos")
+    return [video_file(tmp, *clip) for clip in CLIPS]
+
+
+@pytest.fixture(scope="module")
+def server(qwen25_dir: Path, logs: Path) -> Iterator[ServerProcess]:
+    proc = start_server("--model", str(qwen25_dir), "--redis-url", REDIS_URL, "--cache-prefix", PREFIX,
+                        "--grpc-port", "0", "--dtype", "float32", log_dir=logs)
+    yield proc
+    proc.stop()
+    delete_prefix(redis.Redis.from_url(REDIS_URL), PREFIX)
+
+
+@pytest.fixture(scope="module")
+def vllms(qwen25_dir: Path, server: ServerProcess, logs: Path) -> Iterator[list[dict[str, Any]]]:
+    """The tower-free EC consumer and plain vLLM with its tower, started at once."""
+    extra = {"redis_url": REDIS_URL, "encoder_url": server.url, "prefix": PREFIX}
+    with entered_together(
+        vllm_openai_server(qwen25_dir, extra, logs, STRING_CONTENT),
+        vllm_openai_server(qwen25_dir, None, logs, STRING_CONTENT, tower=True, limits={"image": 0, "video": 1}),
+    ) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def relay(vllms: list[dict[str, Any]]) -> Iterator[Relay]:
+    r = Relay(vllms[0]["port"])
+    r.start()
+    yield r
+    r.close()
+
+
+@pytest.fixture(scope="module")
+def proxy(relay: Relay, server: ServerProcess) -> Iterator[EPDProxy]:
+    with running_proxy(relay.url, [server.url]) as p:
+        yield p
+
+
+def _answer(response: httpx.Response) -> str:
+    assert response.status_code == 200, response.text
+    return str(response.json()["choices"][0]["message"]["content"])
+
+
+def _sent_video_part(sent: bytes) -> dict[str, Any]:
+    """The video part of the one chat request the relay saw."""
+    body = json.loads(sent[sent.index(b"\r\n\r\n") + 4:])
+    return next(p for p in body["messages"][0]["content"] if p["type"] == "video_embeds")
+
+
+def test_a_clip_not_at_one_second_per_group_answers_through_the_proxy_as_plain_vllm(
+    proxy: EPDProxy, relay: Relay, server: ServerProcess, vllms: list[dict[str, Any]], clips: list[bytes]
+) -> None:
+    consumer, plain = vllms
+    for clip, spec in zip(clips, CLIPS, strict=True):
+        mark = relay.mark()
+        through_proxy = _answer(post_chat(proxy.url, chat([], video_url_part(clip))))
+        sent = relay.since(mark)
+        assert base64.b64encode(clip)[:64] not in sent, "frame bytes reached vLLM"
+        part = _sent_video_part(sent)
+        assert part["uuid"] == mm_hash(clip) and set(part["video_embeds"]) == {"video_grid_thw", "second_per_grid_ts"}
+        seconds = np.load(io.BytesIO(base64.b64decode(part["video_embeds"]["second_per_grid_ts"])))
+        meta = httpx.post(server.url + "/v1/tokens", timeout=30, json={
+            "items": [{"data": base64.b64encode(clip).decode(), "modality": "video"}]}).json()["items"][0]["meta"]
+        assert seconds.dtype == np.float32 and seconds == np.float32(meta["second_per_grid_ts"]) != 1.0, (spec, meta)
+
+        on_the_file = _answer(post_chat(plain["url"], chat([], video_url_part(clip))))
+        # What the proxy sent before: the grid alone (vLLM assumes 1.0 s per group), to the same consumer.
+        grid_only = {"type": "video_embeds", "video_embeds": {"video_grid_thw": part["video_embeds"]["video_grid_thw"]},
+                     "uuid": part["uuid"]}
+        before = _answer(post_chat(consumer["url"], chat([], grid_only)))
+        print(f"\nclip {spec} (second_per_grid_ts {meta['second_per_grid_ts']:.4g}): through the proxy "
+              f"{through_proxy!r}, plain vLLM {on_the_file!r}, grid alone {before!r}")
+        assert through_proxy == on_the_file, spec
+        assert before != on_the_file, f"{spec}: the grid alone answers as plain vLLM too: this test cannot fail"
+
+
+def test_a_client_cannot_set_the_seconds(proxy: EPDProxy, relay: Relay, clips: list[bytes]) -> None:
+    """second_per_grid_ts comes from encode-server's meta only: a client's in its video part is
+    dropped, and a client's video_embeds part carrying one is refused before vLLM sees it."""
+    clip = clips[0]
+    mark = relay.mark()
+    own = video_url_part(clip)
+    own["video_url"]["second_per_grid_ts"] = 9.0
+    assert post_chat(proxy.url, chat([], own)).status_code == 200
+    seconds = _sent_video_part(relay.since(mark))["video_embeds"]["second_per_grid_ts"]
+    assert float(np.load(io.BytesIO(base64.b64decode(seconds)))) == 1.25
+    mark = relay.mark()
+    forged = {"type": "video_embeds", "video_embeds": {"video_grid_thw": [2, 4, 4], "second_per_grid_ts": seconds}}
+    r = post_chat(proxy.url, chat([], forged))
+    assert r.status_code == 400 and re.search("video_embeds parts from clients are refused", r.text), r.text
+    assert relay.since(mark) == b""

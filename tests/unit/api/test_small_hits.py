@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from encode_server.api.http import create_app, safetensors_answer
 from encode_server.api.hits import SMALL_BODY, SmallHitPath
+from encode_server.api.http import create_app, safetensors_answer
 from encode_server.api.runtime import Runtime
 from encode_server.app import build_service
 from encode_server.config import Settings
@@ -41,7 +41,6 @@ class Stack:
         encoder = load_encoder("builtin:tiny", device="cpu", dtype="float32")
         service = build_service(encoder, self.settings, self.runtime.metrics, ThreadPoolExecutor(1))
         self.runtime.service = service
-        self.tenant_of_key: str | None = None
         for h, rows in ((HIT, 3), (OTHER_HIT, 2)):
             tensor = np.arange(rows * 8, dtype=np.float32).reshape(rows, 8)
             service.local.put(service.key_for(h), Embedding(EncodedTensor(tensor.tobytes(), (rows, 8), "float32"), {}))
@@ -59,8 +58,10 @@ class Stack:
         return value or 0.0
 
 
-def call(app: Any, body: bytes | list[bytes], *, accept: str = SAFETENSORS, content_type: str = "application/json",
-         headers: dict[str, str] | None = None, method: str = "POST", path: str = "/v1/encode") -> tuple[int, dict, bytes]:
+def call(
+    app: Any, body: bytes | list[bytes], *, accept: str = SAFETENSORS, content_type: str = "application/json",
+    headers: dict[str, str] | None = None, method: str = "POST", path: str = "/v1/encode",
+) -> tuple[int, dict, bytes]:
     """One request as uvicorn makes it; (status, headers, body)."""
     chunks = body if isinstance(body, list) else [body]
     sent: list[dict] = []
@@ -107,7 +108,9 @@ def test_a_small_hit_is_answered_here_byte_for_byte_as_the_full_stack(stack: Sta
     assert fast[1][b"x-request-id"] == b"req-1"
 
 
-def test_a_hit_is_counted_and_logged_as_the_full_stack_counts_it(stack: Stack, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_hit_is_counted_and_logged_as_the_full_stack_counts_it(
+    stack: Stack, caplog: pytest.LogCaptureFixture,
+) -> None:
     def counts() -> tuple[float, ...]:
         return (
             stack.metric("encode_server_requests_total", route="/v1/encode", code="200"),

@@ -29,7 +29,7 @@ import uvicorn
 
 from encode_server.api.connections import uvicorn_options
 from encode_server.api.grpc import start_grpc_server
-from encode_server.api.http import asgi_app
+from encode_server.api.http import create_app
 from encode_server.api.ports import PortUnavailable, bind_listener
 from encode_server.api.runtime import Runtime
 from encode_server.cache.base import SharedTier
@@ -259,7 +259,7 @@ def file_exporter(settings: Settings, encoder: VisionEncoder) -> FileExporter | 
 
 def _uvicorn_config(settings: Settings, runtime: Runtime) -> uvicorn.Config:
     return uvicorn.Config(
-        asgi_app(runtime),
+        create_app(runtime),
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,

@@ -271,36 +271,6 @@ class EncodeService:
             for key in pinned:
                 self.local.unpin(key)
 
-    def local_hits(self, hashes: Sequence[object], *, tenant: str | None = None) -> list[ItemResult] | None:
-        """Hash-only items that are all local hits, resolved without an await: what ``encode``
-        answers for them (recency, lookup and item counters, the export), at a fraction of its
-        cost (the HTTP door's fast path for small hits). None, with nothing counted or changed,
-        when any hash is malformed or not in the local tier: the caller takes ``encode``."""
-        keys = []
-        for raw in hashes:
-            if not isinstance(raw, str) or len(raw) != 64:
-                return None
-            try:
-                key = self.key_for(parse_mm_hash(raw), tenant)
-            except EncodeServerError:
-                return None
-            if self.local.peek(key) is None:
-                return None
-            keys.append(key)
-        found: dict[CacheKey, Hit] = {}
-        results = []
-        for index, key in enumerate(keys):
-            hit = found.get(key)
-            if hit is None:
-                value = self.local.get_and_pin(key)  # counted and made recent, as ``encode`` does
-                self.local.unpin(key)  # nothing awaits before the answer holds the bytes
-                assert value is not None  # peeked above, with no await since
-                hit = found[key] = Hit(self.local.name, value)
-            results.append(self._result(_Identified(index, key.mm_hash, key, None), hit))
-        if self.exporter is not None:
-            self.exporter.export_behind([(r.mm_hash, r.embedding) for r in results if r.embedding is not None])
-        return results
-
     async def lookup(self, hashes: Sequence[object], *, tenant: str | None = None) -> list[LookupResult]:
         """Which tier holds each hash, without moving bytes or changing recency."""
         parsed = []

@@ -25,7 +25,6 @@ from encode_server import __version__
 from encode_server.api.bodies import parse_encode_body, parse_lookup_body, parse_tokens_body
 from encode_server.api.budget import BodyBudgetMiddleware
 from encode_server.api.frontdoor import RequestRecord, item_fields, new_request_id, record_request, retry_after
-from encode_server.api.hits import SmallHitPath
 from encode_server.api.openapi import request_body_doc
 from encode_server.api.runtime import Runtime
 from encode_server.api.schemas import (
@@ -44,7 +43,7 @@ from encode_server.core.wire import WireTensor, safetensors_parts
 from encode_server.metrics import CONTENT_TYPE_LATEST
 from encode_server.service import EncodeService
 
-__all__ = ["HotRoutes", "HttpApi", "asgi_app", "create_app", "response_for", "safetensors_answer"]
+__all__ = ["HotRoutes", "HttpApi", "create_app", "response_for"]
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +145,17 @@ class HttpApi:
         return Response(orjson.dumps(content), media_type="application/json")
 
     def _safetensors(self, service: EncodeService, results: list[ItemResult]) -> Response:
-        return PartsResponse(safetensors_answer(service, results), SAFETENSORS)
+        tensors = [
+            WireTensor(str(r.index), r.embedding.tensor.dtype, r.embedding.tensor.shape, r.embedding.tensor.data)
+            for r in results
+            if r.embedding is not None
+        ]
+        metadata = {
+            "model": service.encoder.info.model_id,
+            "fingerprint": service.fingerprint,
+            "items": orjson.dumps([item_fields(r, Return.EMBEDDINGS) for r in results]).decode(),
+        }
+        return PartsResponse(safetensors_parts(tensors, metadata), SAFETENSORS)
 
     async def lookup(self, request: Request) -> Response:
         """Which tier holds each hash: no bytes move; cheap enough for a router on every request."""
@@ -196,21 +205,6 @@ class HttpApi:
         return Response(self.runtime.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
-def safetensors_answer(service: EncodeService, results: list[ItemResult]) -> list[bytes]:
-    """The parts of a safetensors answer (``PartsResponse``, and ``SmallHitPath``'s)."""
-    tensors = [
-        WireTensor(str(r.index), r.embedding.tensor.dtype, r.embedding.tensor.shape, r.embedding.tensor.data)
-        for r in results
-        if r.embedding is not None
-    ]
-    metadata = {
-        "model": service.encoder.info.model_id,
-        "fingerprint": service.fingerprint,
-        "items": orjson.dumps([item_fields(r, Return.EMBEDDINGS) for r in results]).decode(),
-    }
-    return safetensors_parts(tensors, metadata)
-
-
 def _item_json(r: ItemResult, return_kind: Return) -> dict[str, Any]:
     out = item_fields(r, return_kind)
     if return_kind is Return.EMBEDDINGS and r.embedding is not None:
@@ -251,12 +245,6 @@ class MetricsMiddleware:
 
         with record_request(self.runtime, record):
             await self.app(scope, receive, send_wrapper)
-
-
-def asgi_app(runtime: Runtime) -> ASGIApp:
-    """What the server runs: ``create_app``'s FastAPI app behind ``SmallHitPath``, which answers
-    small hash-only hits itself, outside FastAPI's own layers, and passes on everything else."""
-    return SmallHitPath(create_app(runtime), runtime, safetensors_answer)
 
 
 def create_app(runtime: Runtime) -> FastAPI:

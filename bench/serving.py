@@ -313,9 +313,13 @@ def s2(model_dir: Path, plan: Plan, log_dir: Path, server_args: Sequence[str] = 
             for (n, fmt), req in requests.items():
                 count = plan.s2_requests[S2_TOKENS.index(n)]
                 gb = n * dim * itemsize * count / 1e9
-                ours = _repeat(port, req, count)
-                wire = _repeat(raw_port, Request(f"/{fmt}-{n}", req.body, accept=req.accept), count)
-                out[f"{fmt}_{n}"] = {"server_gb_s": gb / ours, "raw_gb_s": gb / wire, "ratio": wire / ours}
+                ours, ours_cpu = _repeat(port, req, count, server.proc.pid)
+                wire, wire_cpu = _repeat(raw_port, Request(f"/{fmt}-{n}", req.body, accept=req.accept), count, raw.pid)
+                out[f"{fmt}_{n}"] = {
+                    "server_gb_s": gb / ours, "raw_gb_s": gb / wire, "ratio": wire / ours,
+                    # CPU per request (ms) of each server process: far less load-sensitive than the wall ratio
+                    "server_cpu_ms": 1000 * ours_cpu / count, "raw_cpu_ms": 1000 * wire_cpu / count,
+                }
         finally:
             raw.terminate()
             raw.wait(10)
@@ -348,19 +352,27 @@ def _wait_port(port: int, timeout: float = 20.0) -> None:
     raise RuntimeError(f"nothing listens on {port}")
 
 
-def _repeat(port: int, req: Request, count: int) -> float:
-    """Seconds for ``count`` sequential requests on one connection (after one warm-up)."""
+def _repeat(port: int, req: Request, count: int, pid: int) -> tuple[float, float]:
+    """Seconds for ``count`` sequential requests on one connection (after one warm-up), and the
+    CPU seconds the server process ``pid`` spent meanwhile."""
     conn = Conn(port)
     try:
         conn.post(req)
+        cpu = process_cpu_seconds(pid)
         started = time.perf_counter()
         for _ in range(count):
             status, _, _ = conn.post(req)
             if status != 200:
                 raise RuntimeError(f"HTTP {status}")
-        return time.perf_counter() - started
+        return time.perf_counter() - started, process_cpu_seconds(pid) - cpu
     finally:
         conn.close()
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (all its threads), from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 # -- S3 / S5: a popular-image mix through the client ----------------------------------------------

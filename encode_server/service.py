@@ -579,7 +579,7 @@ class EncodeService:
         config = getattr(self.encoder, "video", None)
         nbytes = frames_nbytes(len(plan.indices), info.height, info.width, plan.size, config) if config else 0
         with self._charged(nbytes, index, "decoding this video"):
-            frames = decode_frames(data, plan.indices, index=index)
+            frames = decode_frames(data, plan.indices, size=(info.height, info.width), index=index)
             try:
                 prepared = self.encoder.preprocess_video(frames, plan)
             except ValueError as exc:

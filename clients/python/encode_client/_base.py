@@ -39,6 +39,8 @@ __all__ = ["UPLOAD_MODES", "BaseClient", "Call", "Flow", "HitWindow", "Sleep", "
 T = TypeVar("T")
 
 UPLOAD_MODES = ("adaptive", "hash-first", "always")
+
+
 class HitWindow:
     """Hit or miss of the last ``size`` images, and the adaptive decision drawn from it.
 

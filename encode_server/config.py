@@ -110,6 +110,11 @@ class Settings:
         768, "most frames one video may sample (vLLM's loader samples at most 768), from its header (413 "
         "video_too_large)"
     )
+    max_video_decoded_frames: int = _opt(
+        36_000, "most frames decoded for one video (every frame up to its last sampled one; 600 s at 60 fps), "
+        "from its header (413 video_too_large): bounds the decoding work one video can ask for, whatever frame "
+        "rate its header claims"
+    )
     request_timeout: float = _opt(
         60.0, "per-request timeout in seconds (504 timeout past it); the encode itself goes on and is cached"
     )
@@ -258,6 +263,7 @@ def _validate(s: Settings) -> None:
     positive = (
         "max_batch_size", "max_batch_tokens", "max_queue", "max_request_bytes", "max_items", "max_connections",
         "header_timeout", "body_timeout", "keep_alive_timeout", "video_fps", "max_video_seconds", "max_video_frames",
+        "max_video_decoded_frames",
     )
     for name in positive:
         if getattr(s, name) <= 0:

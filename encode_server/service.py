@@ -568,6 +568,11 @@ class EncodeService:
         if len(plan.indices) > s.max_video_frames:
             raise TooLarge(f"video samples {len(plan.indices)} frames, above the limit of {s.max_video_frames}",
                            type="video_too_large", index=index)
+        # Every frame up to the last sampled one is decoded (inter-frame codecs): a header that
+        # claims a high frame rate asks for that much decoding in a few seconds of "duration".
+        if (decoded := max(plan.indices) + 1) > s.max_video_decoded_frames:
+            raise TooLarge(f"video needs {decoded} frames decoded ({info.num_frames} at {info.fps:g} fps), above the "
+                           f"limit of {s.max_video_decoded_frames}", type="video_too_large", index=index)
         return info, plan
 
     def _prepare_video(self, data: bytes, index: int) -> PreparedImage:

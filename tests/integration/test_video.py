@@ -27,7 +27,8 @@ from tests.videos import make_video
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, server_logs: Path) -> Iterator[ServerProcess]:
     path = tiny_models.make_qwen3(tmp_path_factory.mktemp("qwen3_vl"))
-    proc = start_server("--model", str(path), "--max-video-seconds", "20", "--max-wait-ms", "1", log_dir=server_logs)
+    proc = start_server("--model", str(path), "--max-video-seconds", "20", "--max-video-decoded-frames", "600",
+                        "--max-wait-ms", "1", log_dir=server_logs)
     yield proc
     assert proc.stop() == 0, proc.log()
 
@@ -78,6 +79,8 @@ CORPUS = {
     "one frame": (make_video(1, 2.0, 64, 64), 400, "invalid_video"),
     "a gif": (make_video(4, 2.0, 64, 64, codec="gif"), 415, "unsupported_video"),
     "too long": (make_video(50, 2.0, 32, 32), 413, "video_too_large"),
+    # 10 s in its header, but at 100 fps: 1,000 frames to decode, above the fixture's 600
+    "too many frames to decode": (make_video(1000, 100.0, 16, 16), 413, "video_too_large"),
     "an image": (base64.b64decode(
         "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="
     ), 400, "invalid_video"),

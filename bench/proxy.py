@@ -49,11 +49,11 @@ from typing import Any
 
 import httpx
 
+from bench.latest import RESULTS, merge_into
 from bench.vllm_peer import vllm_env
 from tests.server import free_port, start_server
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
 PREFIX = "bench-proxy"
 KEYS = ("proxy_added_ttft_p50_ms", "proxy_added_ttft_p99_ms", "proxy_added_total_p50_ms", "proxy_added_total_p99_ms")
 
@@ -286,10 +286,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if (args.vllm_url is None) != (args.encoder_url is None):
         parser.error("give both --vllm-url and --encoder-url, or neither")
     result = run(QUICK if args.quick else Plan(), args.vllm_url, args.encoder_url)
-    merged = json.loads(args.out.read_text()) if args.out.exists() else {}
-    merged.update(result)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(merged, indent=2) + "\n")
+    merge_into(args.out, result)
     print(table(result))
     print(f"\nwrote {args.out} ({result['proxy']['seconds']:.0f} s)")
     return 0

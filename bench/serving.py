@@ -58,13 +58,13 @@ from typing import Any
 # main() tunes glibc's allocator as the server's first step does).
 import encode_server.encoders  # noqa: F401
 from bench import models
+from bench.latest import RESULTS
 from bench.rawhttp import Conn, Request, post_many
 from bench.workload import photos, zipf_sequence
 from encode_server.malloc import tune_allocator
 from tests.redis_procs import start_redis
 from tests.server import ServerProcess, free_port, start_server
 
-RESULTS = Path(__file__).parent / "results"
 SAFETENSORS = "application/vnd.safetensors"
 MAX_PIXELS = 40_000_000
 CONCURRENCY = 16

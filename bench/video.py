@@ -30,7 +30,6 @@ small clips in seconds (the test's form: it checks the harness, not the speed).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -43,11 +42,11 @@ from typing import Any
 
 import httpx
 
+from bench.latest import RESULTS, merge_into
 from tests import tiny_models
 from tests.server import ServerProcess, start_server
 from tests.videos import CONTAINERS, make_video
 
-RESULTS = Path(__file__).parent / "results"
 FPS = 2.0  # --video-fps: vLLM's loader's default sampling
 # transformers' Qwen3VLVideoProcessor defaults (the tiny checkpoint's budget is 2 x 8 frames of 128x128).
 DEFAULT_VIDEO = {"size": {"shortest_edge": 128 * 32 * 32, "longest_edge": 32 * 32 * 768}, "max_frames": 768}
@@ -195,10 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="video-bench-") as tmp:
         result = run(QUICK if args.quick else FULL, 1 if args.quick else 2, Path(tmp))
-    merged = json.loads(args.out.read_text()) if args.out.exists() else {}
-    merged.update(result)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(merged, indent=2) + "\n")
+    merge_into(args.out, result)
     print(table(result))
     print(f"\nwrote {args.out} ({result['video_bench_seconds']:.0f} s)")
     return 0

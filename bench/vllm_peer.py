@@ -53,11 +53,11 @@ from typing import Any, ClassVar
 import blake3
 import httpx
 
+from bench.latest import RESULTS, merge_into
 from bench.workload import photo_jpeg
 from tests.server import ServerProcess, free_port, start_server
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
 EXPORT_FILE = "encoder_cache.safetensors"
 # The tower of the measurement: 6 blocks, 256 wide (the language model stays tiny). Qwen's
 # own pixel limits, so a 640x480 image is 391 rows, as with the real checkpoints.
@@ -385,10 +385,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--no-plots", action="store_true")
     args = parser.parse_args(argv)
     result = run(QUICK if args.quick else Plan())
-    merged = json.loads(args.out.read_text()) if args.out.exists() else {}
-    merged.update(result)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(merged, indent=2) + "\n")
+    merge_into(args.out, result)
     print(table(result))
     print(f"\nwrote {args.out} ({result['vs_vllm']['seconds']:.0f} s)")
     if not args.no_plots:

@@ -251,8 +251,7 @@ async def _warm(args: argparse.Namespace) -> int:
         async def one(path: Path) -> None:
             async with semaphore:
                 try:
-                    data = path.read_bytes()
-                    item = (await client.warm([Video(data) if path.suffix.lower() in VIDEO_SUFFIXES else data]))[0]
+                    item = (await client.warm([path]))[0]  # a video by its suffix, as the client reads a path
                 except ServerError as exc:
                     progress.errors += 1
                     failures.append(f"{path}: {exc}")

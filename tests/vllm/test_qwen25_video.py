@@ -24,7 +24,6 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-from encode_client.keys import store_key
 
 from tests.redis_procs import RedisProcess, start_redis
 from tests.server import ServerProcess, start_server
@@ -37,10 +36,9 @@ from tests.vllm.conftest import (
     model_runner,
     outcome,
     scheduler_connector,
-    stored_value,
 )
-from tests.vllm.test_qwen3_video import _make
 from tests.vllm.tiny_qwen import make_tiny_qwen2_5_vl
+from tests.vllm.video_oracle import assert_zeros_change_the_answer, encode_video, make_video_file, video_rows
 
 PREFIX = f"test-vllm-qwen25-video-{os.getpid()}"
 PROMPT = PROMPT_HEAD + "<|vision_start|><|video_pad|><|vision_end|>" + PROMPT_TAIL
@@ -57,7 +55,7 @@ UNRESIZED = 7  # VIDEOS[:7] are not resized by the processor
 @pytest.fixture(scope="module")
 def videos(tmp_path_factory: pytest.TempPathFactory) -> list[bytes]:
     tmp = tmp_path_factory.mktemp("videos")
-    return [_make(tmp, spec) for spec in VIDEOS]
+    return [make_video_file(tmp, spec) for spec in VIDEOS]
 
 
 @pytest.fixture(scope="module")
@@ -84,17 +82,6 @@ def llm(qwen25_dir: Path, redis_proc: RedisProcess, server: ServerProcess) -> It
     config = connector_config(redis_proc.url, server.url, PREFIX, timeout_ms=500)
     with engine(qwen25_dir, config, limit_mm_per_prompt={"image": 1, "video": 1}, max_model_len=2048) as llm:
         yield llm
-
-
-def _encode(server: ServerProcess, data: bytes, ret: str) -> dict[str, Any]:
-    body = {"items": [{"data": base64.b64encode(data).decode(), "modality": "video"}], "return": ret}
-    r = httpx.post(server.url + "/v1/encode", json=body, timeout=120)
-    assert r.status_code == 200, r.text
-    return dict(r.json()["items"][0])
-
-
-def _rows(item: dict[str, Any]) -> np.ndarray:
-    return np.frombuffer(base64.b64decode(item["embedding"]), dtype="<f4").reshape(item["shape"]).copy()
 
 
 def _fields(meta: dict[str, Any], seconds: bool) -> dict[str, Any]:
@@ -148,8 +135,8 @@ def _plain(data: bytes, uuid: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def baseline(llm: Any, server: ServerProcess, videos: list[bytes]) -> dict[str, Any]:
-    handed = [_encode(server, v, "metadata") for v in videos]
-    rows = [_rows(_encode(server, v, "embeddings")) for v in videos]
+    handed = [encode_video(server, v, "metadata") for v in videos]
+    rows = [video_rows(encode_video(server, v, "embeddings")) for v in videos]
     metas = [h["meta"] for h in handed]
     hashes = [h["hash"] for h in handed]
     pairs = list(zip(metas, hashes, strict=True))
@@ -202,18 +189,7 @@ def test_vllms_chat_parser_takes_json_arrays_only_for_the_grid(llm: Any, baselin
 def test_zeros_in_the_store_change_the_video_answer(
     llm: Any, server: ServerProcess, baseline: dict[str, Any], redis_proc: RedisProcess, videos: list[bytes]
 ) -> None:
-    fingerprint = httpx.get(server.url + "/v1/model").json()["fingerprint"]
-    redis = redis_proc.client()
-    for h, meta, rows in zip(baseline["hashes"], baseline["metas"], baseline["rows"], strict=True):
-        redis.set(store_key(fingerprint, h, prefix=PREFIX), stored_value(np.zeros_like(rows), fingerprint, h, meta))
-    llm.llm_engine.reset_encoder_cache()
-    zeros = greedy(llm, [_metadata_only(m, h) for m, h in zip(baseline["metas"], baseline["hashes"], strict=True)])
-    assert zeros == greedy(llm, [_direct(np.zeros_like(r), m) for r, m in zip(baseline["rows"], baseline["metas"],
-                                                                             strict=True)])
-    for i, (zero, real) in enumerate(zip(zeros, baseline["connector"], strict=True)):
-        assert zero != real, f"video {i}: zeros gave the same tokens as its embedding"
-    for v in videos:
-        _encode(server, v, "metadata")  # the real values back
+    assert_zeros_change_the_answer(llm, server, redis_proc, PREFIX, baseline, videos, _metadata_only, _direct)
 
 
 def test_video_rows_and_tokens_match_vllms_own_loader_and_tower(
@@ -266,7 +242,7 @@ def test_video_token_parity_with_vllm_placeholders(llm: Any, server: ServerProce
 
     specs = [(4, 2.0, 64, 64), (7, 3.0, 64, 96), (25, 25.0, 160, 90), (3, 1.0, 320, 240), (48, 24.0, 64, 64),
              (60, 30.0, 200, 100), (9, 2.0, 34, 258), (11, 2.0, 28, 28), (90, 30.0, 56, 56)]
-    files = [_make(tmp_path, s) for s in specs] + [_make(tmp_path, (10, 5.0, 96, 64), "libvpx-vp9")]
+    files = [make_video_file(tmp_path, s) for s in specs] + [make_video_file(tmp_path, (10, 5.0, 96, 64), "libvpx-vp9")]
     body = {"items": [{"data": base64.b64encode(f).decode(), "modality": "video"} for f in files]}
     r = httpx.post(server.url + "/v1/tokens", json=body, timeout=60)
     assert r.status_code == 200, r.text

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import base64
 import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,12 +24,12 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-from encode_client.keys import store_key
 
 from tests.redis_procs import RedisProcess, start_redis
 from tests.server import ServerProcess, start_server
-from tests.vllm.conftest import PROMPT_HEAD, connector_config, engine, greedy, scheduler_connector, stored_value
+from tests.vllm.conftest import PROMPT_HEAD, connector_config, engine, greedy, scheduler_connector
 from tests.vllm.tiny_qwen3 import OUT_HIDDEN, make_tiny_qwen3
+from tests.vllm.video_oracle import assert_zeros_change_the_answer, encode_video, make_video_file, video_rows
 
 PREFIX = f"test-vllm-qwen3-video-{os.getpid()}"
 VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"
@@ -54,24 +52,16 @@ PARITY_VIDEOS = [(4, 2.0, 64, 64), (7, 3.0, 64, 96), (25, 25.0, 160, 90), (3, 1.
                  (60, 30.0, 200, 100), (9, 2.0, 34, 258)]
 
 
-def _make(tmp: Path, spec: tuple[int, float, int, int], codec: str = "libx264") -> bytes:
-    out = tmp / f"{'-'.join(map(str, spec))}-{codec}.bin"
-    python = os.environ.get("ENCODE_SERVER_PYTHON") or sys.executable  # the server's, which has PyAV
-    subprocess.run([python, "-m", "tests.videos", str(out), *map(str, spec), codec], check=True,
-                   cwd=Path(__file__).resolve().parents[2])
-    return out.read_bytes()
-
-
 @pytest.fixture(scope="module")
 def videos(tmp_path_factory: pytest.TempPathFactory) -> list[bytes]:
     tmp = tmp_path_factory.mktemp("videos")
-    return [_make(tmp, spec) for spec in VIDEOS]
+    return [make_video_file(tmp, spec) for spec in VIDEOS]
 
 
 @pytest.fixture(scope="module")
 def parity_files(tmp_path_factory: pytest.TempPathFactory) -> list[bytes]:
     tmp = tmp_path_factory.mktemp("parity_videos")
-    return [_make(tmp, s) for s in PARITY_VIDEOS] + [_make(tmp, (10, 5.0, 96, 64), "libvpx-vp9")]
+    return [make_video_file(tmp, s) for s in PARITY_VIDEOS] + [make_video_file(tmp, (10, 5.0, 96, 64), "libvpx-vp9")]
 
 
 @pytest.fixture(scope="module", params=KINDS)
@@ -108,17 +98,6 @@ def llm(kind: str, qwen3_dir: Path, redis_proc: RedisProcess, server: ServerProc
         yield llm
 
 
-def _encode(server: ServerProcess, data: bytes, ret: str) -> dict[str, Any]:
-    body = {"items": [{"data": base64.b64encode(data).decode(), "modality": "video"}], "return": ret}
-    r = httpx.post(server.url + "/v1/encode", json=body, timeout=120)
-    assert r.status_code == 200, r.text
-    return dict(r.json()["items"][0])
-
-
-def _rows(item: dict[str, Any]) -> np.ndarray:
-    return np.frombuffer(base64.b64decode(item["embedding"]), dtype="<f4").reshape(item["shape"]).copy()
-
-
 def _metadata_only(meta: dict[str, Any], mm_hash: str) -> dict[str, Any]:
     import torch
 
@@ -147,8 +126,8 @@ def _plain(data: bytes, uuid: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def baseline(llm: Any, server: ServerProcess, videos: list[bytes]) -> dict[str, Any]:
-    handed = [_encode(server, v, "metadata") for v in videos]
-    rows = [_rows(_encode(server, v, "embeddings")) for v in videos]
+    handed = [encode_video(server, v, "metadata") for v in videos]
+    rows = [video_rows(encode_video(server, v, "embeddings")) for v in videos]
     metas = [h["meta"] for h in handed]
     hashes = [h["hash"] for h in handed]
     via_connector = greedy(llm, [_metadata_only(m, h) for m, h in zip(metas, hashes, strict=True)])
@@ -167,18 +146,7 @@ def test_video_tokens_through_the_connector_equal_direct_video_embeds(llm: Any, 
 def test_zeros_in_the_store_change_the_video_answer(
     llm: Any, server: ServerProcess, baseline: dict[str, Any], redis_proc: RedisProcess, videos: list[bytes]
 ) -> None:
-    fingerprint = httpx.get(server.url + "/v1/model").json()["fingerprint"]
-    redis = redis_proc.client()
-    for h, meta, rows in zip(baseline["hashes"], baseline["metas"], baseline["rows"], strict=True):
-        redis.set(store_key(fingerprint, h, prefix=PREFIX), stored_value(np.zeros_like(rows), fingerprint, h, meta))
-    llm.llm_engine.reset_encoder_cache()
-    zeros = greedy(llm, [_metadata_only(m, h) for m, h in zip(baseline["metas"], baseline["hashes"], strict=True)])
-    assert zeros == greedy(llm, [_direct(np.zeros_like(r), m) for r, m in zip(baseline["rows"], baseline["metas"],
-                                                                             strict=True)])
-    for i, (zero, real) in enumerate(zip(zeros, baseline["connector"], strict=True)):
-        assert zero != real, f"video {i}: zeros gave the same tokens as its embedding"
-    for v in videos:
-        _encode(server, v, "metadata")  # the real values back
+    assert_zeros_change_the_answer(llm, server, redis_proc, PREFIX, baseline, videos, _metadata_only, _direct)
 
 
 def test_video_rows_and_tokens_match_vllms_own_loader_and_tower(

@@ -270,10 +270,8 @@ def relay(vllm_server: dict[str, Any]) -> Iterator[Any]:
     """The recording relay every proxy of the tests sends to vLLM through."""
     from tests.vllm.epd_stack import Relay
 
-    r = Relay(vllm_server["port"])
-    r.start()
-    yield r
-    r.close()
+    with Relay(vllm_server["port"]) as r:
+        yield r
 
 
 @contextmanager

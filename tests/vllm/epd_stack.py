@@ -27,7 +27,8 @@ import httpx
 from tests.server import free_port
 
 __all__ = [
-    "Relay", "chat", "data_url", "entered_together", "post_chat", "video_file", "video_url_part", "vllm_openai_server"
+    "Relay", "answer_text", "chat", "chat_text", "data_url", "entered_together", "post_chat", "video_file",
+    "video_url_part", "vllm_openai_server",
 ]
 
 _UUID = re.compile(rb'"uuid": ?"([^"]+)"')
@@ -68,6 +69,24 @@ def chat(images: list[bytes], *parts: dict[str, Any], **extra: Any) -> dict[str,
 def post_chat(url: str, body: dict[str, Any], key: str | None = None) -> httpx.Response:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     return httpx.post(url + "/v1/chat/completions", json=body, headers=headers, timeout=120)
+
+
+def answer_text(response: httpx.Response) -> str:
+    """A chat completion's text, the request having succeeded."""
+    assert response.status_code == 200, response.text
+    return str(response.json()["choices"][0]["message"]["content"])
+
+
+def chat_text(url: str, body: dict[str, Any], *, stream: bool) -> str:
+    """The answer's text, read as a stream of events (that must end in ``[DONE]`` with no error
+    event) or as one JSON answer."""
+    if not stream:
+        return answer_text(post_chat(url, body))
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and "error" not in "".join(events), events
+    return "".join(json.loads(e)["choices"][0]["delta"].get("content") or "" for e in events[:-1])
 
 
 class Relay(threading.Thread):
@@ -130,6 +149,13 @@ class Relay(threading.Thread):
 
     def close(self) -> None:
         self.sock.close()
+
+    def __enter__(self) -> Relay:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 @contextlib.contextmanager

@@ -75,10 +75,8 @@ def consumer(model_dir: Path, cluster_url: str, server: ServerProcess, logs: Pat
 
 @pytest.fixture(scope="module")
 def relay(consumer: dict[str, Any]) -> Iterator[Relay]:
-    r = Relay(consumer["port"])
-    r.start()
-    yield r
-    r.close()
+    with Relay(consumer["port"]) as r:
+        yield r
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from encode_client.proxy import EPDProxy
 
 from tests.server import ServerProcess
 from tests.vllm.conftest import metric, png, running_proxy
-from tests.vllm.epd_stack import Relay, chat
+from tests.vllm.epd_stack import Relay, chat, chat_text
 
 IMAGES = [png(56, 56, seed=70), png(112, 84, seed=71)]  # not resized: vLLM's own encode is exact too
 
@@ -159,7 +159,6 @@ def test_an_embedding_lost_between_hand_off_and_prefill_is_retried(
     request goes to vLLM) and no E holds it (the proxy's encode-server has no local tier): vLLM
     fails the request; the proxy hands the image off again (re-encoded) and retries; the user gets
     plain vLLM's answer on the pixels."""
-    import json as json_
 
     import redis
 
@@ -184,17 +183,7 @@ def test_an_embedding_lost_between_hand_off_and_prefill_is_retried(
     evicting.start()
     try:
         with running_proxy(evicting.url, [lone.url]) as proxy:
-            body = chat([image], stream=stream)
-            if stream:
-                with httpx.stream("POST", proxy.url + "/v1/chat/completions", json=body, timeout=120) as r:
-                    assert r.status_code == 200
-                    events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
-                assert events[-1] == "[DONE]" and "error" not in "".join(events)
-                text = "".join(json_.loads(e)["choices"][0]["delta"].get("content") or "" for e in events[:-1])
-            else:
-                r = httpx.post(proxy.url + "/v1/chat/completions", json=body, timeout=120)
-                assert r.status_code == 200, r.text
-                text = r.json()["choices"][0]["message"]["content"]
+            text = chat_text(proxy.url, chat([image], stream=stream), stream=stream)
             metrics = httpx.get(proxy.url + "/metrics", timeout=10).text
         assert lost, "the relay evicted the value"
         assert metric(metrics, "encode_epd_proxy_retries_total", reason="prefill_error") == 1

@@ -29,7 +29,7 @@ from tests.redis_procs import delete_prefix
 from tests.server import ServerProcess, start_server
 from tests.tiny.internvl import make_tiny_internvl
 from tests.vllm.conftest import REDIS_URL, metric, png, running_proxy, stored_value
-from tests.vllm.epd_stack import Relay, chat, post_chat, vllm_openai_server
+from tests.vllm.epd_stack import Relay, answer_text, chat, post_chat, vllm_openai_server
 
 PREFIX = f"test-vllm-pixels-uuid-{os.getpid()}"
 IMAGES = [png(56, 56, seed=80), png(112, 56, seed=81)]  # one tile; two tiles and a thumbnail
@@ -64,21 +64,14 @@ def vllm(checkpoint: Path, server: ServerProcess, logs: Path) -> Iterator[dict[s
 
 @pytest.fixture(scope="module")
 def relay(vllm: dict[str, Any]) -> Iterator[Relay]:
-    r = Relay(vllm["port"])
-    r.start()
-    yield r
-    r.close()
+    with Relay(vllm["port"]) as r:
+        yield r
 
 
 @pytest.fixture(scope="module")
 def proxy(relay: Relay, server: ServerProcess) -> Iterator[EPDProxy]:
     with running_proxy(relay.url, [server.url]) as p:
         yield p
-
-
-def _answer(response: httpx.Response) -> str:
-    assert response.status_code == 200, response.text
-    return str(response.json()["choices"][0]["message"]["content"])
 
 
 def _encoded(server: ServerProcess) -> float:
@@ -91,15 +84,15 @@ def test_chat_through_the_proxy_keeps_the_pixels_and_names_them(
     """vLLM receives each image with uuid = its mm_hash (no metadata-only part), and the answer is
     plain vLLM's on the same pixels."""
     encoded, mark = _encoded(server), relay.mark()
-    answer = _answer(post_chat(proxy.url, chat(IMAGES)))
+    answer = answer_text(post_chat(proxy.url, chat(IMAGES)))
     sent = relay.since(mark)
     assert relay.uuids_since(mark) == [mm_hash(d) for d in IMAGES]
     for data in IMAGES:
         assert base64.b64encode(data)[-64:] in sent, "the image is in the request to vLLM"
     assert b"image_embeds" not in sent
     assert _encoded(server) == encoded + len(IMAGES)
-    assert _answer(post_chat(proxy.url, chat(IMAGES))) == answer
-    assert _answer(post_chat(vllm["url"], chat(IMAGES))) == answer  # straight to vLLM: it encodes itself
+    assert answer_text(post_chat(proxy.url, chat(IMAGES))) == answer
+    assert answer_text(post_chat(vllm["url"], chat(IMAGES))) == answer  # straight to vLLM: it encodes itself
 
 
 def test_vllms_openai_server_takes_the_embedding_by_the_uuid(
@@ -108,7 +101,7 @@ def test_vllms_openai_server_takes_the_embedding_by_the_uuid(
     """The proof that the answer came from the store: the rewritten request (as the proxy sends it,
     for images vLLM has not cached yet) straight to vLLM after the stored values are replaced by
     zeros gives another answer than plain vLLM's on the pixels."""
-    plain = _answer(post_chat(vllm["url"], chat(FRESH)))
+    plain = answer_text(post_chat(vllm["url"], chat(FRESH)))
     with Client(server.url, response="json") as client:
         rewritten, results = rewrite_chat_request(chat(FRESH), client)
         fingerprint = str(client.model()["fingerprint"])
@@ -117,5 +110,5 @@ def test_vllms_openai_server_takes_the_embedding_by_the_uuid(
         for result, emb in zip(results, embeddings, strict=True):
             zeros = stored_value(np.zeros_like(emb), fingerprint, result.hash, result.meta)
             store.set(store_key(fingerprint, result.hash, prefix=PREFIX), zeros)
-        poisoned = _answer(post_chat(vllm["url"], rewritten))
+        poisoned = answer_text(post_chat(vllm["url"], rewritten))
     assert poisoned != plain, "zeros under the keys did not change the answer: vLLM did not read the store"

@@ -33,6 +33,7 @@ from tests.server import ServerProcess, start_server
 from tests.vllm.conftest import REDIS_URL, running_proxy
 from tests.vllm.epd_stack import (
     Relay,
+    answer_text,
     chat,
     entered_together,
     post_chat,
@@ -85,21 +86,14 @@ def vllms(qwen25_dir: Path, server: ServerProcess, logs: Path) -> Iterator[list[
 
 @pytest.fixture(scope="module")
 def relay(vllms: list[dict[str, Any]]) -> Iterator[Relay]:
-    r = Relay(vllms[0]["port"])
-    r.start()
-    yield r
-    r.close()
+    with Relay(vllms[0]["port"]) as r:
+        yield r
 
 
 @pytest.fixture(scope="module")
 def proxy(relay: Relay, server: ServerProcess) -> Iterator[EPDProxy]:
     with running_proxy(relay.url, [server.url]) as p:
         yield p
-
-
-def _answer(response: httpx.Response) -> str:
-    assert response.status_code == 200, response.text
-    return str(response.json()["choices"][0]["message"]["content"])
 
 
 def _sent_video_part(sent: bytes) -> dict[str, Any]:
@@ -114,7 +108,7 @@ def test_a_clip_not_at_one_second_per_group_answers_through_the_proxy_as_plain_v
     consumer, plain = vllms
     for clip, spec in zip(clips, CLIPS, strict=True):
         mark = relay.mark()
-        through_proxy = _answer(post_chat(proxy.url, chat([], video_url_part(clip))))
+        through_proxy = answer_text(post_chat(proxy.url, chat([], video_url_part(clip))))
         sent = relay.since(mark)
         assert base64.b64encode(clip)[:64] not in sent, "frame bytes reached vLLM"
         part = _sent_video_part(sent)
@@ -124,11 +118,11 @@ def test_a_clip_not_at_one_second_per_group_answers_through_the_proxy_as_plain_v
             "items": [{"data": base64.b64encode(clip).decode(), "modality": "video"}]}).json()["items"][0]["meta"]
         assert seconds.dtype == np.float32 and seconds == np.float32(meta["second_per_grid_ts"]) != 1.0, (spec, meta)
 
-        on_the_file = _answer(post_chat(plain["url"], chat([], video_url_part(clip))))
+        on_the_file = answer_text(post_chat(plain["url"], chat([], video_url_part(clip))))
         # What the proxy sent before: the grid alone (vLLM assumes 1.0 s per group), to the same consumer.
         grid_only = {"type": "video_embeds", "video_embeds": {"video_grid_thw": part["video_embeds"]["video_grid_thw"]},
                      "uuid": part["uuid"]}
-        before = _answer(post_chat(consumer["url"], chat([], grid_only)))
+        before = answer_text(post_chat(consumer["url"], chat([], grid_only)))
         print(f"\nclip {spec} (second_per_grid_ts {meta['second_per_grid_ts']:.4g}): through the proxy "
               f"{through_proxy!r}, plain vLLM {on_the_file!r}, grid alone {before!r}")
         assert through_proxy == on_the_file, spec

@@ -36,7 +36,9 @@ from tests.server import ServerProcess, start_server
 from tests.vllm.conftest import REDIS_URL, metric, png, running_proxy
 from tests.vllm.epd_stack import (
     Relay,
+    answer_text,
     chat,
+    chat_text,
     entered_together,
     post_chat,
     video_file,
@@ -101,10 +103,8 @@ def plain(vllms: list[dict[str, Any]]) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def relay(consumer: dict[str, Any]) -> Iterator[Relay]:
-    r = Relay(consumer["port"])
-    r.start()
-    yield r
-    r.close()
+    with Relay(consumer["port"]) as r:
+        yield r
 
 
 @pytest.fixture(scope="module")
@@ -116,11 +116,6 @@ def proxy(relay: Relay, server: ServerProcess) -> Iterator[EPDProxy]:
 def _chat(video: bytes, **extra: Any) -> dict[str, Any]:
     """One image, one video, then the text."""
     return chat([IMAGE], video_url_part(video), **extra)
-
-
-def _answer(response: httpx.Response) -> str:
-    assert response.status_code == 200, response.text
-    return str(response.json()["choices"][0]["message"]["content"])
 
 
 def _encoded_and_hits(server: ServerProcess) -> tuple[float, float]:
@@ -135,7 +130,7 @@ def test_a_chat_with_an_image_and_a_video_sends_vllm_no_pixels_and_answers_as_pl
     video = videos["clip"]
     encoded, hits, mark = *_encoded_and_hits(server), relay.mark()
     started = time.perf_counter()
-    first = _answer(post_chat(proxy.url, _chat(video)))
+    first = answer_text(post_chat(proxy.url, _chat(video)))
     first_ms = (time.perf_counter() - started) * 1000
 
     sent = relay.since(mark)
@@ -151,14 +146,14 @@ def test_a_chat_with_an_image_and_a_video_sends_vllm_no_pixels_and_answers_as_pl
     assert metric(proxy_metrics, "encode_epd_proxy_handoff_videos_total") >= 1
 
     started = time.perf_counter()
-    again = _answer(post_chat(proxy.url, _chat(video)))  # the repeat: both from encode-server's cache
+    again = answer_text(post_chat(proxy.url, _chat(video)))  # the repeat: both from encode-server's cache
     again_ms = (time.perf_counter() - started) * 1000
     assert again == first
     assert _encoded_and_hits(server) == (encoded + 2, hits + 2)
 
     # The same chat with its pixels and its video: plain vLLM loads and encodes them itself.
     started = time.perf_counter()
-    assert _answer(post_chat(plain["url"], _chat(video))) == first
+    assert answer_text(post_chat(plain["url"], _chat(video))) == first
     plain_ms = (time.perf_counter() - started) * 1000
     print(f"\nchat with an image and a {CLIP[0] / CLIP[1]:.0f} s video: via the proxy {first_ms:.0f} ms (encoded), "
           f"{again_ms:.0f} ms (cached); plain vLLM on the pixels and the video {plain_ms:.0f} ms")
@@ -196,7 +191,6 @@ def test_a_video_lost_between_hand_off_and_prefill_is_handed_off_again_and_retri
     it (this proxy's encode-server has no local tier; the connector's fallback asks the module's,
     which never saw it): vLLM fails the request, the proxy hands the image and the video off again
     (the video re-encoded) and retries, and the answer is plain vLLM's on the pixels and the video."""
-    import json
 
     video = videos[f"lost-{stream}"]
     store = redis.Redis.from_url(REDIS_URL)
@@ -214,21 +208,13 @@ def test_a_video_lost_between_hand_off_and_prefill_is_handed_off_again_and_retri
     evicting.start()
     try:
         with running_proxy(evicting.url, [lone.url]) as proxy:
-            body = _chat(video, stream=stream)
-            if stream:
-                with httpx.stream("POST", proxy.url + "/v1/chat/completions", json=body, timeout=120) as r:
-                    assert r.status_code == 200
-                    events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
-                assert events[-1] == "[DONE]" and "error" not in "".join(events), events
-                text = "".join(json.loads(e)["choices"][0]["delta"].get("content") or "" for e in events[:-1])
-            else:
-                text = _answer(post_chat(proxy.url, body))
+            text = chat_text(proxy.url, _chat(video, stream=stream), stream=stream)
             proxy_metrics = httpx.get(proxy.url + "/metrics", timeout=10).text
         assert lost, "the relay evicted the video's value"
         assert metric(proxy_metrics, "encode_epd_proxy_retries_total", reason="prefill_error") == 1
         assert metric(proxy_metrics, "encode_epd_proxy_handoff_videos_total") == 2  # handed off, then again
         assert evicting.since(0).count(b"POST /v1/chat/completions") == 2
-        assert text == _answer(post_chat(plain["url"], _chat(video)))
+        assert text == answer_text(post_chat(plain["url"], _chat(video)))
     finally:
         evicting.close()
         lone.stop()

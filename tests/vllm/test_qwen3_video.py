@@ -28,8 +28,9 @@ import pytest
 from tests.redis_procs import RedisProcess, start_redis
 from tests.server import ServerProcess, start_server
 from tests.vllm.conftest import PROMPT_HEAD, connector_config, engine, greedy, scheduler_connector
+from tests.vllm.epd_stack import video_file
 from tests.vllm.tiny_qwen3 import OUT_HIDDEN, make_tiny_qwen3
-from tests.vllm.video_oracle import assert_zeros_change_the_answer, encode_video, make_video_file, video_rows
+from tests.vllm.video_oracle import assert_zeros_change_the_answer, encode_video, video_rows
 
 PREFIX = f"test-vllm-qwen3-video-{os.getpid()}"
 VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"
@@ -55,13 +56,13 @@ PARITY_VIDEOS = [(4, 2.0, 64, 64), (7, 3.0, 64, 96), (25, 25.0, 160, 90), (3, 1.
 @pytest.fixture(scope="module")
 def videos(tmp_path_factory: pytest.TempPathFactory) -> list[bytes]:
     tmp = tmp_path_factory.mktemp("videos")
-    return [make_video_file(tmp, spec) for spec in VIDEOS]
+    return [video_file(tmp, *spec) for spec in VIDEOS]
 
 
 @pytest.fixture(scope="module")
 def parity_files(tmp_path_factory: pytest.TempPathFactory) -> list[bytes]:
     tmp = tmp_path_factory.mktemp("parity_videos")
-    return [make_video_file(tmp, s) for s in PARITY_VIDEOS] + [make_video_file(tmp, (10, 5.0, 96, 64), "libvpx-vp9")]
+    return [video_file(tmp, *s) for s in PARITY_VIDEOS] + [video_file(tmp, 10, 5.0, 96, 64, "libvpx-vp9")]
 
 
 @pytest.fixture(scope="module", params=KINDS)

@@ -31,9 +31,10 @@ from tests.vllm.conftest import (
     scheduler_connector,
     tower_parameters,
 )
+from tests.vllm.epd_stack import video_file
 from tests.vllm.test_qwen3_video import _direct, _metadata_only
 from tests.vllm.tiny_qwen3 import make_tiny_qwen3
-from tests.vllm.video_oracle import encode_video, make_video_file, video_rows
+from tests.vllm.video_oracle import encode_video, video_rows
 
 PREFIX = f"test-vllm-tower-free-qwen3-{os.getpid()}"
 IMAGES = [png(64, 64, seed=70), png(96, 64, seed=71)]  # multiples of 32 within the pixel limits
@@ -83,7 +84,7 @@ def test_qwen3_5_runs_tower_free(
         results = client.hand_off(IMAGES)
         embeddings = [r.numpy() for r in client.encode(IMAGES)]
     grids = [r.meta["image_grid_thw"] for r in results]
-    video = make_video_file(tmp_path_factory.mktemp("tower_free_video"), (5, 2.0, 64, 64))
+    video = video_file(tmp_path_factory.mktemp("tower_free_video"), 5, 2.0, 64, 64)
     handed, rows = encode_video(server, video, "metadata"), video_rows(encode_video(server, video, "embeddings"))
     epd = [*(metadata_only(g, r.hash) for g, r in zip(grids, results, strict=True)),
            _metadata_only(handed["meta"], handed["hash"])]

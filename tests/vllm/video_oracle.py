@@ -1,16 +1,11 @@
 """What the video oracles through vLLM share (test_qwen3_video, test_qwen25_video,
-test_tower_free_qwen3): a test video made with PyAV by the server's Python (this environment has
-none), encode-server's answer for a video and its rows, and the negative control (zeros stored
-under the videos' keys change the answer)."""
+test_tower_free_qwen3): encode-server's answer for a video and its rows, and the negative control
+(zeros stored under the videos' keys change the answer). Test videos: ``epd_stack.video_file``."""
 
 from __future__ import annotations
 
 import base64
-import os
-import subprocess
-import sys
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -21,16 +16,7 @@ from tests.redis_procs import RedisProcess
 from tests.server import ServerProcess
 from tests.vllm.conftest import greedy, stored_value
 
-__all__ = ["assert_zeros_change_the_answer", "encode_video", "make_video_file", "video_rows"]
-
-
-def make_video_file(tmp: Path, spec: tuple[int, float, int, int], codec: str = "libx264") -> bytes:
-    """``spec`` = (frames, fps, width, height), encoded by ``tests.videos`` in the server's Python."""
-    out = tmp / f"{'-'.join(map(str, spec))}-{codec}.bin"
-    python = os.environ.get("ENCODE_SERVER_PYTHON") or sys.executable  # the server's, which has PyAV
-    subprocess.run([python, "-m", "tests.videos", str(out), *map(str, spec), codec], check=True,
-                   cwd=Path(__file__).resolve().parents[2])
-    return out.read_bytes()
+__all__ = ["assert_zeros_change_the_answer", "encode_video", "video_rows"]
 
 
 def encode_video(server: ServerProcess, data: bytes, ret: str) -> dict[str, Any]:

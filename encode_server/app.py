@@ -43,6 +43,7 @@ from encode_server.core.stored import ValueSpec
 from encode_server.core.types import EncodedTensor
 from encode_server.encoders import check_local_model, load_encoder
 from encode_server.encoders.base import PreparedImage, VisionEncoder
+from encode_server.encoders.threads import MAX_AUTO_WORKERS, CoreShare, forward_workers
 from encode_server.malloc import release_free_memory
 from encode_server.metrics import Metrics
 from encode_server.service import EncodeService, serving_fingerprint
@@ -100,7 +101,8 @@ class EncodeServer:
             log.error("not started: %s", exc)
             return 1
         http = asyncio.create_task(self.http.serve([http_socket]), name="http")
-        forward = ThreadPoolExecutor(1, thread_name_prefix="forward")
+        # Threads are made as passes need them: --forward-workers (found at load) bounds how many.
+        forward = ThreadPoolExecutor(max(self.settings.forward_workers, MAX_AUTO_WORKERS), thread_name_prefix="forward")
         trimmer = asyncio.create_task(give_back_memory(self.runtime.budget), name="give-back-memory")
         service: EncodeService | None = None
         try:
@@ -218,16 +220,23 @@ def build_service(
     exporter: FileExporter | None = None,
 ) -> EncodeService:
     """The service over its tiers: the local LRU, ``shared`` (or none), and the encoder's batcher,
-    whose forward passes run on ``forward`` (one thread: one pass at a time, as the model's own
-    threads use the cores); decoded pixels are charged to ``budget`` (the runtime's)."""
+    whose forward passes run on ``forward``, ``--forward-workers`` of them at once (the executor
+    must have that many threads); on a CPU they share torch's threads (``encoders/threads.py``).
+    Decoded pixels are charged to ``budget`` (the runtime's)."""
+    workers = forward_workers(settings.forward_workers, encoder.info.device,
+                              batched=getattr(encoder, "batched", None) is not None)
+    run_batch = encoder.forward
+    if workers > 1 and encoder.info.device == "cpu":
+        run_batch = CoreShare(encoder.forward)
     batcher: Batcher[PreparedImage, EncodedTensor] = Batcher(
-        encoder.forward,
+        run_batch,
         max_batch_size=settings.max_batch_size,
         max_batch_tokens=settings.max_batch_tokens,
         max_wait_s=settings.max_wait_ms / 1000.0,
         max_queue=settings.max_queue,
         executor=forward,
         observer=metrics.observe_batch,
+        concurrency=workers,
     )
     local = LocalTier(settings.cache_bytes, metrics)
     return EncodeService(

@@ -80,6 +80,10 @@ class Settings:
     )
     max_batch_size: int = _opt(32, "most images in one forward pass")
     max_batch_tokens: int = _opt(65536, "most patch tokens in one forward pass (an image above it runs alone)")
+    forward_workers: int = _opt(
+        0, "forward passes run at once, each on its share of torch's threads (0: on a CPU, one per core torch "
+        "uses, at most 4, and a lone pass still gets every core; on a GPU, one)"
+    )
     max_wait_ms: float = _opt(
         5.0, "an idle model starts at once; it waits at most this long (ms) only for images still being decoded"
     )
@@ -274,6 +278,8 @@ def _validate(s: Settings) -> None:
         raise SystemExit("--redis-ttl must be >= 0; --redis-timeout-ms, --redis-max-value-mb, --redis-write-queue > 0")
     if s.cache_mb < 0 or s.max_wait_ms < 0 or s.request_timeout <= 0:
         raise SystemExit("--cache-mb and --max-wait-ms must be >= 0, --request-timeout > 0")
+    if s.forward_workers < 0:
+        raise SystemExit(f"--forward-workers must be >= 0 (0: chosen for the device), got {s.forward_workers}")
     if s.preprocess_workers < 0:
         raise SystemExit(f"--preprocess-workers must be >= 0 (0: one per core), got {s.preprocess_workers}")
     if s.redis_replay_mb < 0:

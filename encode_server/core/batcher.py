@@ -1,7 +1,10 @@
 """Dynamic batching across requests, bounded by images, tokens and time.
 
 Items from any number of requests queue here; one loop forms a batch from the head of the
-queue and runs it in an executor (the forward pass never blocks the event loop).
+queue and runs it in an executor (the forward pass never blocks the event loop). Up to
+``concurrency`` batches run at once, as Triton runs several instances of a model: on a CPU, two
+single-threaded passes side by side keep two cores busier than one pass split over both (a small
+tower's many small operators leave a split pass's second thread idle; ``encoders/threads.py``).
 
 Batching as infinity does it: the window is a cap, not a toll. A lone item on an idle model
 runs at once; items that arrive while a forward pass runs queue up, and the next batch takes
@@ -12,13 +15,18 @@ for at most ``max_wait_s``.
 Invariants:
 - A batch holds at most ``max_batch_size`` items and at most ``max_batch_tokens`` cost tokens,
   except that an item costing more than ``max_batch_tokens`` alone runs alone (never starved).
-- When the model is idle, a batch starts at once, unless it is not full and items are announced
-  as arriving; then it starts when it is full, when no announced item is left, or when its oldest
-  item has waited ``max_wait_s`` (monotonic, from that item's arrival, as LitServe's loop does).
+- At most ``concurrency`` batches run at once. When a pass is free, a batch starts at once, unless
+  it is not full and items are announced as arriving; then it starts when it is full, when no
+  announced item is left, or when its oldest item has waited ``max_wait_s`` (monotonic, from that
+  item's arrival, as LitServe's loop does).
+- Passes share the queue: the free passes start at once, each taking at most ``ceil(q /
+  concurrency)`` of the ``q`` items queued, so work is spread over the passes rather than one
+  taking all while the next to be free idles.
 - At most ``max_queue`` items wait; ``submit`` past that raises ``Unavailable("overloaded")``
   instead of growing memory without bound.
 - Items whose future was cancelled before their batch formed are dropped, not run.
-- Order is FIFO: no item is overtaken by a later one.
+- Order is FIFO: no item starts its pass after a later one's started (with ``concurrency`` > 1, a
+  later batch may finish first).
 - ``run_batch`` returns one result per item; a result that is an exception fails its item
   alone (an image found bad only when its batch decodes it), an exception raised fails them all.
 """
@@ -73,8 +81,9 @@ class Batcher(Generic[T, R]):
         max_queue: int,
         executor: Executor | None = None,
         observer: BatchObserver | None = None,
+        concurrency: int = 1,
     ) -> None:
-        assert max_batch_size > 0 and max_batch_tokens > 0 and max_queue > 0 and max_wait_s >= 0
+        assert max_batch_size > 0 and max_batch_tokens > 0 and max_queue > 0 and max_wait_s >= 0 and concurrency > 0
         self._run_batch = run_batch
         self.max_batch_size = max_batch_size
         self.max_batch_tokens = max_batch_tokens
@@ -82,6 +91,8 @@ class Batcher(Generic[T, R]):
         self.max_queue = max_queue
         self._executor = executor
         self._observer = observer
+        self.concurrency = concurrency  # the executor must run this many calls at once
+        self._running: set[asyncio.Task[None]] = set()
         self._arriving = 0
         self._queue: deque[_Pending[T, R]] = deque()
         self._queued_cost = 0
@@ -128,6 +139,10 @@ class Batcher(Generic[T, R]):
                 await asyncio.wait({task}, timeout=0.5)
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        for task in list(self._running):  # their items fail as queued ones do; the executor's call
+            task.cancel()  # itself runs to its end, unawaited
+        if self._running:
+            await asyncio.gather(*self._running, return_exceptions=True)
         while self._queue:
             p = self._queue.popleft()
             if not p.future.done():
@@ -153,13 +168,13 @@ class Batcher(Generic[T, R]):
 
     async def _loop(self) -> None:
         while True:
-            if not self._queue:
+            if not self._queue or len(self._running) >= self.concurrency:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
-            # Idle model: go now, unless more items are known to be on their way (then wait for
+            # A free pass: go now, unless more items are known to be on their way (then wait for
             # them, at most until the oldest item has waited max_wait_s). Items that came while
-            # the last pass ran are all here already: no wait for them.
+            # the other passes ran are all here already: no wait for them.
             deadline = self._queue[0].enqueued_at + self.max_wait_s
             while not self._full() and self._more_arriving():
                 remaining = deadline - time.monotonic()
@@ -170,15 +185,24 @@ class Batcher(Generic[T, R]):
                     await asyncio.wait_for(self._wakeup.wait(), remaining)
                 except asyncio.TimeoutError:
                     break
-            batch = self._take()
-            if batch:
-                await self._run(batch)
-            del batch  # not held while idle: the items' inputs (pixels) would outlive their batch
+            share = -(-len(self._queue) // self.concurrency)
+            for _ in range(self.concurrency - len(self._running)):
+                batch = self._take(share)
+                if not batch:
+                    break
+                task = asyncio.get_running_loop().create_task(self._run(batch), name="forward-pass")
+                self._running.add(task)
+                task.add_done_callback(self._pass_done)
+            batch = []  # not held while idle: the items' inputs (pixels) would outlive their batch
 
-    def _take(self) -> list[_Pending[T, R]]:
+    def _pass_done(self, task: asyncio.Task[None]) -> None:
+        self._running.discard(task)
+        self._wakeup.set()
+
+    def _take(self, most: int) -> list[_Pending[T, R]]:
         batch: list[_Pending[T, R]] = []
         tokens = 0
-        while self._queue and len(batch) < self.max_batch_size:
+        while self._queue and len(batch) < min(most, self.max_batch_size):
             head = self._queue[0]
             if head.future.done():  # cancelled while queued
                 self._queue.popleft()
@@ -200,6 +224,11 @@ class Batcher(Generic[T, R]):
             results = await loop.run_in_executor(self._executor, self._run_batch, [p.item for p in batch])
             if len(results) != len(batch):
                 raise RuntimeError(f"batch of {len(batch)} returned {len(results)} results")
+        except asyncio.CancelledError:
+            for p in batch:
+                if not p.future.done():
+                    p.future.set_exception(Unavailable("server is shutting down", type="not_ready"))
+            raise
         except Exception as exc:
             for p in batch:
                 if not p.future.done():

@@ -275,3 +275,87 @@ def test_an_exception_result_fails_its_item_alone() -> None:
     first, bad, last = run(scenario())
     assert (first, last) == (2, 6)
     assert isinstance(bad, Unavailable) and str(bad) == "bad -2"
+
+
+class Overlap(Recorder):
+    """A forward pass that records how many passes ran at once, at most."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._lock = threading.Lock()
+        self.running = self.most = 0
+        self.two_in = threading.Event()  # set once two passes are inside at the same time
+
+    def __call__(self, items: Sequence[int]) -> list[int]:
+        with self._lock:
+            self.running += 1
+            self.most = max(self.most, self.running)
+            if self.running >= 2:
+                self.two_in.set()
+        try:
+            return super().__call__(items)
+        finally:
+            with self._lock:
+                self.running -= 1
+
+
+def test_concurrent_passes_run_side_by_side_up_to_the_limit() -> None:
+    async def main() -> Overlap:
+        rec = Overlap()
+        rec.release.clear()
+        b: Batcher[int, int] = Batcher(
+            rec, max_batch_size=64, max_batch_tokens=10**6, max_wait_s=0, max_queue=10, concurrency=2
+        )
+        b.start()
+        first = b.submit(0, 1)
+        await in_forward_pass(rec)
+        second = b.submit(1, 1)  # the other pass is free: it runs now, not after the first
+        assert await asyncio.to_thread(rec.two_in.wait, 10), "the second pass did not start beside the first"
+        rest = [b.submit(i, 1) for i in range(2, 6)]  # both passes busy: these wait, then share one batch
+        await asyncio.sleep(0.05)
+        assert rec.running == 2
+        rec.release.set()
+        assert await asyncio.gather(first, second, *rest) == [0, 2, 4, 6, 8, 10]
+        await b.close()
+        return rec
+
+    rec = run(main())
+    assert rec.most == 2
+    assert sorted(rec.batches[:2]) == [[0], [1]]
+    assert sorted(x for batch in rec.batches[2:] for x in batch) == [2, 3, 4, 5]
+    assert all(len(batch) <= 2 for batch in rec.batches[2:])  # the first pass free took its share, not all four
+
+
+def test_free_passes_share_the_queue() -> None:
+    async def main() -> Overlap:
+        rec = Overlap()
+        b: Batcher[int, int] = Batcher(
+            rec, max_batch_size=64, max_batch_tokens=10**6, max_wait_s=0, max_queue=10, concurrency=2
+        )
+        b.start()
+        # Queued in one go while both passes are free: half each, not all eight in the first.
+        assert await asyncio.gather(*(b.submit(i, 1) for i in range(8))) == [2 * i for i in range(8)]
+        await b.close()
+        return rec
+
+    rec = run(main())
+    assert sorted(rec.batches) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+def test_close_fails_the_items_of_running_passes_with_not_ready() -> None:
+    async def main() -> None:
+        rec = Overlap()
+        rec.release.clear()
+        b: Batcher[int, int] = Batcher(
+            rec, max_batch_size=64, max_batch_tokens=10**6, max_wait_s=0, max_queue=10, concurrency=2
+        )
+        b.start()
+        running = b.submit(0, 1)
+        await in_forward_pass(rec)
+        await b.close()
+        with pytest.raises(Unavailable) as info:
+            await running
+        assert info.value.type == "not_ready"
+        rec.release.set()  # the executor's call ends on its own
+
+    run(main())

@@ -1,0 +1,75 @@
+"""Forward passes side by side on a CPU: how many, and how many of torch's threads each gets.
+
+On a CPU one forward pass split over every core leaves cores idle: a vision tower runs thousands
+of small operators (a 640x480 image through a Qwen2.5-VL tower: 434 attention calls, most over 16
+patches), each too small to split, and between them torch's other threads wait. Passes side by
+side, each on its own share of the cores, keep every core on work of its own, as Triton's model
+instances and OpenVINO's throughput streams do. Measured (``bench/vllm_peer.py``'s tower, 640x480
+images, bfloat16, 2 cores, one image a pass): one pass over both cores, 4.8-5.6 images/s at
+264-301 ms of CPU an image; two single-threaded passes side by side, 8.0-9.2 images/s at 204-246
+ms; two passes of two threads each (oversubscribed), 8.0-8.3.
+
+A lone pass still gets every core, so one request's latency is what it was: torch's thread count
+is process-wide (``torch.set_num_threads``; measured: a pass running in one thread follows a count
+set in another), so it is set to ``cores // passes running`` whenever a pass starts or ends, and a
+pass already running takes the new count at its next operator.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Generic, TypeVar
+
+import torch
+
+__all__ = ["MAX_AUTO_WORKERS", "CoreShare", "forward_workers"]
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+# The most passes side by side that ``--forward-workers 0`` picks on a CPU: measured on 2 cores
+# only; beyond a few, each pass's Python (under the GIL) and activations grow with the count.
+MAX_AUTO_WORKERS = 4
+
+
+def forward_workers(requested: int, device: str, *, batched: bool = False) -> int:
+    """``--forward-workers``, or (0) one per core torch may use, at most ``MAX_AUTO_WORKERS``, on a
+    CPU; one on an accelerator, whose passes queue on one device anyway. The batched pipeline
+    (``--preprocess-device model``) runs one pass at a time: its copies share one side stream."""
+    if batched:
+        if requested > 1:
+            raise ValueError("--forward-workers above 1 needs --preprocess-device cpu (the batched pipeline runs "
+                             "one pass at a time)")
+        return 1
+    if requested:
+        return requested
+    if device != "cpu":
+        return 1
+    return max(1, min(torch.get_num_threads(), MAX_AUTO_WORKERS))
+
+
+class CoreShare(Generic[T, R]):
+    """``forward`` with torch's threads shared among the passes running at once: ``cores //
+    running`` (at least one), set as each pass starts and ends. ``cores``: torch's count at start
+    (the usable cores, or what ``OMP_NUM_THREADS`` / ``torch.set_num_threads`` said)."""
+
+    def __init__(self, forward: Callable[[Sequence[T]], Sequence[R]], cores: int | None = None) -> None:
+        self._forward = forward
+        self.cores = cores or torch.get_num_threads()
+        self._lock = threading.Lock()
+        self.running = 0
+
+    def __call__(self, batch: Sequence[T]) -> Sequence[R]:
+        self._enter(1)
+        try:
+            return self._forward(batch)
+        finally:
+            self._enter(-1)
+
+    def _enter(self, change: int) -> None:
+        with self._lock:
+            self.running += change
+            threads = max(1, self.cores // max(1, self.running))
+            if torch.get_num_threads() != threads:
+                torch.set_num_threads(threads)

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Conn", "Request", "post_many", "serve"]
+__all__ = ["Conn", "Request", "exchange", "post_many", "serve"]
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,9 @@ def _head(req: Request) -> bytes:
     ).encode("latin-1")
 
 
-async def _exchange(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, req: Request) -> tuple[int, int]:
+async def exchange(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, req: Request) -> tuple[int, bytes]:
+    """One request on a keep-alive connection: (status, body). The answer must carry a
+    ``Content-Length`` (uvicorn's and vLLM's non-streamed answers do)."""
     writer.write(_head(req))
     writer.write(req.body)
     await writer.drain()
@@ -88,8 +90,7 @@ async def _exchange(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, 
         name, _, value = line.partition(":")
         if name.strip().lower() == "content-length":
             length = int(value)
-    body = await reader.readexactly(length)
-    return status, len(body)
+    return status, await reader.readexactly(length)
 
 
 async def _post_many(port: int, requests: Sequence[Request], concurrency: int, timeout: float) -> list[float]:
@@ -103,7 +104,7 @@ async def _post_many(port: int, requests: Sequence[Request], concurrency: int, t
             while queue:
                 i, req = queue.pop()
                 started = time.perf_counter()
-                status, _ = await asyncio.wait_for(_exchange(reader, writer, req), timeout)
+                status, _ = await asyncio.wait_for(exchange(reader, writer, req), timeout)
                 latencies[i] = time.perf_counter() - started
                 if status != 200:
                     errors.append(f"{req.path}: HTTP {status}")

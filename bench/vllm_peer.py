@@ -49,11 +49,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
+from urllib.parse import urlsplit
 
 import blake3
 import httpx
 
 from bench.latest import RESULTS, merge_into
+from bench.rawhttp import Request, exchange
 from bench.workload import photo_jpeg
 from tests.server import ServerProcess, free_port, start_server
 
@@ -224,29 +226,40 @@ def tree_cpu_seconds(pid: int) -> float:
 
 
 async def _burst(peer: Peer, images: Sequence[tuple[bytes, str]], by_hash: bool) -> tuple[float, list[float]]:
-    """All ``images`` at ``CONCURRENCY``: (wall seconds, per-image seconds until its file exists)."""
-    limits = httpx.Limits(max_connections=CONCURRENCY, max_keepalive_connections=CONCURRENCY)
-    queue = list(reversed(images))
+    """All ``images`` at ``CONCURRENCY``: (wall seconds, per-image seconds until its file exists).
+
+    The load generator shares the two cores with the servers, so its own cost is kept small and the
+    same for both: every request body is made before the clock starts and goes out over a raw
+    keep-alive HTTP/1.1 connection (``bench/rawhttp.py``). With httpx building each body as it went,
+    the client cost more CPU per repeated image than encode-server did, and capped the repeat."""
+    port = urlsplit(peer.url).port
+    assert port is not None
+    bodies = [(Request(peer.route, json.dumps(peer.body(image, mm_hash, by_hash=by_hash)).encode(),
+                       accept="application/json"), mm_hash) for image, mm_hash in images]
+    queue = list(reversed(bodies))
     latencies: list[float] = []
 
-    async def worker(client: httpx.AsyncClient) -> None:
-        while queue:
-            image, mm_hash = queue.pop()
-            started = time.perf_counter()
-            r = await client.post(peer.url + peer.route, json=peer.body(image, mm_hash, by_hash=by_hash))
-            if r.status_code != 200:
-                raise RuntimeError(f"{peer.name}: {r.status_code} {r.text[:300]}")
-            path = peer.export / mm_hash / EXPORT_FILE
-            while not path.exists():  # vLLM's producer may write after it answers: wait for the file
-                if time.perf_counter() - started > 30:
-                    raise RuntimeError(f"{peer.name}: {path} did not appear")
-                await asyncio.sleep(0.001)
-            latencies.append(time.perf_counter() - started)
+    async def worker() -> None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            while queue:
+                request, mm_hash = queue.pop()
+                started = time.perf_counter()
+                status, answer = await asyncio.wait_for(exchange(reader, writer, request), 300)
+                if status != 200:
+                    raise RuntimeError(f"{peer.name}: {status} {answer[:300]!r}")
+                path = peer.export / mm_hash / EXPORT_FILE
+                while not path.exists():  # vLLM's producer may write after it answers: wait for the file
+                    if time.perf_counter() - started > 30:
+                        raise RuntimeError(f"{peer.name}: {path} did not appear")
+                    await asyncio.sleep(0.001)
+                latencies.append(time.perf_counter() - started)
+        finally:
+            writer.close()
 
-    async with httpx.AsyncClient(limits=limits, timeout=300) as client:
-        started = time.perf_counter()
-        await asyncio.gather(*(worker(client) for _ in range(CONCURRENCY)))
-        return time.perf_counter() - started, latencies
+    started = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(CONCURRENCY)))
+    return time.perf_counter() - started, latencies
 
 
 def burst(peer: Peer, images: Sequence[tuple[bytes, str]], by_hash: bool = False) -> tuple[float, list[float]]:

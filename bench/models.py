@@ -11,6 +11,8 @@ Built once and kept under ``~/.cache/encode-server/bench/`` (a ViT-B/32 takes se
 - ``siglip_so400m_dir``: SigLIP so400m/14's vision tower at 384 px (27 layers of width 1152,
   729 tokens) in bfloat16, vision-only: the tower whose forward pass is short against its
   preprocessing, which ``bench/gpu_check.sh`` serves beside the Qwen one.
+- ``clip``: a tiny CLIP tower (2 layers of width 64, 224 px, patch 16), served with ``--output
+  pooled``: the model of an independent check of the miss path that S1's overhead now repeats.
 - ``wide``: a one-layer CLIP tower of width 1024, so that its embeddings are N x 1024 as a
   ViT-L-class tower's are; S2 serves hits of 64, 576 and 2,500 tokens of it.
 """
@@ -34,6 +36,11 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12, "num_attention_heads": 12,
         "image_size": 224, "patch_size": 32, "projection_dim": 512,
     },
+    "clip": {
+        "with_projection": True,  # --output pooled is the projected embedding (visual_projection)
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
+        "image_size": 224, "patch_size": 16, "projection_dim": 32,
+    },
     "wide": {
         "hidden_size": 1024, "intermediate_size": 256, "num_hidden_layers": 1, "num_attention_heads": 16,
         "image_size": 224, "patch_size": 32, "projection_dim": 512,
@@ -55,13 +62,15 @@ def model_dir(name: str) -> Path:
     if (path / ".complete").exists():
         return path
     import torch
-    from transformers import CLIPImageProcessorPil, CLIPVisionConfig, CLIPVisionModel
+    from transformers import CLIPImageProcessorPil, CLIPVisionConfig, CLIPVisionModel, CLIPVisionModelWithProjection
 
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
+    settings = {k: v for k, v in config.items() if k != "with_projection"}
+    cls = CLIPVisionModelWithProjection if config.get("with_projection") else CLIPVisionModel
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(SEED)
-        model = CLIPVisionModel(CLIPVisionConfig(**config)).eval()
+        model = cls(CLIPVisionConfig(**settings)).eval()
     model.save_pretrained(tmp)
     size = config["image_size"]
     CLIPImageProcessorPil(size={"shortest_edge": size}, crop_size={"height": size, "width": size}).save_pretrained(tmp)

@@ -51,6 +51,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import encode_server.encoders  # noqa: F401  (first: OMP_WAIT_POLICY before torch loads)
 from bench import models
 from bench.rawhttp import Conn, Request, post_many
 from bench.serving import CONCURRENCY, MAX_PIXELS, RESULTS, S2_TOKENS, BarePipeline, Plan, checked, json_body, s2

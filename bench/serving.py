@@ -54,8 +54,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-# The bare pipeline runs in the process state the server runs in: main() tunes glibc's allocator as
-# the server's first step does, and OpenMP keeps its default wait policy in both.
+# First, before anything loads torch: the bare pipeline must run in the process state the server
+# runs in (encode_server.encoders sets OMP_WAIT_POLICY before torch loads its OpenMP runtime;
+# main() tunes glibc's allocator as the server's first step does).
+import encode_server.encoders  # noqa: F401
 from bench import models
 from bench.latest import RESULTS
 from bench.rawhttp import Conn, Request, post_many

@@ -3,16 +3,18 @@
 ``load_encoder`` turns ``--model`` (a local directory, a hub id, or ``builtin:tiny``) into a
 ``VisionEncoder``, picking the adapter from the checkpoint's ``config.json`` ``model_type``. Every
 adapter holds only the vision tower (and projector): a VLM's language model is never read.
-
-OpenMP keeps libgomp's default wait policy (a short spin, then sleep; an operator's
-``OMP_WAIT_POLICY`` wins). The server set ``PASSIVE`` (sleep at once) while one pass at a time was
-split over every core, to stop idle threads spinning beside the decode threads. Passes now run side
-by side on one thread each under load (``threads.py``), and ``PASSIVE`` only made a lone pass wake
-its threads at every operator: a tiny CLIP's forward pass took 3.7 ms against 1.8, and under load
-(the built-in tower, 16 concurrent JPEGs, 2 cores) it ran 39-42 images/s against 43-47.
 """
 
 from __future__ import annotations
+
+import os
+
+# Before torch loads its OpenMP runtime (this package is where torch is first imported): idle
+# OpenMP threads sleep instead of spinning. Spinning workers burnt 4x the CPU of the work itself
+# (8.0 s against 2.1 s for 48 images on 2 cores, bench/serving.py's tiny tower) and took the
+# cores from the threads that decode and preprocess the next batch. An operator's own
+# OMP_WAIT_POLICY wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import json
 import logging

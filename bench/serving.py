@@ -59,7 +59,7 @@ from typing import Any
 # main() tunes glibc's allocator as the server's first step does).
 import encode_server.encoders  # noqa: F401
 from bench import models
-from bench.latest import RESULTS
+from bench.latest import RESULTS, merge_into
 from bench.rawhttp import Conn, Request, post_many
 from bench.workload import photos, zipf_sequence
 from encode_server.malloc import tune_allocator
@@ -663,8 +663,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     tune_allocator()  # the server's first step, before the bare pipeline's threads start
     result = run(QUICK if args.quick else Plan(), args.quick)
     missing = [k for k, v in flat(result).items() if not math.isfinite(v)]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2, sort_keys=False) + "\n")
+    merge_into(args.out, result)  # the other benches' keys (vllm_peer, proxy, video) are kept
     before = json.loads(args.before.read_text()) if args.before.exists() and args.before != args.out else None
     m = result["machine"]
     print(f"\nmachine: {m['cpu']}, {m['cores']} cores, load {m['load_avg_at_start']:.1f} at start, "

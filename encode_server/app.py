@@ -228,6 +228,7 @@ def build_service(
     run_batch = encoder.forward
     if workers > 1 and encoder.info.device == "cpu":
         run_batch = CoreShare(encoder.forward)
+        log.info("forward passes: up to %d side by side, sharing %d torch threads", workers, run_batch.cores)
     batcher: Batcher[PreparedImage, EncodedTensor] = Batcher(
         run_batch,
         max_batch_size=settings.max_batch_size,

@@ -200,6 +200,12 @@ def s1(model: str, server_args: Sequence[str], n_images: int, n_seq: int, seed: 
     return out
 
 
+def overhead(s1_result: dict[str, Any]) -> dict[str, float]:
+    """One request at a time: the server's p50 minus the in-process pipeline's, raw body and JSON."""
+    bare = s1_result["bare_batch1_ms"]
+    return {"raw": s1_result["server_raw_p50_ms"] - bare, "json": s1_result["server_json_p50_ms"] - bare}
+
+
 def hit_costs(server: ServerProcess, n: int, seed: int) -> dict[str, float]:
     """One request at a time, interleaved, all hits on the local tier: JSON base64 upload, raw
     upload, hash only; and ``/health`` as the floor of an HTTP round trip through this server."""
@@ -551,18 +557,9 @@ def run(plan: Plan, quick: bool) -> dict[str, Any]:
     result.update(
         s1_ratio=vit["server_images_per_s"] / vit["bare_images_per_s"],
         s1_ratio_tiny=tiny["server_images_per_s"] / tiny["bare_images_per_s"],
-        s1_overhead_ms={
-            "raw": tiny["server_raw_p50_ms"] - tiny["bare_batch1_ms"],
-            "json": tiny["server_json_p50_ms"] - tiny["bare_batch1_ms"],
-        },
-        s1_overhead_ms_vitb32={
-            "raw": vit["server_raw_p50_ms"] - vit["bare_batch1_ms"],
-            "json": vit["server_json_p50_ms"] - vit["bare_batch1_ms"],
-        },
-        s1_overhead_ms_clip_pooled={
-            "raw": clip["server_raw_p50_ms"] - clip["bare_batch1_ms"],
-            "json": clip["server_json_p50_ms"] - clip["bare_batch1_ms"],
-        },
+        s1_overhead_ms=overhead(tiny),
+        s1_overhead_ms_vitb32=overhead(vit),
+        s1_overhead_ms_clip_pooled=overhead(clip),
         s2_ratio_safetensors=min(two[f"safetensors_{n}"]["ratio"] for n in S2_TOKENS),
         s2_ratio_json=min(two[f"json_{n}"]["ratio"] for n in S2_TOKENS),
         s2_by_tokens={str(n): {f: two[f"{f}_{n}"]["ratio"] for f in ("safetensors", "json")} for n in S2_TOKENS},

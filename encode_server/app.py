@@ -19,7 +19,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from functools import partial
 from types import FrameType
@@ -39,6 +39,7 @@ from encode_server.cache.redis import create_redis_tier, redact_url
 from encode_server.config import Settings
 from encode_server.core.batcher import Batcher
 from encode_server.core.budget import ByteBudget
+from encode_server.core.errors import EncodeServerError
 from encode_server.core.stored import ValueSpec
 from encode_server.core.types import EncodedTensor
 from encode_server.encoders import check_local_model, load_encoder
@@ -225,10 +226,11 @@ def build_service(
     Decoded pixels are charged to ``budget`` (the runtime's)."""
     workers = forward_workers(settings.forward_workers, encoder.info.device,
                               batched=getattr(encoder, "batched", None) is not None)
-    run_batch = encoder.forward
+    run_batch: Callable[[Sequence[PreparedImage]], Sequence[EncodedTensor | EncodeServerError]] = encoder.forward
     if workers > 1 and encoder.info.device == "cpu":
-        run_batch = CoreShare(encoder.forward)
-        log.info("forward passes: up to %d side by side, sharing %d torch threads", workers, run_batch.cores)
+        share = CoreShare(encoder.forward)
+        log.info("forward passes: up to %d side by side, sharing %d torch threads", workers, share.cores)
+        run_batch = share
     batcher: Batcher[PreparedImage, EncodedTensor] = Batcher(
         run_batch,
         max_batch_size=settings.max_batch_size,

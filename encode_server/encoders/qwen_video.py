@@ -39,9 +39,9 @@ class VideoConfig:
     def __init__(self, raw: Mapping[str, Any], *, defaults: Mapping[str, Any]) -> None:
         merged = {**defaults, **raw}
         self.raw = dict(raw)
-        size = merged.get("size") or {}
-        self.min_pixels = int(merged.get("min_pixels") or size.get("shortest_edge"))
-        self.max_pixels = int(merged.get("max_pixels") or size.get("longest_edge"))
+        size: Mapping[str, Any] = merged.get("size") or {}
+        self.min_pixels = int(merged.get("min_pixels") or size["shortest_edge"])
+        self.max_pixels = int(merged.get("max_pixels") or size["longest_edge"])
         self.patch_size = int(merged["patch_size"])
         self.temporal_patch_size = int(merged["temporal_patch_size"])
         self.merge_size = int(merged["merge_size"])

@@ -299,19 +299,24 @@ class Overlap(Recorder):
                 self.running -= 1
 
 
+def two_passes(rec: Recorder) -> Batcher[int, int]:
+    """A started batcher that runs up to two passes of ``rec`` at once."""
+    b: Batcher[int, int] = Batcher(rec, max_batch_size=64, max_batch_tokens=10**6, max_wait_s=0, max_queue=10,
+                                   concurrency=2)
+    b.start()
+    return b
+
+
 def test_concurrent_passes_run_side_by_side_up_to_the_limit() -> None:
     async def main() -> Overlap:
         rec = Overlap()
         rec.release.clear()
-        b: Batcher[int, int] = Batcher(
-            rec, max_batch_size=64, max_batch_tokens=10**6, max_wait_s=0, max_queue=10, concurrency=2
-        )
-        b.start()
+        b = two_passes(rec)
         first = b.submit(0, 1)
         await in_forward_pass(rec)
         second = b.submit(1, 1)  # the other pass is free: it runs now, not after the first
         assert await asyncio.to_thread(rec.two_in.wait, 10), "the second pass did not start beside the first"
-        rest = [b.submit(i, 1) for i in range(2, 6)]  # both passes busy: these wait, then share one batch
+        rest = [b.submit(i, 1) for i in range(2, 6)]  # both passes busy: these wait, then go two by two
         await asyncio.sleep(0.05)
         assert rec.running == 2
         rec.release.set()
@@ -329,10 +334,7 @@ def test_concurrent_passes_run_side_by_side_up_to_the_limit() -> None:
 def test_free_passes_share_the_queue() -> None:
     async def main() -> Overlap:
         rec = Overlap()
-        b: Batcher[int, int] = Batcher(
-            rec, max_batch_size=64, max_batch_tokens=10**6, max_wait_s=0, max_queue=10, concurrency=2
-        )
-        b.start()
+        b = two_passes(rec)
         # Queued in one go while both passes are free: half each, not all eight in the first.
         assert await asyncio.gather(*(b.submit(i, 1) for i in range(8))) == [2 * i for i in range(8)]
         await b.close()
@@ -346,10 +348,7 @@ def test_close_fails_the_items_of_running_passes_with_not_ready() -> None:
     async def main() -> None:
         rec = Overlap()
         rec.release.clear()
-        b: Batcher[int, int] = Batcher(
-            rec, max_batch_size=64, max_batch_tokens=10**6, max_wait_s=0, max_queue=10, concurrency=2
-        )
-        b.start()
+        b = two_passes(rec)
         running = b.submit(0, 1)
         await in_forward_pass(rec)
         await b.close()

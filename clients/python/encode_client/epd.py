@@ -331,9 +331,13 @@ def cache_salt(tenant: str | None, client_salt: object = None) -> str:
 
 
 def _identifier(part: MediaPart, result: Result) -> str:
-    if result.status == "miss" or not result.meta:
+    """The item's identifier, from the server's key for it. What its ``meta`` must hold is the
+    contract's business (``_media_part``): a pixels + uuid family's items (Gemma 3, LLaVA-1.5: a
+    fixed row count, no grid) carry none at all."""
+    if result.status == "miss":
         raise EPDError(
-            f"encode-server returned no metadata for {part.modality} {result.hash} ({result.status})", part.where
+            f"encode-server holds no embedding for {part.modality} {result.hash} (miss): the hand-off did not store it",
+            part.where,
         )
     own = mm_hash(part.data)
     try:

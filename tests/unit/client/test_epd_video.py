@@ -119,7 +119,7 @@ def test_an_answer_that_does_not_fit_the_video_is_refused_naming_the_part() -> N
     other = result(PNG, VIDEO_META)  # the key of another file
     with pytest.raises(EPDError, match="does not name this video"):
         apply_results(body(video()), plan, [other], QWEN3)
-    with pytest.raises(EPDError, match="no metadata for video"):
+    with pytest.raises(EPDError, match="holds no embedding for video"):
         apply_results(body(video()), plan, [Result(0, mm_hash(MP4), "miss", None, None, (), None)], QWEN3)
 
 

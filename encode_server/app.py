@@ -122,7 +122,8 @@ class EncodeServer:
                 await asyncio.gather(http, return_exceptions=True)
             http_socket.close()
             if grpc_server is not None:
-                await grpc_server.stop(grace=3)  # its calls were drained with HTTP's
+                # Its calls were drained with HTTP's (or, stopping at once, answered 503).
+                await grpc_server.stop(grace=0 if self.runtime.stopping else 3)
             if service is not None:
                 await service.close()  # the batcher, the shared tier's writer, the pools
             forward.shutdown(wait=False, cancel_futures=True)
@@ -283,14 +284,22 @@ def _uvicorn_config(settings: Settings, runtime: Runtime) -> uvicorn.Config:
     )
 
 
+# How long a stop at once waits for the 503s it answered to be written before the doors close.
+STOP_GRACE_S = 2.0
+
+
 class DrainingServer(uvicorn.Server):
     """uvicorn with a drain in front of its shutdown, as orchestrators expect.
 
     The first SIGTERM sets ``runtime.draining`` at once (``/ready`` turns 503, ``/v1/*`` and gRPC
     refuse new work with 503 ``not_ready``) while the server keeps accepting connections, so that
     probes and late clients get a clear answer; once the requests in flight on both doors have
-    finished, or ``drain_seconds`` have passed, uvicorn's own graceful shutdown runs. A second
-    SIGTERM, or a SIGINT, skips the drain (uvicorn's behaviour: stop now).
+    finished, or ``drain_seconds`` have passed, uvicorn's own graceful shutdown runs.
+
+    A second SIGTERM, or a SIGINT (Ctrl-C), stops at once (``Runtime.stop_now``): the requests in
+    flight on both doors are cancelled and answered 503 ``not_ready`` (a client retries elsewhere),
+    then the doors close without waiting for anything else. Past that a signal is uvicorn's: a
+    further SIGINT forces its exit.
     """
 
     def __init__(self, config: uvicorn.Config, runtime: Runtime, drain_seconds: float) -> None:
@@ -299,6 +308,8 @@ class DrainingServer(uvicorn.Server):
         self.drain_seconds = drain_seconds
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain: asyncio.Task[None] | None = None
+        self._stopping = False
+        self._stop: asyncio.Task[None] | None = None
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -315,6 +326,8 @@ class DrainingServer(uvicorn.Server):
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if sig == signal.SIGTERM and self.request_drain():
             return
+        if self.request_stop("SIGINT" if sig == signal.SIGINT else "second SIGTERM"):
+            return
         super().handle_exit(sig, frame)
 
     def request_drain(self) -> bool:
@@ -325,6 +338,30 @@ class DrainingServer(uvicorn.Server):
         self.runtime.draining = True
         self._loop.call_soon_threadsafe(self._start_drain)
         return True
+
+    def request_stop(self, why: str) -> bool:
+        """Stop at once (once, from any thread); False when it cannot (not serving yet, or
+        already stopping)."""
+        if self._loop is None or self._stopping:
+            return False
+        self._stopping = True
+        self._loop.call_soon_threadsafe(self._start_stop, why)
+        return True
+
+    def _start_stop(self, why: str) -> None:
+        self._stop = asyncio.create_task(self._stop_then_exit(why))
+
+    async def _stop_then_exit(self, why: str) -> None:
+        if self._drain is not None:
+            self._drain.cancel()
+        cancelled = self.runtime.stop_now()
+        log.warning("%s: stopping now; %d request(s) in flight answered 503 not_ready", why, cancelled)
+        # Their answers are written at once (nothing awaits but the send); the bound is for a client
+        # too slow to take a response already under way, which the stop then cuts.
+        await self.runtime.drain(STOP_GRACE_S)
+        # uvicorn's shutdown then finds no request to wait for; it still closes the lifespan,
+        # which force_exit would leave to be cancelled (a traceback in the log).
+        self.should_exit = True
 
     def _start_drain(self) -> None:
         self._drain = asyncio.create_task(self._drain_then_exit())
@@ -341,14 +378,23 @@ class DrainingServer(uvicorn.Server):
 
 
 def run(settings: Settings) -> int:
-    """Serve until SIGTERM (drained) or SIGINT; the exit code (1 when the model failed to load)."""
+    """Serve until SIGTERM (drained), a second SIGTERM or SIGINT (stopped at once); the exit code
+    (0; 1 when the model failed to load)."""
     server = EncodeServer(settings)
-    # After a drain uvicorn re-raises SIGTERM to the handler that was there before it started;
-    # make that one a no-op so a clean drain exits 0.
-    signal.signal(signal.SIGTERM, lambda _sig, _frame: None)
-    loop_factory = server.http.config.get_loop_factory()  # uvloop where installed, as uvicorn.run
-    if loop_factory is None or sys.version_info < (3, 11):
-        return asyncio.run(server.serve())
-    with asyncio.Runner(loop_factory=loop_factory) as runner:
-        return runner.run(server.serve())
+    # Once stopped, uvicorn re-raises the signals it caught to the handlers that were there before
+    # it started: no-ops, so that a clean stop exits 0 (SIGINT's default would raise
+    # KeyboardInterrupt out of the loop, with its traceback).
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda _sig, _frame: None)
+    try:
+        loop_factory = server.http.config.get_loop_factory()  # uvloop where installed, as uvicorn.run
+        if loop_factory is None or sys.version_info < (3, 11):
+            return asyncio.run(server.serve())
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
+            return runner.run(server.serve())
+    finally:
+        # The doors are closed; what is left is the exit waiting for a forward pass or a decode
+        # already running on a core: a further signal ends the process at once.
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_DFL)
 

@@ -13,7 +13,7 @@ import logging
 import time
 from typing import Any
 
-__all__ = ["ACCESS_LOGGER", "JsonFormatter", "configure_logging"]
+__all__ = ["ACCESS_LOGGER", "JsonFormatter", "LoggedAs", "configure_logging"]
 
 ACCESS_LOGGER = "encode_server.access"
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -35,6 +35,20 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, default=str, ensure_ascii=False)
 
 
+class LoggedAs(logging.Filter):
+    """Log a logger's records under another name. uvicorn writes its start-up and shutdown lines
+    to ``uvicorn.error`` (its name for "not the access log"), so that grepping a log for "error"
+    found ``INFO uvicorn.error: Started server process``; they are logged as ``uvicorn``."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.logged_as = name
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.name = self.logged_as
+        return True
+
+
 def configure_logging(level: str, fmt: str) -> None:
     """Route every logger (uvicorn's included) through one root handler in the chosen format."""
     handler = logging.StreamHandler()
@@ -46,3 +60,7 @@ def configure_logging(level: str, fmt: str) -> None:
         uv = logging.getLogger(name)
         uv.handlers[:] = []
         uv.propagate = True
+    server_lines = logging.getLogger("uvicorn.error")
+    for old in [f for f in server_lines.filters if isinstance(f, LoggedAs)]:
+        server_lines.removeFilter(old)
+    server_lines.addFilter(LoggedAs("uvicorn"))

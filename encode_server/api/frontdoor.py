@@ -3,6 +3,8 @@
 - item rules: how many items a request may hold and what each must carry;
 - per-request accounting: ``requests_total``, ``request_seconds``, ``inflight_requests``,
   ``response_bytes_total``, the in-flight count a drain waits on, and the one access-log line;
+- a stop at once (``Runtime.stop_now``): telling its cancellation from any other, so that a
+  door answers it 503 instead of dying with it;
 - ``Retry-After``: the seconds a refused client should wait, as a header or as metadata;
 - result rendering: the fields of one resolved item, before either door's own encoding of them
   (JSON with base64, safetensors, or protobuf).
@@ -12,6 +14,7 @@ A door only parses its wire into these calls and renders what they return.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import re
@@ -28,6 +31,7 @@ from encode_server.logs import ACCESS_LOGGER
 
 __all__ = [
     "RequestRecord",
+    "cancelled_by_stop",
     "check_count",
     "item_fields",
     "new_request_id",
@@ -63,6 +67,21 @@ def request_item(index: int, mm_hash: str | None, data: bytes | None, modality: 
     if modality not in MODALITIES:
         raise InvalidRequest(f"modality must be one of {', '.join(MODALITIES)}, not {modality!r}", index=index)
     return RequestItem(index=index, mm_hash=mm_hash, data=data, modality=modality)
+
+
+# -- a stop at once ------------------------------------------------------------------------------
+
+
+def cancelled_by_stop(runtime: Runtime) -> bool:
+    """Whether the ``CancelledError`` being handled is ``Runtime.stop_now``'s. If so it is taken
+    back (Python 3.11+ counts cancellations), so the door's own answer can still be sent: the
+    door then answers ``runtime.shutting_down()``; any other cancellation it re-raises."""
+    if not runtime.stopping:
+        return False
+    task = asyncio.current_task()
+    if task is not None and hasattr(task, "uncancel"):
+        task.uncancel()
+    return True
 
 
 # -- Retry-After -----------------------------------------------------------------------------------

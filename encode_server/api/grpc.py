@@ -25,6 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from encode_server.api.budget import GRPC_BUDGET_OPTIONS, GrpcBudgetInterceptor
 from encode_server.api.frontdoor import (
     RequestRecord,
+    cancelled_by_stop,
     check_count,
     item_fields,
     new_request_id,
@@ -36,7 +37,7 @@ from encode_server.api.grpc_decode import add_encoder_servicer, check_decoded
 from encode_server.api.ports import PortUnavailable, check_bindable
 from encode_server.api.proto.encode_server.v1 import encoder_pb2 as pb
 from encode_server.api.proto.encode_server.v1 import encoder_pb2_grpc as pb_grpc
-from encode_server.api.runtime import Runtime
+from encode_server.api.runtime import Runtime, shutting_down
 from encode_server.api.status import status_for
 from encode_server.core.errors import (
     BadInput,
@@ -181,7 +182,12 @@ class GrpcApi(pb_grpc.EncoderServicer):
             try:
                 tenant = self._authorize(context, record)
                 check_decoded(request)  # bytes that were not a protobuf: INVALID_ARGUMENT, not UNKNOWN
-                response = await handler(self.runtime.require_service(), request, record, tenant)
+                try:
+                    response = await handler(self.runtime.require_service(), request, record, tenant)
+                except asyncio.CancelledError:
+                    if not cancelled_by_stop(self.runtime):
+                        raise
+                    raise shutting_down() from None  # answered below, as every refusal
             except EncodeServerError as exc:
                 details = f"{exc.type}: {exc.message}"  # the type leads, for clients that read no metadata
                 record.code, record.sent = status_for(exc), len(details.encode())

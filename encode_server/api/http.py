@@ -24,9 +24,16 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from encode_server import __version__
 from encode_server.api.bodies import parse_encode_body, parse_lookup_body, parse_tokens_body
 from encode_server.api.budget import BodyBudgetMiddleware
-from encode_server.api.frontdoor import RequestRecord, item_fields, new_request_id, record_request, retry_after
+from encode_server.api.frontdoor import (
+    RequestRecord,
+    cancelled_by_stop,
+    item_fields,
+    new_request_id,
+    record_request,
+    retry_after,
+)
 from encode_server.api.openapi import request_body_doc
-from encode_server.api.runtime import Runtime
+from encode_server.api.runtime import Runtime, shutting_down
 from encode_server.api.schemas import (
     EncodeRequestIn,
     EncodeResponseOut,
@@ -235,8 +242,12 @@ class MetricsMiddleware:
         scope.setdefault("state", {})["record"] = record
         echo = (b"x-request-id", record.request_id.encode())
 
+        started = False
+
         async def send_wrapper(message: Message) -> None:
+            nonlocal started
             if message["type"] == "http.response.start":
+                started = True
                 record.code = message["status"]
                 message["headers"] = [*message.get("headers", ()), echo]
             elif message["type"] == "http.response.body":
@@ -244,7 +255,15 @@ class MetricsMiddleware:
             await send(message)
 
         with record_request(self.runtime, record):
-            await self.app(scope, receive, send_wrapper)
+            try:
+                await self.app(scope, receive, send_wrapper)
+            except asyncio.CancelledError:
+                if not cancelled_by_stop(self.runtime):
+                    raise
+                # Answered 503, never uvicorn's 500 and traceback. A response already under way
+                # is cut (the connection closes), as a stop must.
+                if not started:
+                    await error_response(shutting_down())(scope, receive, send_wrapper)
 
 
 def create_app(runtime: Runtime) -> FastAPI:

@@ -10,12 +10,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from functools import partial
 from typing import Any
 
-__all__ = ["ENV_PREFIX", "Settings", "build_parser", "settings_from"]
+__all__ = ["ENV_PREFIX", "Settings", "build_parser", "settings_from", "shown"]
 
 ENV_PREFIX = "ENCODE_SERVER_"
 # The most copies of one request held at once: a JSON body while its base64 is parsed and decoded
@@ -134,7 +133,10 @@ class Settings:
     )
     keep_alive_timeout: float = _opt(5.0, "seconds an idle keep-alive HTTP connection stays open")
     max_connections: int = _opt(1024, "open HTTP connections; one more gets 503 overloaded and is closed")
-    drain_seconds: float = _opt(30.0, "on SIGTERM, how long in-flight requests may take to finish before exit")
+    drain_seconds: float = _opt(
+        30.0, "on SIGTERM, how long in-flight requests may take to finish before exit; a second SIGTERM or SIGINT "
+        "stops at once (what is in flight: 503 not_ready)"
+    )
     # Secrets: kept out of repr() so that logging the settings can never print a key.
     api_key: str | None = _opt(
         None, "one API key, or tenant:key; /v1/* then needs Authorization: Bearer KEY", repr=False
@@ -199,12 +201,32 @@ def _kind(f: dataclasses.Field[Any]) -> str:
     return f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
 
 
+def shown(value: Any) -> str:
+    """A value as ``--help``, the flag table of the docs and the error messages show it: ``1024``,
+    not ``1024.0``; a switch as its environment variable spells it (``true``, ``false``)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+_NUMBERS: dict[str, tuple[Callable[[str], Any], str]] = {"int": (int, "an integer"), "float": (float, "a number")}
+
+
+def _parse(f: dataclasses.Field[Any]) -> Callable[[str], Any]:
+    """What argparse converts a flag's text with, and names in its message ("invalid int value")."""
+    return next((parse for kind, (parse, _) in _NUMBERS.items() if _kind(f).startswith(kind)), str)
+
+
 def _convert(f: dataclasses.Field[Any], raw: str) -> Any:
     kind = _kind(f)
-    if kind.startswith("int"):
-        return int(raw)
-    if kind.startswith("float"):
-        return float(raw)
+    for number, (parse, what) in _NUMBERS.items():
+        if kind.startswith(number):
+            try:
+                return parse(raw)
+            except ValueError:
+                raise ValueError(f"expected {what}") from None
     if kind.startswith("bool"):
         word = raw.strip().lower()
         if word not in _TRUE + _FALSE:
@@ -222,19 +244,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     for f in fields(Settings):
         if _kind(f) == "bool":  # a switch and its negation: --tenant-isolation / --no-tenant-isolation
-            default = "true" if f.default else "false"  # as the environment variable spells it
             parser.add_argument(
                 _flag(f.name), dest=f.name, default=None, action=argparse.BooleanOptionalAction,
-                help=f"{f.metadata['help']} (default: {default})",
+                help=f"{f.metadata['help']} (default: {shown(f.default)})",
             )
             continue
         parser.add_argument(
             _flag(f.name),
             dest=f.name,
             default=None,
-            type=partial(_convert, f),
+            type=_parse(f),
             choices=f.metadata.get("choices"),
-            help=f"{f.metadata['help']} (default: {f.default})",
+            help=f"{f.metadata['help']} (default: {shown(f.default)})",
         )
     return parser
 
@@ -267,29 +288,31 @@ def _validate(s: Settings) -> None:
     positive = (
         "max_batch_size", "max_batch_tokens", "max_queue", "max_request_bytes", "max_items", "max_connections",
         "header_timeout", "body_timeout", "keep_alive_timeout", "video_fps", "max_video_seconds", "max_video_frames",
-        "max_video_decoded_frames",
+        "max_video_decoded_frames", "redis_timeout_ms", "redis_max_value_mb", "redis_write_queue", "request_timeout",
     )
     for name in positive:
         if getattr(s, name) <= 0:
-            raise SystemExit(f"{_flag(name)} must be positive, got {getattr(s, name)}")
+            raise SystemExit(f"{_flag(name)} must be positive, got {shown(getattr(s, name))}")
     if not 0 <= s.grpc_port <= 65535:
         raise SystemExit(f"--grpc-port must be 0 (off) or a port number, got {s.grpc_port}")
-    if s.redis_ttl < 0 or s.redis_timeout_ms <= 0 or s.redis_max_value_mb <= 0 or s.redis_write_queue <= 0:
-        raise SystemExit("--redis-ttl must be >= 0; --redis-timeout-ms, --redis-max-value-mb, --redis-write-queue > 0")
-    if s.cache_mb < 0 or s.max_wait_ms < 0 or s.request_timeout <= 0:
-        raise SystemExit("--cache-mb and --max-wait-ms must be >= 0, --request-timeout > 0")
+    if s.redis_ttl < 0:
+        raise SystemExit(f"--redis-ttl must be >= 0 (0: no expiry), got {s.redis_ttl}")
+    if s.cache_mb < 0:
+        raise SystemExit(f"--cache-mb must be >= 0 (0 turns the local cache off), got {shown(s.cache_mb)}")
+    if s.max_wait_ms < 0:
+        raise SystemExit(f"--max-wait-ms must be >= 0, got {shown(s.max_wait_ms)}")
     if s.forward_workers < 0:
         raise SystemExit(f"--forward-workers must be >= 0 (0: chosen for the device), got {s.forward_workers}")
     if s.preprocess_workers < 0:
         raise SystemExit(f"--preprocess-workers must be >= 0 (0: one per core), got {s.preprocess_workers}")
     if s.redis_replay_mb < 0:
-        raise SystemExit(f"--redis-replay-mb must be >= 0, got {s.redis_replay_mb}")
+        raise SystemExit(f"--redis-replay-mb must be >= 0, got {shown(s.redis_replay_mb)}")
     if s.export_dir is not None and s.tenant_isolation:
         raise SystemExit("--export-dir cannot be used with --tenant-isolation: vLLM's file layout has no tenant")
     if s.export_max_mb <= 0:
-        raise SystemExit(f"--export-max-mb must be positive, got {s.export_max_mb}")
+        raise SystemExit(f"--export-max-mb must be positive, got {shown(s.export_max_mb)}")
     if s.max_inflight_mb < 0:
-        raise SystemExit(f"--max-inflight-mb must be >= 0 (0: no bound), got {s.max_inflight_mb}")
+        raise SystemExit(f"--max-inflight-mb must be >= 0 (0: no bound), got {shown(s.max_inflight_mb)}")
     budget = s.max_inflight_bytes
     floor = REQUEST_COPIES * (s.max_request_bytes + MESSAGE_FRAMING)
     if budget is not None and budget < floor:
@@ -299,4 +322,4 @@ def _validate(s: Settings) -> None:
             "could never be served"
         )
     if s.drain_seconds < 0:
-        raise SystemExit(f"--drain-seconds must be >= 0, got {s.drain_seconds}")
+        raise SystemExit(f"--drain-seconds must be >= 0, got {shown(s.drain_seconds)}")

@@ -23,13 +23,10 @@ END = "<!-- /flags -->"
 
 
 def _default(value: Any) -> str:
-    if value is None:
-        return ""
-    if isinstance(value, bool):
-        return "`true`" if value else "`false`"
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    return f"`{value}`"
+    """As ``--help`` shows it (``config.shown``); no value, an empty cell."""
+    from encode_server.config import shown
+
+    return "" if value is None else f"`{shown(value)}`"
 
 
 def _cell(text: str) -> str:

@@ -56,3 +56,43 @@ def test_boolean_flags_are_switches_with_a_negation_and_keep_their_environment_v
     assert settings_from([], {}).redis_cluster is False
     with pytest.raises(SystemExit):
         settings_from([], {"ENCODE_SERVER_REDIS_CLUSTER": "maybe"})
+
+
+def test_a_value_of_the_wrong_type_names_its_flag_and_type_not_a_converter_repr(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        settings_from(["--port", "abc"])
+    assert exited.value.code == 2  # argparse's: a value of the wrong type
+    err = capsys.readouterr().err
+    assert "argument --port: invalid int value: 'abc'" in err
+    assert "functools" not in err and "partial" not in err
+    with pytest.raises(SystemExit, match=r"^ENCODE_SERVER_PORT='abc': expected an integer$"):
+        settings_from([], {"ENCODE_SERVER_PORT": "abc"})
+    with pytest.raises(SystemExit, match=r"^ENCODE_SERVER_CACHE_MB='lots': expected a number$"):
+        settings_from([], {"ENCODE_SERVER_CACHE_MB": "lots"})
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--cache-mb", "-1"], "--cache-mb must be >= 0 (0 turns the local cache off), got -1"),
+        (["--max-wait-ms", "-1"], "--max-wait-ms must be >= 0, got -1"),
+        (["--request-timeout", "0"], "--request-timeout must be positive, got 0"),
+        (["--redis-ttl", "-5"], "--redis-ttl must be >= 0 (0: no expiry), got -5"),
+        (["--redis-timeout-ms", "0"], "--redis-timeout-ms must be positive, got 0"),
+        (["--redis-write-queue", "0"], "--redis-write-queue must be positive, got 0"),
+    ],
+)
+def test_a_value_that_cannot_work_names_only_the_flag_at_fault(argv: list[str], message: str) -> None:
+    with pytest.raises(SystemExit) as exited:
+        settings_from(argv)
+    assert str(exited.value.code) == message
+
+
+def test_help_shows_whole_defaults_as_the_flag_table_does() -> None:
+    help_text = " ".join(build_parser().format_help().split())  # argparse wraps lines
+    assert "(default: 1024)" in help_text and "(default: 1024.0)" not in help_text
+    assert "(default: 2048)" in help_text
+    assert "(default: 5)" in help_text  # --max-wait-ms 5.0
+    assert "(default: false)" in help_text  # a switch, as its environment variable spells it

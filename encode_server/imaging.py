@@ -7,12 +7,13 @@ item, never a bare Pillow exception: bad bytes are the client's problem, not a 5
 from __future__ import annotations
 
 import io
-import warnings
 from dataclasses import dataclass
 
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from encode_server.core.errors import BadInput, TooLarge
+from encode_server.core.sniff import other_modality_hint
+from encode_server.core.types import IMAGE
 
 __all__ = [
     "ACCEPTED_FORMATS", "Header", "decode_image", "decoded_nbytes", "oriented_size", "probe_size", "read_header",
@@ -23,8 +24,11 @@ __all__ = [
 # darkest 1/256 of the range turns white. Scale to 8 bits first, as every viewer does.
 _SIXTEEN_BIT = frozenset({"I;16", "I;16L", "I;16B", "I;16N"})
 
-# Our own --max-image-pixels check does the work; Pillow's warning is silenced and its hard
-# error (above twice its default limit, ~179 MP) is mapped to ``image_too_large``.
+# Our own --max-image-pixels check does the work, from the header, before any pixel is decoded
+# (``_open``, on every path to the pixels): Pillow's own limit is off, so that an image above it
+# (~179 MP) is refused with our limit's message, and a --max-image-pixels above it holds.
+Image.MAX_IMAGE_PIXELS = None
+
 # Formats the contract accepts. Pillow opens more (ICO, PSD, PCX, EPS...), which we refuse as
 # ``unsupported_image`` rather than feed oddities to the model. MPO is how Pillow names a JPEG
 # with embedded previews (many phone cameras).
@@ -35,13 +39,10 @@ def _open(data: bytes, index: int | None, max_pixels: int) -> Image.Image:
     if not data:
         raise BadInput("empty image (0 bytes)", type="invalid_image", index=index)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            image = Image.open(io.BytesIO(data))
-    except Image.DecompressionBombError as exc:
-        raise TooLarge(f"image too large: {exc}", type="image_too_large", index=index) from exc
+        image = Image.open(io.BytesIO(data))
     except UnidentifiedImageError as exc:
-        raise BadInput("not a recognised image file", type="invalid_image", index=index) from exc
+        hint = other_modality_hint(data, IMAGE)
+        raise BadInput(f"not a recognised image file{hint}", type="invalid_image", index=index) from exc
     except Exception as exc:  # Pillow raises many types on malformed headers
         raise BadInput(f"cannot read image header: {exc}", type="invalid_image", index=index) from exc
     if image.format not in ACCEPTED_FORMATS:
@@ -116,9 +117,7 @@ def read_header(data: bytes, *, max_pixels: int, index: int | None = None) -> He
     # a PNG whose bytes never spell the chunk type has none, so skip that cost exactly.
     if not (image.format == "PNG" and "exif" not in image.info and b"eXIf" not in data):
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-                value = image.getexif().get(_EXIF_ORIENTATION)
+            value = image.getexif().get(_EXIF_ORIENTATION)
         except Exception:  # malformed EXIF or pixels: the encode fails or ignores it the same way
             value = None
         orientation = value if isinstance(value, int) and 1 <= value <= 8 else 1
@@ -138,16 +137,12 @@ def decode_image(data: bytes, *, max_pixels: int, index: int | None = None) -> I
     """Decode the first frame, apply EXIF orientation, convert to RGB."""
     image = _open(data, index, max_pixels)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            image.seek(0)
-            image.load()
-            # In place, and no conversion of an RGB image: neither makes a full-size copy of the
-            # frame (the request-memory budget charges the frame, not copies of it).
-            ImageOps.exif_transpose(image, in_place=True)
-            return image if image.mode == "RGB" else to_rgb(image)
-    except Image.DecompressionBombError as exc:
-        raise TooLarge(f"image too large: {exc}", type="image_too_large", index=index) from exc
+        image.seek(0)
+        image.load()
+        # In place, and no conversion of an RGB image: neither makes a full-size copy of the
+        # frame (the request-memory budget charges the frame, not copies of it).
+        ImageOps.exif_transpose(image, in_place=True)
+        return image if image.mode == "RGB" else to_rgb(image)
     except (OSError, ValueError, SyntaxError, EOFError) as exc:
         raise BadInput(f"cannot decode image: {exc}", type="invalid_image", index=index) from exc
 

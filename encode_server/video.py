@@ -20,7 +20,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from encode_server.core.errors import BadInput, UnsupportedMediaType
-from encode_server.core.types import VideoInfo
+from encode_server.core.sniff import other_modality_hint
+from encode_server.core.types import VIDEO, VideoInfo
 
 __all__ = ["decode_frames", "probe"]
 
@@ -31,11 +32,17 @@ def _open(data: bytes, index: int | None):  # type: ignore[no-untyped-def]
     try:
         container = av.open(io.BytesIO(data), mode="r")
     except (av.error.FFmpegError, ValueError, EOFError) as exc:
-        raise BadInput(f"not a readable video file: {exc}", type="invalid_video", index=index) from None
+        raise BadInput(f"not a readable video file: {exc}{_hint(data)}", type="invalid_video", index=index) from None
     if not container.streams.video:
         container.close()
-        raise BadInput("the file has no video stream", type="invalid_video", index=index)
+        raise BadInput(f"the file has no video stream{_hint(data)}", type="invalid_video", index=index)
     return container
+
+
+def _hint(data: bytes) -> str:
+    """Where an image was sent as a video (FFmpeg opens a PNG as a one-frame stream of no rate),
+    a clause saying so."""
+    return other_modality_hint(data, VIDEO)
 
 
 def probe(data: bytes, *, index: int | None = None) -> VideoInfo:
@@ -63,7 +70,7 @@ def probe(data: bytes, *, index: int | None = None) -> VideoInfo:
     if width <= 0 or height <= 0 or frames <= 0 or fps <= 0:
         raise BadInput(
             f"the video header gives no usable size, frame count or rate ({width}x{height}, {frames} frames, "
-            f"{fps:g} fps)", type="invalid_video", index=index,
+            f"{fps:g} fps){_hint(data)}", type="invalid_video", index=index,
         )
     return VideoInfo(width=width, height=height, num_frames=frames, fps=fps, codec=codec)
 

@@ -11,7 +11,7 @@ import httpx
 import pytest
 from blake3 import blake3
 
-from tests.images import image_bytes, slow_png
+from tests.images import bomb_png_header, image_bytes, slow_png
 from tests.server import ServerProcess, start_server
 
 
@@ -106,3 +106,14 @@ def test_an_item_larger_than_the_cache_is_served_not_cached(server_logs: Path) -
         assert 'encode_server_cache_bytes{tier="local"} 0.0' in httpx.get(server.url + "/metrics").text
     finally:
         assert server.stop() == 0, server.log()
+
+
+def test_a_header_above_pillows_own_limit_is_refused_with_max_image_pixels(tight_server: ServerProcess) -> None:
+    # 900 M pixels, five times what Pillow itself calls a "decompression bomb": our limit speaks.
+    for route in ("/v1/encode", "/v1/tokens"):
+        r = httpx.post(tight_server.url + route, json=_items(bomb_png_header(30000, 30000)), timeout=30)
+        assert r.status_code == 413, (route, r.text)
+        assert r.json()["error"] == {
+            "type": "image_too_large", "index": 0,
+            "message": "image is 30000x30000 = 900000000 pixels, above the limit of 40000000",
+        }

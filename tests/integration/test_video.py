@@ -100,6 +100,19 @@ def test_bad_videos_get_their_4xx_naming_the_item_and_the_server_goes_on(server:
     assert _post(server, "/v1/encode", [_item(GOOD)]).status_code == 200
 
 
+def test_an_item_sent_as_the_other_modality_is_told_which_its_bytes_are(server: ServerProcess) -> None:
+    # Bytes no test has encoded: a cached mm_hash would be a hit, whatever the modality sent.
+    png, mp4 = CORPUS["an image"][0], make_video(6, 3.0, 32, 32, seed=77)
+    cases = [(png, "video/mp4", "invalid_video", "its bytes are PNG image data: send it as an image"),
+             (mp4, "image/png", "invalid_image", "its bytes are mp4 video data: send it as a video")]
+    for data, content_type, error, hint in cases:
+        for route in ("/v1/encode", "/v1/tokens"):
+            r = httpx.post(server.url + route, content=data, headers={"Content-Type": content_type}, timeout=60)
+            assert r.status_code == 400, (route, r.text)
+            body = r.json()["error"]
+            assert (body["type"], body["index"]) == (error, 0) and hint in body["message"], (route, body)
+
+
 # -- gRPC, the Python client and the CLI, on the same server ----------------------------------------
 
 _GRPC_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 413: grpc.StatusCode.RESOURCE_EXHAUSTED,

@@ -16,6 +16,7 @@ MODULES = [
     "encode_server.core.breaker",
     "encode_server.core.stored",
     "encode_server.core.budget",
+    "encode_server.core.sniff",
 ]
 FORBIDDEN = ["torch", "transformers", "fastapi", "starlette", "redis", "PIL", "safetensors", "grpc"]
 

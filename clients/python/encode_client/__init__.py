@@ -12,7 +12,7 @@ optional: ``encode-client[grpc]``).
 
 from encode_client._base import rank_replicas
 from encode_client._client import AsyncClient, Client
-from encode_client._errors import EncodeClientError, PrefixKeyError, ReplicaUnavailable, ServerError
+from encode_client._errors import EncodeClientError, MissingExtra, PrefixKeyError, ReplicaUnavailable, ServerError
 from encode_client._images import Video, mm_hash
 from encode_client._retry import Backoff, Limits, RetryPolicy
 from encode_client._types import LookupItem, Result, TokenCount, UploadStats, WarmItem, to_numpy, to_torch
@@ -27,6 +27,7 @@ __all__ = [
     "EncodeClientError",
     "Limits",
     "LookupItem",
+    "MissingExtra",
     "PrefixKeyError",
     "ReplicaUnavailable",
     "Result",

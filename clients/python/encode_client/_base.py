@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 
 from blake3 import blake3
 
-from encode_client._errors import ReplicaUnavailable, ServerError
+from encode_client._errors import MissingExtra, ReplicaUnavailable, ServerError
 from encode_client._images import ImageInput, Media, WireItem, media, mm_hash
 from encode_client._retry import Limits, RetryPolicy
 from encode_client._types import LookupItem, Result, TokenCount, UploadStats, WarmItem
@@ -104,6 +104,16 @@ def _normalize(url: str) -> str:
     return url
 
 
+def _require_grpc() -> None:
+    """A ``grpc://`` replica needs grpcio and protobuf (the ``[grpc]`` extra): refused when the
+    client is made, naming the extra, rather than by every call's ModuleNotFoundError."""
+    try:
+        import google.protobuf  # noqa: F401
+        import grpc  # noqa: F401
+    except ImportError as exc:
+        raise MissingExtra("a grpc:// replica", "grpc", exc.name) from None
+
+
 class BaseClient:
     """Configuration and the flows. ``urls``: one or more replicas, ``http(s)://host:port`` or
     ``grpc://host:port``. ``response``: "safetensors" (default, compact) or "json" for HTTP."""
@@ -133,6 +143,8 @@ class BaseClient:
         self._counts = {"hash_first": 0, "direct": 0, "hits": 0, "misses": 0, "bytes": 0, "switches": 0}
         self._last_mode = self._mode()
         self.replicas = [_normalize(u) for u in replicas]
+        if any(r.startswith("grpc://") for r in self.replicas):
+            _require_grpc()
         self.api_key = api_key
         self.response = response
         self.retry = retry or RetryPolicy()

@@ -3,7 +3,8 @@
     EncodeClientError
     ├── ServerError            an error answer: HTTP status (gRPC mapped to it), ``type``, ``index``
     ├── ReplicaUnavailable     no answer: connection refused or reset, DNS, a transport timeout
-    └── PrefixKeyError         bad input to the image-aware prefix key (also a ValueError)
+    ├── PrefixKeyError         bad input to the image-aware prefix key (also a ValueError)
+    └── MissingExtra           a part used without its optional dependencies (also an ImportError)
 
 ``ServerError.retryable`` (503, 504) and ``ReplicaUnavailable`` are what the retry policy retries;
 every other 4xx is the caller's to fix and is raised at once.
@@ -11,7 +12,7 @@ every other 4xx is the caller's to fix and is raised at once.
 
 from __future__ import annotations
 
-__all__ = ["EncodeClientError", "PrefixKeyError", "ReplicaUnavailable", "ServerError"]
+__all__ = ["EncodeClientError", "MissingExtra", "PrefixKeyError", "ReplicaUnavailable", "ServerError"]
 
 
 class EncodeClientError(Exception):
@@ -52,3 +53,17 @@ class ReplicaUnavailable(EncodeClientError):
 
 class PrefixKeyError(EncodeClientError, ValueError):
     """The prompt's placeholder runs do not match the images given."""
+
+
+class MissingExtra(EncodeClientError, ImportError):
+    """A part of the package used without the extra that installs what it imports (a ``grpc://``
+    replica without ``encode-client[grpc]``): said where it is configured, naming the extra,
+    instead of a ``ModuleNotFoundError`` from the first call."""
+
+    def __init__(self, what: str, extra: str, missing: str | None) -> None:
+        super().__init__(
+            f"{what} needs the [{extra}] extra ({missing or 'a dependency'} is not installed): "
+            f"pip install 'encode-client[{extra}]' (from a checkout: pip install './clients/python[{extra}]')",
+            name=missing,
+        )
+        self.extra = extra

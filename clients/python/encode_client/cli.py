@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from encode_client._client import AsyncClient, Client
-from encode_client._errors import ReplicaUnavailable, ServerError
+from encode_client._errors import MissingExtra, ReplicaUnavailable, ServerError
 from encode_client._images import VIDEO_SUFFIXES, ImageInput, Video, mm_hash
 from encode_client.safetensors import WireTensor, dump_safetensors
 
@@ -35,8 +35,11 @@ EXIT_CODES = """\
 exit codes:
   0  success
   1  the server refused something (an error answer, or some images failed in warm)
-  2  bad usage, or some arguments could not be read (the others were still processed)
-  3  no replica answered"""
+  2  bad usage (a grpc:// URL without the [grpc] extra too), or some arguments could not be read (the
+     others were still processed)
+  3  no replica answered
+
+grpc:// replicas need the [grpc] extra (grpcio, protobuf): pip install 'encode-client[grpc]'"""
 
 T = TypeVar("T")
 
@@ -52,8 +55,8 @@ def _connection_options(p: argparse.ArgumentParser, *, late: bool) -> None:
     prefix, default = ("late_", argparse.SUPPRESS) if late else ("", None)
     p.add_argument(
         "--url", action="append", dest=prefix + "url", default=default, metavar="URL",
-        help=f"server replica, http://, https:// or grpc:// (repeatable; default: $ENCODE_CLIENT_URL, "
-        f"URLs separated by commas, else {DEFAULT_URL})",
+        help=f"server replica, http://, https:// or grpc:// (grpc:// needs the [grpc] extra, below; repeatable; "
+        f"default: $ENCODE_CLIENT_URL, URLs separated by commas, else {DEFAULT_URL})",
     )
     p.add_argument("--api-key", dest=prefix + "api_key", default=default, metavar="KEY",
                    help="sent as Authorization: Bearer KEY (default: $ENCODE_CLIENT_API_KEY)")
@@ -289,7 +292,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         with Client(args.url, api_key=args.api_key, timeout=args.timeout) as client:
             command = {"encode": _cmd_encode, "lookup": _cmd_lookup, "tokens": _cmd_tokens}[args.command]
             return command(args, client, given)
-    except (UsageError, ValueError) as exc:
+    except (UsageError, ValueError, MissingExtra) as exc:
         print(f"encode-client: {exc}", file=sys.stderr)
         return 2
     except ServerError as exc:

@@ -108,8 +108,9 @@ def _require_grpc() -> None:
     """A ``grpc://`` replica needs grpcio and protobuf (the ``[grpc]`` extra): refused when the
     client is made, naming the extra, rather than by every call's ModuleNotFoundError."""
     try:
-        import google.protobuf  # noqa: F401
         import grpc  # noqa: F401
+
+        from encode_client._proto import encoder_pb2_grpc  # noqa: F401  (protobuf's, the calls' stubs)
     except ImportError as exc:
         raise MissingExtra("a grpc:// replica", "grpc", exc.name) from None
 

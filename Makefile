@@ -6,7 +6,10 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # The torch release the project is tested with lives in deploy/torch.txt, which the Dockerfile reads too.
 TORCH_REQ := deploy/torch.txt
-PORT ?= 8000
+# make serve's two ports, on 0.0.0.0 (all interfaces): HTTP and gRPC; GRPC_PORT=0 turns gRPC off.
+# The server's own variables, when set, are their defaults (a flag would override them).
+PORT ?= $(or $(ENCODE_SERVER_PORT),8000)
+GRPC_PORT ?= $(or $(ENCODE_SERVER_GRPC_PORT),50051)
 
 .PHONY: install tools serve test test-container test-vllm vllm-env lint bench bench-tower-memory soak clean proto openapi \
 	docs test-docs gpu-wheels gpu-rehearsal
@@ -27,7 +30,7 @@ $(STAMP): $(BIN)/python pyproject.toml clients/python/pyproject.toml $(TORCH_REQ
 install: $(STAMP)
 
 serve: install
-	$(BIN)/encode-server --host 0.0.0.0 --port $(PORT)
+	$(BIN)/encode-server --host 0.0.0.0 --port $(PORT) --grpc-port $(GRPC_PORT)
 
 # Binaries the tests run (never skipped silently): redis-server/redis-cli (fault and cluster tests
 # start their own), Debian's promtool and prometheus, docker-compose (validates deploy/), b3sum

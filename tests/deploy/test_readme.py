@@ -4,6 +4,8 @@ is where the map says it is. (Every link resolves: tests/docs/test_links.py.)"""
 
 from __future__ import annotations
 
+import os
+import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,3 +39,22 @@ def test_each_topic_is_on_its_page() -> None:
         text = _page(page)
         for needle in needles:
             assert needle in text, f"docs/{page}.md: {needle}"
+
+
+def _serve_command(*args: str, env: dict[str, str] | None = None) -> str:
+    """The encode-server line `make serve` would run (make -n: nothing runs)."""
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("ENCODE_SERVER_") and k != "PORT"}
+    done = subprocess.run(["make", "-n", "serve", *args], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          env={**environ, **(env or {})}, check=True)
+    return next(line for line in done.stdout.splitlines() if "encode-server" in line)
+
+
+def test_make_serve_says_and_moves_both_ports() -> None:
+    assert _serve_command().endswith("--host 0.0.0.0 --port 8000 --grpc-port 50051")
+    assert _serve_command("PORT=8001", "GRPC_PORT=50052").endswith("--port 8001 --grpc-port 50052")
+    by_env = _serve_command(env={"ENCODE_SERVER_PORT": "8003", "ENCODE_SERVER_GRPC_PORT": "0"})
+    assert by_env.endswith("--port 8003 --grpc-port 0")
+    for needle in ("gRPC on 0.0.0.0:50051", "make serve PORT=8001 GRPC_PORT=50052", "`GRPC_PORT=0`: no gRPC",
+                   "ENCODE_SERVER_GRPC_PORT", "are in `.venv/bin`", ".venv/bin/encode-client",
+                   "with the venv's blake3: .venv/bin/python -c \"import blake3"):
+        assert needle in README, needle

@@ -45,7 +45,8 @@ NOT_CODE = ("json", "promql", "text")  # sample output, queries, formulas, drawi
 
 # (page, the block's first line) -> why it is not run here.
 SKIP: dict[tuple[str, str], str] = {
-    ("README.md", "make serve   # creates .venv, installs, serves the built-in model on http://0.0.0.0:8000"):
+    ("README.md", "make serve   # creates .venv, installs, serves the built-in model: HTTP on 0.0.0.0:8000, gRPC on "
+     "0.0.0.0:50051"):
         "serves on the fixed port 8000 until stopped, and `make test` runs this very suite",
     ("README.md", ".venv/bin/encode-server --model Qwen/Qwen2.5-VL-7B-Instruct --host 0.0.0.0          # hub id"):
         "downloads multi-GB models from the Hugging Face hub; the families are tested on tiny "

@@ -1,9 +1,12 @@
 """Every shell and Python block of README.md and docs/*.md, run as a reader runs it, against live servers.
 
 The reader's setup: two built-in-model servers (``A`` with the shared Redis tier under its own key
-prefix, ``B`` without), a working folder holding the files the blocks name (``cat.png``,
-``dog.jpg``, a few more PNGs, ``./images/``), the venv's ``bin`` first on ``PATH`` (``python``,
-``encode-server``, ``encode-client``; ``b3sum`` and ``curl`` from the system) and
+prefix, ``B`` without), a working folder holding the files the blocks name (``cat.png``, a
+realistic photo-sized image: a noisy 640x480 PNG of some 900 KB, whose base64 is far past the
+kernel's 128 KiB limit on one command-line argument, so a block that puts it on a command line
+fails here as it would for a reader; ``dog.jpg``, a few more PNGs, ``./images/``), the venv's
+``bin`` first on ``PATH`` (``python``, ``encode-server``, ``encode-client``; ``b3sum`` and
+``curl`` from the system) and
 ``ENCODE_CLIENT_URL`` naming ``A``, as the CLI's help says to. Blocks about videos name the host
 ``qwen3-vl``: a third server, a tiny Qwen3-VL, started for the first such block only, with
 ``clip.mp4``, ``clip.ts`` and ``./videos/`` in the folder. Each block runs alone, in a fresh
@@ -79,6 +82,9 @@ SKIP: dict[tuple[str, str], str] = {
         "proxy against a real vLLM",
 }
 
+# Linux's limit on one argument of a program (a page x 32): a longer one is "Argument list too long".
+MAX_ARG_STRLEN = 128 * 1024
+
 _FENCE = re.compile(r"^```(\S*)[^\n]*\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
 
 
@@ -122,6 +128,19 @@ def test_every_block_is_run_or_skipped_for_a_stated_reason() -> None:
     assert len(RUNNABLE) >= 20, [str(b) for b in RUNNABLE]
 
 
+def test_no_block_puts_a_files_base64_on_a_command_line() -> None:
+    """The blocks that run do so with a photo-sized ``cat.png`` (see the module doc); this covers
+    the skipped ones too (grpcurl): a ``$(base64 FILE)`` is only ever an argument of ``printf``,
+    the shell's own, whose output is piped to the program (``-d @-``, ``-d @``)."""
+    outside_printf = [
+        f"{b}: {line.strip()}"
+        for b in BLOCKS if b.language == "bash"
+        for line in b.code.splitlines()
+        if "$(base64" in line and not line.lstrip().startswith("printf ")
+    ]
+    assert outside_printf == [], outside_printf
+
+
 @dataclass
 class Reader:
     """What a reader has: a folder, an environment, and the address each name in the docs means."""
@@ -159,7 +178,9 @@ def reader(server_logs: Path, shared_redis_url: str, tmp_path_factory: pytest.Te
     try:
         b = start_server(log_dir=server_logs)
         folder = tmp_path_factory.mktemp("reader")
-        (folder / "cat.png").write_bytes(image_bytes("PNG", 160, 120, seed=2400))
+        cat = image_bytes("PNG", 640, 480, seed=2400)
+        assert len(cat) * 4 // 3 > 4 * MAX_ARG_STRLEN, "cat.png is no longer a realistic size"
+        (folder / "cat.png").write_bytes(cat)
         (folder / "dog.jpg").write_bytes(image_bytes("JPEG", 120, 90, seed=2401))
         (folder / "bird.png").write_bytes(image_bytes("PNG", 64, 48, seed=2402))
         (folder / "images" / "more").mkdir(parents=True)

@@ -35,9 +35,40 @@ Image.MAX_IMAGE_PIXELS = None
 ACCEPTED_FORMATS = frozenset({"PNG", "JPEG", "MPO", "WEBP", "GIF", "BMP", "TIFF"})
 
 
+def _webp_canvas(data: bytes) -> tuple[int, int] | None:
+    """A WebP's canvas (width, height) from its first chunk header; None when not a WebP or unsaid.
+
+    Pillow hands a WebP to libwebp when it opens it, and libwebp allocates the whole canvas then
+    (16384 x 16384 x 4 = 1 GiB for a 40-byte file). Pillow's own limit, which we turn off, was the
+    only check before that, so the size is read and checked here first.
+    """
+    if len(data) < 30 or data[:4] != b"RIFF" or data[8:12] != b"WEBP":
+        return None
+    chunk = data[12:16]
+    if chunk == b"VP8X":  # extended: 24-bit canvas width - 1 and height - 1
+        return int.from_bytes(data[24:27], "little") + 1, int.from_bytes(data[27:30], "little") + 1
+    if chunk == b"VP8L" and data[20] == 0x2F:  # lossless: 14 bits each, minus one
+        bits = int.from_bytes(data[21:25], "little")
+        return (bits & 0x3FFF) + 1, ((bits >> 14) & 0x3FFF) + 1
+    if chunk == b"VP8 " and data[23:26] == b"\x9d\x01\x2a":  # lossy key frame: 14 bits each
+        return (int.from_bytes(data[26:28], "little") & 0x3FFF), (int.from_bytes(data[28:30], "little") & 0x3FFF)
+    return None
+
+
+def _check_pixels(width: int, height: int, index: int | None, max_pixels: int) -> None:
+    if width * height > max_pixels:
+        raise TooLarge(
+            f"image is {width}x{height} = {width * height} pixels, above the limit of {max_pixels}",
+            type="image_too_large",
+            index=index,
+        )
+
+
 def _open(data: bytes, index: int | None, max_pixels: int) -> Image.Image:
     if not data:
         raise BadInput("empty image (0 bytes)", type="invalid_image", index=index)
+    if canvas := _webp_canvas(data):
+        _check_pixels(*canvas, index, max_pixels)
     try:
         image = Image.open(io.BytesIO(data))
     except UnidentifiedImageError as exc:
@@ -54,12 +85,7 @@ def _open(data: bytes, index: int | None, max_pixels: int) -> Image.Image:
     width, height = image.size
     if width <= 0 or height <= 0:
         raise BadInput(f"image has no pixels ({width}x{height})", type="invalid_image", index=index)
-    if width * height > max_pixels:
-        raise TooLarge(
-            f"image is {width}x{height} = {width * height} pixels, above the limit of {max_pixels}",
-            type="image_too_large",
-            index=index,
-        )
+    _check_pixels(width, height, index, max_pixels)
     return image
 
 

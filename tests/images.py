@@ -53,6 +53,15 @@ def bomb_png_header(width: int = 60000, height: int = 60000) -> bytes:
     return b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", ihdr) + _chunk(b"IDAT", idat) + _chunk(b"IEND", b"")
 
 
+def bomb_webp_header(width: int = 16384, height: int = 16384) -> bytes:
+    """A lossless WebP header (VP8L) claiming ``width`` x ``height`` (16384 is the format's
+    maximum) with no data: libwebp would allocate that canvas when the file is opened."""
+    bits = (width - 1) | ((height - 1) << 14)
+    payload = b"\x2f" + struct.pack("<I", bits) + b"\x00" * 8
+    chunk = b"VP8L" + struct.pack("<I", len(payload)) + payload
+    return b"RIFF" + struct.pack("<I", 4 + len(chunk)) + b"WEBP" + chunk
+
+
 def slow_png(seed: int = 0, side: int = 4000) -> bytes:
     """A PNG of one colour, ``side`` x ``side``: tens of KB on the wire, but every one of its
     pixels (16 M by default) is inflated, unfiltered and resized before the model sees it, which

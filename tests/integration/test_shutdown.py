@@ -88,24 +88,30 @@ def test_a_second_sigterm_or_sigint_stops_at_once_and_answers_what_is_in_flight_
     try:
         http_answers: list[httpx.Response] = []
         grpc_answers: list[grpc.RpcError | pb.EncodeResponse] = []
-        stub = pb_grpc.EncoderStub(grpc.insecure_channel(server.grpc_target))
 
-        def via_http(seed: int) -> None:
-            body = {"items": [{"data": base64.b64encode(slow_png(seed=seed)).decode()}]}
+        def via_http(body: dict[str, object]) -> None:
             http_answers.append(httpx.post(server.url + "/v1/encode", json=body, timeout=60))
 
-        def via_grpc(seed: int) -> None:
-            request = pb.EncodeRequest(items=[pb.Item(data=slow_png(seed=seed))])
+        # Every body is built, and the gRPC channel connected, before anything is sent, so that the
+        # gRPC call joins the queue within milliseconds of the HTTP requests, while the first of
+        # them is still decoding.
+        bodies = [{"items": [{"data": base64.b64encode(slow_png(seed=310 + i)).decode()}]} for i in range(3)]
+        request = pb.EncodeRequest(items=[pb.Item(data=slow_png(seed=320))])
+        channel = grpc.insecure_channel(server.grpc_target)
+        grpc.channel_ready_future(channel).result(timeout=10)
+        stub = pb_grpc.EncoderStub(channel)
+
+        def via_grpc() -> None:
             try:
                 grpc_answers.append(stub.Encode(request, timeout=60))
             except grpc.RpcError as exc:
                 grpc_answers.append(exc)
 
-        threads = [threading.Thread(target=via_http, args=(310 + i,)) for i in range(3)]
+        threads = [threading.Thread(target=via_http, args=(body,)) for body in bodies]
         for t in threads:
             t.start()
         wait_for(lambda: metric(server, "encode_server_queue_depth") >= 3, "the HTTP requests never reached the queue")
-        threads.append(threading.Thread(target=via_grpc, args=(320,)))  # behind them: in flight at the stop
+        threads.append(threading.Thread(target=via_grpc))  # behind them: in flight at the stop
         threads[-1].start()
         wait_for(lambda: metric(server, "encode_server_queue_depth") >= 4, "the gRPC call never reached the queue")
 

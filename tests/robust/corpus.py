@@ -13,7 +13,7 @@ import zlib
 import numpy as np
 from PIL import Image, ImageOps
 
-from tests.images import bomb_png_header, rgb_image
+from tests.images import bomb_png_header, bomb_webp_header, rgb_image
 
 __all__ = ["corpus", "reference_png"]
 
@@ -55,14 +55,6 @@ def _tiff_bomb() -> bytes:
             else:
                 data[at + 8:at + 12] = struct.pack("<I", 50000)
     return bytes(data)
-
-
-def _webp_bomb() -> bytes:
-    """A lossless WebP header (VP8L) claiming 16384 x 16384, the format's maximum, with no data."""
-    bits = (16384 - 1) | ((16384 - 1) << 14)
-    payload = b"\x2f" + struct.pack("<I", bits) + b"\x00" * 8
-    chunk = b"VP8L" + struct.pack("<I", len(payload)) + payload
-    return b"RIFF" + struct.pack("<I", 4 + len(chunk)) + b"WEBP" + chunk
 
 
 def _flip_bits(data: bytes, seed: int, flips: int = 8) -> bytes:
@@ -143,7 +135,7 @@ def corpus() -> dict[str, bytes]:
         "png-huge-header-2^31": _png_with_size(2**31 - 1, 2**31 - 1),
         "gif-bomb-50k": _gif_bomb(),
         "tiff-bomb-50k": _tiff_bomb(),
-        "webp-bomb-16k": _webp_bomb(),
+        "webp-bomb-16k": bomb_webp_header(),
         "jpeg-cmyk": _cmyk_jpeg(),
         "jpeg-ycck": _ycck_jpeg(),
         "png-16bit-gray": _png16(),

@@ -3,13 +3,16 @@ as an image (or an image as a video), which modality its bytes are."""
 
 from __future__ import annotations
 
+import io
+
 import pytest
+from PIL import Image
 
 from encode_server.core.errors import BadInput, TooLarge
 from encode_server.core.sniff import other_modality_hint, sniff
 from encode_server.imaging import probe_size
 from encode_server.video import probe
-from tests.images import bomb_png_header, image_bytes
+from tests.images import bomb_png_header, bomb_webp_header, image_bytes
 from tests.videos import make_video
 
 
@@ -19,6 +22,34 @@ def test_a_header_above_pillows_own_limit_is_refused_with_the_servers_limit() ->
         probe_size(bomb_png_header(30000, 30000), max_pixels=40_000_000, index=3)
     assert refused.value.message == "image is 30000x30000 = 900000000 pixels, above the limit of 40000000"
     assert (refused.value.type, refused.value.index) == ("image_too_large", 3)
+
+
+def _webp(size: tuple[int, int], **options: object) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", size, (10, 200, 30)).save(buf, format="WEBP", **options)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize(
+    "options", [{"lossless": True}, {"lossless": False}, {"exif": Image.Exif().tobytes()}],
+    ids=["VP8L", "VP8", "VP8X"],
+)
+def test_a_webp_above_the_limit_is_refused_from_its_header_before_libwebp_allocates_its_canvas(
+    options: dict[str, object],
+) -> None:
+    # libwebp allocates the canvas when Pillow opens the file; with Pillow's limit off, only our
+    # header read stands before it. Every one of WebP's three first chunks says its canvas.
+    data = _webp((300, 200), **options)
+    with pytest.raises(TooLarge) as refused:
+        probe_size(data, max_pixels=59_999, index=1)
+    assert refused.value.message == "image is 300x200 = 60000 pixels, above the limit of 59999"
+    assert probe_size(data, max_pixels=60_000) == (300, 200)
+
+
+def test_a_webp_header_claiming_the_formats_maximum_is_too_large_not_unreadable() -> None:
+    with pytest.raises(TooLarge) as refused:
+        probe_size(bomb_webp_header(), max_pixels=40_000_000)
+    assert refused.value.message == "image is 16384x16384 = 268435456 pixels, above the limit of 40000000"
 
 
 def test_a_max_image_pixels_above_pillows_own_limit_holds() -> None:

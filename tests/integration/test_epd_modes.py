@@ -1,6 +1,6 @@
 """The rewrite follows the served family's EPD mode, read from a real server's ``GET /v1/model``:
 pixel-free (the built-in Qwen-style model: test_epd.py), pixels + uuid (a tiny InternVL), none (a
-CLIP tower: a deployment error, 502 from the proxy). vLLM itself: tests/vllm/test_proxy_pixels_uuid.py."""
+CLIP tower: a deployment error, 502 from the proxy). vLLM itself: tests/vllm/test_proxy_families.py."""
 
 from __future__ import annotations
 

@@ -1,20 +1,28 @@
-"""One test config per image family that vLLM consumes in the pixels-and-uuid EPD mode.
+"""The vLLM tests' records of the model families.
 
+``CASES``: one test config per image family that vLLM consumes in the pixels-and-uuid EPD mode.
 ``test_image_families.py`` runs the same proof for each case, one vLLM engine at a time: greedy
 tokens through the connector (pixels + uuid) equal vLLM's own on the same pixels, zeros stored
 under the key change them, encode-server's embedding equals vLLM's own tower, and /v1/tokens
 equals vLLM's placeholder count over many sizes and processor settings. Adding a family is a tiny
 checkpoint builder (tests/tiny/) and a ``FamilyCase`` here.
+
+``PROXY_CASES``: one record per family with an EPD contract (every one in ``encoders.FAMILIES``,
+pixel-free or pixels + uuid), for ``test_proxy_families.py``: its chats through
+``encode-epd-proxy`` and a vLLM OpenAI server. A family without one fails that module.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from tests.tiny import gemma3, glm4v, internvl, llava, llava_next, llava_onevision, mistral3
+from tests.vllm.tiny_qwen import make_tiny_qwen2_5_vl
+from tests.vllm.tiny_qwen3 import make_tiny_qwen3
 
 
 @dataclass(frozen=True)
@@ -126,3 +134,34 @@ CASES = [
         fixed_rows=True,
     ),
 ]
+
+
+@dataclass(frozen=True)
+class ProxyCase:
+    """A family's EPD stack over HTTP: the tiny checkpoint both encode-server and vLLM's OpenAI server
+    load, the chat's images, and a clip where the family takes video."""
+
+    name: str  # the family name GET /v1/model publishes
+    build: Callable[[Path], Path]
+    sizes: list[tuple[int, int]]  # the chat's images (width, height): at most 4
+    clip: tuple[int, float, int, int] | None = None  # (frames, fps, width, height) of its videos
+    vllm_args: tuple[str, ...] = ()  # more of `vllm serve`'s flags
+
+
+def _proxy_case(case: FamilyCase) -> ProxyCase:
+    # the first two sizes: one unresized and one resized or tiled image, in one chat
+    return ProxyCase(case.name, case.build, case.sizes[:2],
+                     vllm_args=("--mm-processor-kwargs", json.dumps(case.engine_processor_kwargs)))
+
+
+PROXY_CASES: dict[str, ProxyCase] = {
+    # A Qwen2.5-VL with a video processor. Its chat template has no video branch: vLLM places each
+    # item's placeholder itself (string content). 56 px frames and images are not resized.
+    "qwen2_vl": ProxyCase(
+        "qwen2_vl", lambda path: make_tiny_qwen2_5_vl(path, video={}), [(56, 56), (150, 100)],
+        clip=(5, 2.0, 56, 56), vllm_args=("--chat-template-content-format", "string"),
+    ),
+    # Qwen3-VL (the family's Qwen3.5 and MoE kinds share its parser): 64 px frames are not resized.
+    "qwen3_vl": ProxyCase("qwen3_vl", make_tiny_qwen3, [(64, 64), (128, 96)], clip=(4, 2.0, 64, 64)),
+    **{case.name: _proxy_case(case) for case in CASES},
+}

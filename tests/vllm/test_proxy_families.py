@@ -1,0 +1,191 @@
+"""Every family with an EPD contract through the proxy, as a user runs it: client ->
+``encode-epd-proxy`` -> vLLM's OpenAI server (an EC consumer with ``EncodeServerECConnector``), with
+encode-server and Redis beside them, a recording relay in front of vLLM. The list is
+``encoders.FAMILIES``' families with an ``epd`` contract, so a new family cannot be left out: one
+without a record in ``families.PROXY_CASES`` fails here.
+
+Per family, one stack at a time (its tiny checkpoint, encode-server, one vLLM OpenAI server): the
+chat's images (and a video, where the family takes video) through the proxy answer as plain vLLM
+does on the pixels, the repeat is a hit in encode-server, and zeros stored under the items' keys
+change the answer. The consumer keeps its tower, so it is also the oracle: the same chat sent to it
+straight, with its pixels and no ``uuid``, is named by vLLM's own hash, which the store never holds,
+so vLLM runs its own tower on the pixels and its own loader on the file (as ``test_image_families``
+does in-process). Pixel-free families' tower-free consumers are proven in ``test_proxy.py``,
+``test_proxy_qwen25_video.py`` and ``test_tower_free_qwen3.py``.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import redis
+from encode_client import Client, mm_hash
+from encode_client.epd import rewrite_chat_request
+from encode_client.keys import store_key
+from encode_client.proxy import EPDProxy
+
+from encode_server.encoders import FAMILIES, Family
+from tests.redis_procs import delete_prefix
+from tests.server import ServerProcess, start_server
+from tests.vllm.conftest import REDIS_URL, metric, png, running_proxy, stored_value
+from tests.vllm.epd_stack import Relay, answer_text, chat, post_chat, video_file, video_url_part, vllm_openai_server
+from tests.vllm.families import PROXY_CASES, ProxyCase
+
+PREFIX = f"test-vllm-proxy-families-{os.getpid()}"
+EPD_FAMILIES = {family.name: family for family in FAMILIES if family.epd is not None}
+# Each module-scoped stack starts one vLLM OpenAI server (20-140 s on the 2-core CI machine).
+pytestmark = pytest.mark.timeout(600)
+
+
+def test_every_family_with_an_epd_contract_has_a_proxy_case() -> None:
+    """The records follow the registry: none missing, none for a family that has gone, and a clip
+    wherever the family takes video."""
+    assert set(PROXY_CASES) == set(EPD_FAMILIES), "tests/vllm/families.py's PROXY_CASES against encoders.FAMILIES"
+    for name, family in EPD_FAMILIES.items():
+        assert ("video" in family.modalities) == (PROXY_CASES[name].clip is not None), name
+
+
+@dataclass(frozen=True)
+class Stack:
+    family: Family
+    case: ProxyCase
+    server: ServerProcess
+    consumer: dict[str, Any]  # vLLM's OpenAI server
+    relay: Relay  # in front of the consumer: what the proxy sent it
+    proxy: EPDProxy
+    prefix: str
+    clips: dict[str, bytes]  # "chat" and "fresh" (never sent to vLLM before the zeros control)
+
+    @property
+    def pixel_free(self) -> bool:
+        assert self.family.epd is not None
+        return self.family.epd.mode == "pixel_free"
+
+
+@pytest.fixture(scope="module", params=sorted(EPD_FAMILIES))
+def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, logs: Path) -> Iterator[Stack]:
+    name = request.param
+    if name not in PROXY_CASES:
+        pytest.fail(f"{name} has an EPD contract but no record in tests/vllm/families.py's PROXY_CASES")
+    case, family, prefix = PROXY_CASES[name], EPD_FAMILIES[name], f"{PREFIX}-{name}"
+    checkpoint = case.build(tmp_path_factory.mktemp(f"proxy-{name}"))
+    clips: dict[str, bytes] = {}
+    if case.clip is not None:
+        tmp = tmp_path_factory.mktemp(f"proxy-{name}-clips")
+        frames, fps, width, height = case.clip
+        clips = {"chat": video_file(tmp, *case.clip), "fresh": video_file(tmp, frames + 1, fps, width, height)}
+    server = start_server("--model", str(checkpoint), "--redis-url", REDIS_URL, "--cache-prefix", prefix,
+                          "--grpc-port", "0", "--dtype", "float32", log_dir=logs)
+    try:
+        extra = {"redis_url": REDIS_URL, "encoder_url": server.url, "prefix": prefix}
+        limits = {"image": len(case.sizes), "video": 1 if clips else 0}
+        with (
+            vllm_openai_server(checkpoint, extra, logs, case.vllm_args, tower=True, limits=limits) as consumer,
+            Relay(consumer["port"]) as relay,
+            running_proxy(relay.url, [server.url]) as proxy,
+        ):
+            print(f"\n{name}: EPD stack ready (vLLM OpenAI server in {consumer['startup_s']:.1f} s)")
+            yield Stack(family, case, server, consumer, relay, proxy, prefix, clips)
+    finally:
+        server.stop()
+        delete_prefix(redis.Redis.from_url(REDIS_URL), prefix)
+
+
+@pytest.fixture(scope="module")
+def any_clip(tmp_path_factory: pytest.TempPathFactory) -> bytes:
+    """A clip for the families that take no video: it must be refused, not forwarded."""
+    return video_file(tmp_path_factory.mktemp("proxy-any-clip"), 4, 2.0, 64, 64)
+
+
+def _images(stack: Stack, seed: int) -> list[bytes]:
+    return [png(w, h, seed=seed + i) for i, (w, h) in enumerate(stack.case.sizes)]
+
+
+def _encoded_and_hits(server: ServerProcess) -> tuple[float, float]:
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    return (metric(text, "encode_server_items_total", status="encoded"),
+            metric(text, "encode_server_items_total", status="hit"))
+
+
+def _through_the_proxy_as_plain_vllm(stack: Stack, body: dict[str, Any], media: list[bytes], kind: str) -> None:
+    """``body`` (whose items are ``media``, of ``kind`` "image" or "video") through the proxy: vLLM
+    is sent each item named by its mm_hash, in the family's mode; the answer is plain vLLM's on the
+    pixels; the repeat answers alike from encode-server's cache."""
+    encoded, hits = _encoded_and_hits(stack.server)
+    mark = stack.relay.mark()
+    first = answer_text(post_chat(stack.proxy.url, body))
+    sent = stack.relay.since(mark)
+    assert stack.relay.uuids_since(mark) == [mm_hash(d) for d in media]
+    if stack.pixel_free or kind == "video":
+        for data in media:
+            assert base64.b64encode(data)[-64:] not in sent, f"{kind} bytes reached vLLM"
+        assert f'"{kind}_embeds"'.encode() in sent and f'"{kind}_url"'.encode() not in sent
+    else:
+        for data in media:
+            assert base64.b64encode(data)[-64:] in sent, "the image is in the request to vLLM"
+        assert b"image_embeds" not in sent
+    assert _encoded_and_hits(stack.server) == (encoded + len(media), hits)
+
+    assert answer_text(post_chat(stack.proxy.url, body)) == first, "the repeat answered otherwise"
+    assert _encoded_and_hits(stack.server) == (encoded + len(media), hits + len(media)), "the repeat was not a hit"
+
+    plain = answer_text(post_chat(stack.consumer["url"], body))  # no uuid: vLLM's own tower and loader
+    print(f"\n{stack.family.name}, {len(media)} {kind}(s): through the proxy {first!r}, plain vLLM {plain!r}")
+    assert first == plain
+
+
+def test_images_through_the_proxy_answer_as_plain_vllm_and_the_repeat_is_a_hit(stack: Stack) -> None:
+    images = _images(stack, seed=400)
+    _through_the_proxy_as_plain_vllm(stack, chat(images), images, "image")
+
+
+def test_a_video_through_the_proxy_answers_as_plain_vllm_or_is_refused_naming_its_part(
+    stack: Stack, any_clip: bytes
+) -> None:
+    """Where the family takes video: as for images, and zeros under the video's key change the
+    answer. Where it does not: a 400 naming the part, and nothing reaches vLLM."""
+    if "video" not in stack.family.modalities:
+        mark = stack.relay.mark()
+        r = post_chat(stack.proxy.url, chat(_images(stack, seed=450)[:1], video_url_part(any_clip)))
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "messages[0].content[1]", error
+        assert "takes no video through the EPD path" in error["message"], error
+        assert stack.relay.since(mark) == b"", "a refused request reached vLLM"
+        return
+    clip = stack.clips["chat"]
+    _through_the_proxy_as_plain_vllm(stack, chat([], video_url_part(clip)), [clip], "video")
+    fresh = stack.clips["fresh"]
+    _zeros_under_the_keys(stack, chat([], video_url_part(fresh)), [fresh], "video")
+
+
+def _zeros_under_the_keys(stack: Stack, body: dict[str, Any], media: list[bytes], kind: str) -> None:
+    """The negative control, for items vLLM has never been sent (its encoder cache keeps an item under
+    its uuid): the request as the proxy rewrites it, sent to vLLM after each stored embedding is
+    replaced by zeros of its shape, answers otherwise than plain vLLM on the pixels, so the answers
+    through the proxy came from the store. (Through the proxy itself the hand-off would write the
+    server's own embedding back over the zeros.)"""
+    plain = answer_text(post_chat(stack.consumer["url"], body))
+    store = redis.Redis.from_url(REDIS_URL)
+    with Client(stack.server.url, response="json", timeout=60) as client:
+        rewritten, results = rewrite_chat_request(body, client)
+        fingerprint = str(client.model()["fingerprint"])
+        embeddings = [r.numpy() for r in client.encode(media)]  # a video is told by its bytes
+    for result, embedding in zip(results, embeddings, strict=True):
+        zeros = stored_value(np.zeros_like(embedding), fingerprint, result.hash, result.meta)
+        store.set(store_key(fingerprint, result.hash, prefix=stack.prefix), zeros)
+    poisoned = answer_text(post_chat(stack.consumer["url"], rewritten))
+    assert poisoned != plain, "zeros under the keys did not change the answer: vLLM did not read the store"
+
+
+def test_zeros_stored_under_an_images_key_change_the_answer(stack: Stack) -> None:
+    images = _images(stack, seed=500)
+    _zeros_under_the_keys(stack, chat(images), images, "image")

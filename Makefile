@@ -11,7 +11,7 @@ TORCH_REQ := deploy/torch.txt
 PORT ?= $(or $(ENCODE_SERVER_PORT),8000)
 GRPC_PORT ?= $(or $(ENCODE_SERVER_GRPC_PORT),50051)
 
-.PHONY: install tools serve test test-container test-vllm vllm-env lint bench bench-tower-memory soak clean proto openapi \
+.PHONY: install tools serve test test-quick test-container test-vllm vllm-env lint bench bench-tower-memory soak clean proto openapi \
 	docs test-docs gpu-wheels gpu-rehearsal
 
 $(BIN)/python:
@@ -51,17 +51,31 @@ tools:
 		fi; \
 	fi
 
+# Every suite prints its 30 slowest tests, setups and teardowns (where a fixture starts a process),
+# and the start-up seconds of every process it started (tests/startups.py).
+DURATIONS ?= --durations=30
+
 # The vLLM environment (minutes on a fresh machine, mostly downloads) builds in the background
 # while the server's suite runs; the vLLM tests run once both are done.
 VLLM_BUILD_LOG := $(HOME)/.cache/encode-server/vllm-env-build.log
 
 test: install tools test-container gpu-wheels
 	@mkdir -p $(dir $(VLLM_BUILD_LOG)); scripts/vllm_env.sh >/dev/null 2>$(VLLM_BUILD_LOG) & build=$$!; \
-	$(BIN)/ruff check . && $(BIN)/python -m pytest -q --ignore=tests/container; rc=$$?; \
+	$(BIN)/ruff check . && $(BIN)/python -m pytest -q $(DURATIONS) --ignore=tests/container; rc=$$?; \
 	if ! wait $$build; then cat $(VLLM_BUILD_LOG) >&2; echo "building the vLLM test environment failed" >&2; exit 1; fi; \
 	exit $$rc
 	$(MAKE) test-vllm
 	$(MAKE) gpu-rehearsal
+
+# The quick tier, for working between full runs (about 2 minutes on the 2-core machine): ruff, the
+# unit, docs and deploy tests, and the integration tests of the two front doors and the limits
+# (one server each). Not a substitute for `make test`, which is what CI runs and what lands.
+QUICK_TESTS := tests/unit tests/docs tests/deploy tests/integration/test_encode_api.py \
+	tests/integration/test_grpc_and_tokens.py tests/integration/test_limits.py
+
+test-quick: install tools
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q $(DURATIONS) $(QUICK_TESTS)
 
 # Builds the CPU image with podman (layers and the stand-in base image cached under
 # ~/.cache/encode-server/podman; only the code layer is rebuilt when the code changes) and runs it:
@@ -79,7 +93,7 @@ vllm-env:
 test-vllm: install tools
 	@env=$$(scripts/vllm_env.sh) && \
 	ENCODE_SERVER_PYTHON=$(abspath $(BIN))/python PYTHONPATH=$(CURDIR)/clients/python:$(CURDIR) \
-	"$$env/bin/python" -m pytest -q -p no:cacheprovider tests/vllm
+	"$$env/bin/python" -m pytest -q -p no:cacheprovider $(DURATIONS) tests/vllm
 
 # The GPU check's luggage (bench/gpu_check.sh on the lent GPU machine, which reaches no registry):
 # the wheels its python3 (3.12) lacks, derived from the pyproject files against

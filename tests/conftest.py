@@ -7,3 +7,20 @@ import importlib.util
 collect_ignore = [] if importlib.util.find_spec("vllm") is not None else ["vllm"]
 if importlib.util.find_spec("torchvision") is None:
     collect_ignore.append("gpu")
+
+
+def pytest_runtest_logstart(nodeid: str, location: tuple[str, int | None, str]) -> None:
+    from tests import startups
+
+    startups.set_current_test(nodeid)
+
+
+def pytest_terminal_summary(terminalreporter: object) -> None:
+    """The start-up seconds of every process the run started (tests/startups.py)."""
+    from tests import startups
+
+    lines = startups.summary()
+    if lines:
+        terminalreporter.write_sep("=", "process start-ups")  # type: ignore[attr-defined]
+        for line in lines:
+            terminalreporter.write_line(line)  # type: ignore[attr-defined]

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import httpx
 
+from tests import startups
+
 __all__ = ["ServerProcess", "free_port", "run_server_to_exit", "start_server"]
 
 
@@ -94,12 +96,15 @@ def start_server(
     with log_path.open("wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(env))
     server = ServerProcess(f"http://127.0.0.1:{port}", proc, log_path, grpc_port)
+    started = time.perf_counter()
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}:\n{server.log()}")
         try:
             if httpx.get(server.url + "/ready", timeout=2).status_code == 200:
+                model = args[args.index("--model") + 1] if "--model" in args else "builtin:tiny"
+                startups.record("encode-server", Path(model).name or model, time.perf_counter() - started)
                 return server
         except httpx.TransportError:
             pass

@@ -15,6 +15,7 @@ Typical use in a test::
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -219,6 +220,20 @@ def load_full_model(path: Path | str, *, conv_patch_embed: bool = False) -> PreT
     return model
 
 
+@functools.lru_cache(maxsize=4)
+def _cached_full_model(path: str, mtime_ns: int) -> PreTrainedModel:
+    return load_full_model(path)
+
+
+def _reference_model(path: Path | str) -> Any:
+    """``load_full_model(path)``, loaded once for the several images a test compares: the
+    references only read it (never what is under test), and a tiny full model takes most of a
+    second to load. Keyed by the checkpoint's config mtime too, so a rewritten checkpoint reloads;
+    the last four are kept."""
+    config = Path(path) / "config.json"
+    return _cached_full_model(str(Path(path).resolve()), config.stat().st_mtime_ns)
+
+
 def _inputs(path: Path | str, image: Image.Image) -> dict[str, torch.Tensor]:
     return dict(AutoImageProcessor.from_pretrained(path)(images=image, return_tensors="pt"))
 
@@ -230,7 +245,7 @@ def reference_clip_features(path: Path | str, image: Image.Image, output: str = 
     For SigLIP2 NaFlex, ``hidden`` keeps the image's own patches, not the padding up to
     ``max_num_patches``.
     """
-    model: Any = load_full_model(path)
+    model = _reference_model(path)
     inputs = _inputs(path, image)
     if isinstance(model, CLIPModel) and output == "pooled":
         return model.get_image_features(**inputs).pooler_output
@@ -245,7 +260,7 @@ def reference_clip_features(path: Path | str, image: Image.Image, output: str = 
 @torch.inference_mode()
 def reference_llava_features(path: Path | str, image: Image.Image) -> torch.Tensor:
     """``LlavaForConditionalGeneration.get_image_features`` for one image: N x D_llm."""
-    model: Any = load_full_model(path)
+    model = _reference_model(path)
     pixel_values = _inputs(path, image)["pixel_values"]
     return model.get_image_features(pixel_values=pixel_values).pooler_output[0]
 
@@ -253,7 +268,7 @@ def reference_llava_features(path: Path | str, image: Image.Image) -> torch.Tens
 @torch.inference_mode()
 def reference_qwen_features(path: Path | str, image: Image.Image) -> tuple[torch.Tensor, list[int]]:
     """``Qwen2(_5)_VLForConditionalGeneration.get_image_features`` for one image: (N x D_llm, [t, h, w])."""
-    model: Any = load_full_model(path)
+    model = _reference_model(path)
     inputs = _inputs(path, image)
     grid = inputs["image_grid_thw"]
     features = model.get_image_features(inputs["pixel_values"], grid).pooler_output[0]
@@ -273,7 +288,7 @@ def reference_qwen3_features(path: Path | str, image: Image.Image) -> tuple[torc
     """What vLLM's Qwen3-VL ``embed_multimodal`` hands its language model for one image: the full
     model's ``get_image_features`` merged rows with each DeepStack merger's rows after them on the
     last dimension (Qwen3.5: the merged rows alone). (N x D * (1 + k), [t, h, w])."""
-    model: Any = load_full_model(path)
+    model = _reference_model(path)
     inputs = _inputs(path, image)
     grid = inputs["image_grid_thw"]
     output = model.get_image_features(inputs["pixel_values"], grid)
@@ -285,7 +300,7 @@ def reference_qwen3_features(path: Path | str, image: Image.Image) -> tuple[torc
 def reference_internvl_features(path: Path | str, images: list[Image.Image]) -> list[torch.Tensor]:
     """``InternVLForConditionalGeneration.get_image_features`` for a batch of images, as vLLM calls it
     (last layer, CLS dropped, every image tiled as ``InternVLProcessor`` does): rows per image."""
-    model: Any = load_full_model(path)
+    model = _reference_model(path)
     inputs = AutoImageProcessor.from_pretrained(path)(images=images, crop_to_patches=True, return_tensors="pt")
     features = model.get_image_features(
         inputs["pixel_values"], vision_feature_layer=-1, vision_feature_select_strategy="default"
@@ -296,7 +311,7 @@ def reference_internvl_features(path: Path | str, images: list[Image.Image]) -> 
 @torch.inference_mode()
 def reference_gemma3_features(path: Path | str, images: list[Image.Image]) -> torch.Tensor:
     """``Gemma3ForConditionalGeneration.get_image_features`` for a batch of images: B x N x D_llm."""
-    model: Any = load_full_model(path)
+    model = _reference_model(path)
     pixel_values = AutoImageProcessor.from_pretrained(path)(images=images, return_tensors="pt")["pixel_values"]
     return model.get_image_features(pixel_values).pooler_output
 
@@ -306,7 +321,7 @@ def reference_mistral3_features(path: Path | str, image: Image.Image) -> torch.T
     """``Mistral3ForConditionalGeneration.get_image_features`` for one image, with the image processor
     called as ``PixtralProcessor`` calls it (patch size x merge size): rows x D_llm. (transformers
     5.24 fails on an image of one row: it squeezes the row dimension away.)"""
-    model: Any = load_full_model(path)
+    model = _reference_model(path)
     merged = model.config.vision_config.patch_size * model.config.spatial_merge_size
     processor = AutoImageProcessor.from_pretrained(path)
     inputs = processor(images=image, patch_size={"height": merged, "width": merged}, return_tensors="pt")
@@ -318,6 +333,6 @@ def reference_mistral3_features(path: Path | str, image: Image.Image) -> torch.T
 def reference_anyres_features(path: Path | str, image: Image.Image) -> torch.Tensor:
     """``LlavaNextForConditionalGeneration`` / ``LlavaOnevisionForConditionalGeneration``
     ``.get_image_features`` for one image: its packed rows (base tile, unpadded grid, newline rows) x D_llm."""
-    model: Any = load_full_model(path)
+    model = _reference_model(path)
     inputs = _inputs(path, image)
     return model.get_image_features(inputs["pixel_values"], inputs["image_sizes"]).pooler_output[0]

@@ -54,7 +54,9 @@ def make_video(
 
 
 if __name__ == "__main__":
-    out, count, fps, width, height, *rest = sys.argv[1:]
-    data = make_video(int(count), float(fps), int(width), int(height), codec=rest[0] if rest else "libx264")
-    with open(out, "wb") as f:
-        f.write(data)
+    # OUT FRAMES FPS WIDTH HEIGHT CODEC, once per clip: one process makes them all.
+    args = sys.argv[1:]
+    for at in range(0, len(args), 6):
+        out, count, fps, width, height, codec = args[at:at + 6]
+        with open(out, "wb") as f:
+            f.write(make_video(int(count), float(fps), int(width), int(height), codec=codec))

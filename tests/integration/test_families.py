@@ -10,6 +10,7 @@ import base64
 import io
 import json
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -23,40 +24,41 @@ from encode_server.core.wire import load_safetensors
 from tests import tiny_models
 from tests.images import image_bytes
 from tests.server import ServerProcess, start_server
-from tests.tiny.gemma3 import make_tiny_gemma3
-from tests.tiny.glm4v import make_tiny_glm4v
-from tests.tiny.internvl import make_tiny_internvl
-from tests.tiny.llava_next import make_tiny_llava_next
-from tests.tiny.llava_onevision import make_tiny_llava_onevision
-from tests.tiny.mistral3 import make_tiny_mistral3
+from tests.tiny.records import RECORDS, TinyFamily
 
-FAMILIES = {
-    # name: (builder, extra server args, reference)
-    "clip": (lambda d: tiny_models.make_clip(d, kind="clip"), (), "clip"),
-    "clip-pooled": (lambda d: tiny_models.make_clip(d, kind="clip"), ("--output", "pooled"), "clip-pooled"),
-    "siglip": (lambda d: tiny_models.make_clip(d, kind="siglip"), (), "clip"),
-    "llava": (tiny_models.make_llava, ("--dtype", "float32"), "llava"),
-    # float32 named: a family vLLM consumes follows vLLM's auto, which runs a float32 checkpoint in
-    # bfloat16 on this CPU (test_dtype.py); the comparison here is with the float32 full model.
-    "qwen2_5_vl": (tiny_models.make_qwen2_5_vl, ("--dtype", "float32"), "qwen"),
-    "qwen3_vl": (tiny_models.make_qwen3, ("--dtype", "float32"), "qwen3"),
-    "internvl": (make_tiny_internvl, ("--dtype", "float32"), "internvl"),
-    "gemma3": (make_tiny_gemma3, ("--dtype", "float32"), "gemma3"),
-    "mistral3": (make_tiny_mistral3, ("--dtype", "float32"), "mistral3"),
-    "glm4v": (make_tiny_glm4v, ("--dtype", "float32"), "qwen"),  # the same get_image_features and meta
-    "llava_onevision": (make_tiny_llava_onevision, ("--dtype", "float32"), "anyres"),
-    "llava_next": (make_tiny_llava_next, ("--dtype", "float32"), "anyres"),
+
+@dataclass(frozen=True)
+class Case:
+    record: TinyFamily
+    kind: str  # the model type served
+    args: tuple[str, ...]  # more server flags
+    reference: str
+
+
+# float32 named: a family vLLM consumes follows vLLM's auto, which runs a float32 checkpoint in
+# bfloat16 on this CPU (test_dtype.py); the comparison here is with the float32 full model.
+def _args(record: TinyFamily) -> tuple[str, ...]:
+    return ("--dtype", "float32") if record.name not in ("clip", "siglip2") else ()
+
+
+# One server per family, serving its record's first model type (the family's other model types
+# share its adapter: tests/unit/encoders prove them), and two more: SigLIP, whose weights differ
+# from CLIP's, and CLIP's pooled output.
+CASES: dict[str, Case] = {
+    **{record.kind: Case(record, record.kind, _args(record), record.reference) for record in RECORDS.values()},
+    "siglip": Case(RECORDS["clip"], "siglip", (), "clip"),
+    "clip-pooled": Case(RECORDS["clip"], "clip", ("--output", "pooled"), "clip-pooled"),
 }
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
+@pytest.fixture(scope="module", params=list(CASES))
 def family(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, server_logs: Path
 ) -> Iterator[tuple[str, Path, ServerProcess]]:
     name = request.param
-    build, args, _ = FAMILIES[name]
-    path = build(tmp_path_factory.mktemp(name))
-    server = start_server("--model", str(path), "--max-wait-ms", "1", *args, log_dir=server_logs)
+    case = CASES[name]
+    path = case.record.builders[case.kind](tmp_path_factory.mktemp(name))
+    server = start_server("--model", str(path), "--max-wait-ms", "1", *case.args, log_dir=server_logs)
     yield name, path, server
     assert server.stop() == 0, server.log()
 
@@ -68,7 +70,7 @@ def _decode(data: bytes) -> Image.Image:
 
 def _reference(name: str, path: Path, data: bytes) -> tuple[torch.Tensor, dict]:
     image = _decode(data)
-    kind = FAMILIES[name][2]
+    kind = CASES[name].reference
     if kind == "clip":
         return tiny_models.reference_clip_features(path, image), {}
     if kind == "clip-pooled":
@@ -132,7 +134,7 @@ def test_model_reports_its_family(family: tuple[str, Path, ServerProcess]) -> No
     name, path, server = family
     model = httpx.get(server.url + "/v1/model").json()
     assert model["model"] == model["id"] == str(path)
-    assert model["kind"] == {"clip-pooled": "clip"}.get(name, name)
+    assert model["kind"] == CASES[name].kind
     assert model["meaningless"] is False
     item = _encode(server, [{"data": base64.b64encode(image_bytes("PNG", 64, 64, seed=9)).decode()}]).json()
     assert item["items"][0]["shape"][-1] == model["hidden_size"]
@@ -150,16 +152,20 @@ def test_token_counts_follow_the_processor(family: tuple[str, Path, ServerProces
         data = image_bytes("PNG", w, h, seed=w * h)
         item = _encode(server, [{"data": base64.b64encode(data).decode()}]).json()["items"][0]
         counts.add(item["num_tokens"])
-        if name.startswith("qwen") or name == "glm4v":
+        if CASES[name].reference in ("qwen", "qwen3"):
             grid = processor(images=_decode(data), return_tensors="pt")["image_grid_thw"][0].tolist()
             assert item["meta"]["image_grid_thw"] == grid
             assert item["num_tokens"] == int(np.prod(grid)) // processor.merge_size**2
+        if name == "siglip2":  # NaFlex: the image's own patches, up to max_num_patches
+            shapes = processor(images=_decode(data), return_tensors="pt")["spatial_shapes"][0]
+            assert item["num_tokens"] == int(shapes.prod()) <= processor.max_num_patches
         if name == "internvl":
             tiles = processor(images=_decode(data), crop_to_patches=True)["num_patches"][0]
             assert item["meta"] == {"image_num_patches": tiles}
             assert item["num_tokens"] == tiles * 4
-    if name.startswith("qwen") or name in ("internvl", "mistral3", "glm4v", "llava_onevision", "llava_next"):
-        assert len(counts) > 3, "sizes should give different token counts"
+    if CASES[name].record.variable_tokens:
+        # The tiny SigLIP2 takes at most 24 patches an image: two counts among these sizes.
+        assert len(counts) > (1 if name == "siglip2" else 3), "sizes should give different token counts"
     else:
         assert len(counts) == 1, f"{name} is fixed-resolution, got N in {counts}"
 

@@ -29,6 +29,7 @@ os.environ.update(
     TOKENIZERS_PARALLELISM="false",
 )
 
+from tests import startups
 from tests.vllm.tiny_qwen import make_tiny_qwen2_5_vl
 
 PROMPT_HEAD = "<|im_start|>user\n"
@@ -112,6 +113,8 @@ def engine(
     started = time.perf_counter()
     llm = LLM(**engine_args(model, ec_transfer_config, tower=tower, dtype=dtype, **overrides))
     llm.startup_seconds = time.perf_counter() - started  # type: ignore[attr-defined]
+    role = "EC consumer" if ec_transfer_config else "plain"
+    startups.record("vLLM engine (in-process)", f"{model.name}, {role}, tower {tower}", llm.startup_seconds)
     try:
         yield llm
     finally:

@@ -24,11 +24,12 @@ from typing import Any
 
 import httpx
 
+from tests import startups
 from tests.server import free_port
 
 __all__ = [
     "Relay", "answer_text", "chat", "chat_text", "data_url", "entered_together", "post_chat", "video_file",
-    "video_url_part", "vllm_openai_server",
+    "video_files", "video_url_part", "vllm_openai_server",
 ]
 
 _UUID = re.compile(rb'"uuid": ?"([^"]+)"')
@@ -39,13 +40,33 @@ def data_url(data: bytes) -> str:
     return "data:image/png;base64," + base64.b64encode(data).decode()
 
 
+VideoSpec = tuple[int, float, int, int, str]  # frames, fps, width, height, codec
+_CLIPS: dict[VideoSpec, bytes] = {}
+
+
+def video_files(tmp: Path, specs: Sequence[tuple[Any, ...]]) -> list[bytes]:
+    """Test videos (tests/videos.py; ``(frames, fps, width, height[, codec])`` each), made by the
+    server's Python, since this environment has no PyAV: all that this session has not made yet in
+    one process. A clip is a function of its spec, so each is made once per session."""
+    full: list[VideoSpec] = [(int(s[0]), float(s[1]), int(s[2]), int(s[3]), str(s[4]) if len(s) > 4 else "libx264")
+                             for s in specs]
+    missing = list(dict.fromkeys(spec for spec in full if spec not in _CLIPS))
+    if missing:
+        args, outs = [], []
+        for frames, fps, width, height, codec in missing:
+            out = tmp / f"{frames}-{fps}-{width}-{height}-{codec}.bin"
+            outs.append(out)
+            args += [str(out), str(frames), str(fps), str(width), str(height), codec]
+        python = os.environ.get("ENCODE_SERVER_PYTHON") or sys.executable
+        subprocess.run([python, "-m", "tests.videos", *args], check=True, cwd=Path(__file__).resolve().parents[2])
+        for spec, out in zip(missing, outs, strict=True):
+            _CLIPS[spec] = out.read_bytes()
+    return [_CLIPS[spec] for spec in full]
+
+
 def video_file(tmp: Path, frames: int, fps: float, width: int, height: int, codec: str = "libx264") -> bytes:
-    """A test video (tests/videos.py), made by the server's Python: this environment has no PyAV."""
-    out = tmp / f"{frames}-{fps}-{width}-{height}-{codec}.bin"
-    python = os.environ.get("ENCODE_SERVER_PYTHON") or sys.executable
-    subprocess.run([python, "-m", "tests.videos", str(out), str(frames), str(fps), str(width), str(height), codec],
-                   check=True, cwd=Path(__file__).resolve().parents[2])
-    return out.read_bytes()
+    """One test video (see ``video_files``)."""
+    return video_files(tmp, [(frames, fps, width, height, codec)])[0]
 
 
 def video_url_part(data: bytes, mime: str = "video/mp4") -> dict[str, Any]:
@@ -211,6 +232,7 @@ def vllm_openai_server(
         seconds = time.perf_counter() - started
         kind = "EC consumer, tower-free" if ec_extra is not None and not tower else "with its tower"
         print(f"\nvLLM OpenAI server ({kind}) ready in {seconds:.1f} s")
+        startups.record("vLLM OpenAI server", f"{model_dir.name}, {kind}", seconds)
         yield {"url": url, "port": port, "startup_s": seconds, "log": log_path}
     finally:
         if proc.poll() is None:

@@ -36,7 +36,16 @@ from encode_server.encoders import FAMILIES, Family
 from tests.redis_procs import delete_prefix
 from tests.server import ServerProcess, start_server
 from tests.vllm.conftest import REDIS_URL, metric, png, running_proxy, stored_value
-from tests.vllm.epd_stack import Relay, answer_text, chat, post_chat, video_file, video_url_part, vllm_openai_server
+from tests.vllm.epd_stack import (
+    Relay,
+    answer_text,
+    chat,
+    post_chat,
+    video_file,
+    video_files,
+    video_url_part,
+    vllm_openai_server,
+)
 from tests.vllm.families import PROXY_CASES, ProxyCase
 
 PREFIX = f"test-vllm-proxy-families-{os.getpid()}"
@@ -81,7 +90,8 @@ def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     if case.clip is not None:
         tmp = tmp_path_factory.mktemp(f"proxy-{name}-clips")
         frames, fps, width, height = case.clip
-        clips = {"chat": video_file(tmp, *case.clip), "fresh": video_file(tmp, frames + 1, fps, width, height)}
+        chat_clip, fresh = video_files(tmp, [case.clip, (frames + 1, fps, width, height)])
+        clips = {"chat": chat_clip, "fresh": fresh}
     server = start_server("--model", str(checkpoint), "--redis-url", REDIS_URL, "--cache-prefix", prefix,
                           "--grpc-port", "0", "--dtype", "float32", log_dir=logs)
     try:

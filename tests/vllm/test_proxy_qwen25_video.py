@@ -37,7 +37,7 @@ from tests.vllm.epd_stack import (
     chat,
     entered_together,
     post_chat,
-    video_file,
+    video_files,
     video_url_part,
     vllm_openai_server,
 )
@@ -61,7 +61,7 @@ def qwen25_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def clips(tmp_path_factory: pytest.TempPathFactory) -> list[bytes]:
     tmp = tmp_path_factory.mktemp("proxy_qwen25_videos")
-    return [video_file(tmp, *clip) for clip in CLIPS]
+    return video_files(tmp, CLIPS)
 
 
 @pytest.fixture(scope="module")

@@ -5,9 +5,9 @@ them, a recording relay in front of vLLM.
 The proxy hands the image and the video off and sends vLLM ``image_embeds`` and ``video_embeds``
 parts (the grid, the video's ``timestamps``, the identifier); the relay shows that no pixel or frame
 byte arrives, so vLLM cannot have run its tower on them: the connector supplied both embeddings.
-Plain vLLM with its tower answers the chat on the pixels and the video (its own loader: OpenCV's
-FFmpeg, 2 fps): the answers are equal. The videos are made with PyAV by the server's Python
-(``ENCODE_SERVER_PYTHON``).
+Plain vLLM with its tower (the consumer itself, sent the pixels and the video with no ``uuid``)
+answers the chat on them (its own loader: OpenCV's FFmpeg, 2 fps): the answers are equal. The
+videos are made with PyAV by the server's Python (``ENCODE_SERVER_PYTHON``).
 
 The consumer keeps its tower: vLLM 0.32 cannot take Qwen3-VL's DeepStack-wide embeddings tower-free
 (``Qwen3VLForConditionalGeneration.use_deepstack`` is False when the tower is a ``StageMissingLayer``,
@@ -39,9 +39,8 @@ from tests.vllm.epd_stack import (
     answer_text,
     chat,
     chat_text,
-    entered_together,
     post_chat,
-    video_file,
+    video_files,
     video_url_part,
     vllm_openai_server,
 )
@@ -54,7 +53,7 @@ IMAGE = png(64, 64, seed=60)  # a multiple of 32 within the processor's pixel li
 # One fresh video per retry case: vLLM's encoder cache keeps a video under its uuid once encoded.
 CLIP = (4, 2.0, 64, 64)
 LOST_CLIPS = {False: (5, 2.0, 64, 64), True: (6, 2.0, 64, 64)}
-# The first test starts both vLLM servers (each 20-140 s on the 2-core CI machine, by its load).
+# The first test starts the vLLM server (20-140 s on the 2-core CI machine, by its load).
 pytestmark = pytest.mark.timeout(600)
 
 
@@ -66,7 +65,8 @@ def qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def videos(tmp_path_factory: pytest.TempPathFactory) -> dict[str, bytes]:
     tmp = tmp_path_factory.mktemp("proxy_videos")
-    return {"clip": video_file(tmp, *CLIP), **{f"lost-{k}": video_file(tmp, *v) for k, v in LOST_CLIPS.items()}}
+    clip, *lost = video_files(tmp, [CLIP, *LOST_CLIPS.values()])
+    return {"clip": clip, **{f"lost-{k}": data for k, data in zip(LOST_CLIPS, lost, strict=True)}}
 
 
 @pytest.fixture(scope="module")
@@ -79,26 +79,19 @@ def server(qwen3_dir: Path, logs: Path) -> Iterator[ServerProcess]:
 
 
 @pytest.fixture(scope="module")
-def vllms(qwen3_dir: Path, server: ServerProcess, logs: Path) -> Iterator[list[dict[str, Any]]]:
-    """The module's two vLLM OpenAI servers, started at once: the EC consumer (with its tower, see the
-    module docstring), and plain vLLM with its tower (the oracle), each taking an image and a video
-    per prompt."""
+def consumer(qwen3_dir: Path, server: ServerProcess, logs: Path) -> Iterator[dict[str, Any]]:
+    """The EC consumer (with its tower, see the module docstring), taking an image and a video per
+    prompt. It is also plain vLLM, the oracle: a chat sent to it straight, with its pixels and its
+    video and no ``uuid``, is named by vLLM's own hashes, which the store never holds, so vLLM
+    loads and encodes them itself (as ``test_proxy_families.py`` and ``test_image_families.py``)."""
     extra = {"redis_url": REDIS_URL, "encoder_url": server.url, "prefix": PREFIX}
-    with entered_together(
-        vllm_openai_server(qwen3_dir, extra, logs, tower=True, limits={"image": 1, "video": 1}),
-        vllm_openai_server(qwen3_dir, None, logs, tower=True, limits={"image": 1, "video": 1}),
-    ) as running:
+    with vllm_openai_server(qwen3_dir, extra, logs, tower=True, limits={"image": 1, "video": 1}) as running:
         yield running
 
 
 @pytest.fixture(scope="module")
-def consumer(vllms: list[dict[str, Any]]) -> dict[str, Any]:
-    return vllms[0]
-
-
-@pytest.fixture(scope="module")
-def plain(vllms: list[dict[str, Any]]) -> dict[str, Any]:
-    return vllms[1]
+def plain(consumer: dict[str, Any]) -> dict[str, Any]:
+    return consumer
 
 
 @pytest.fixture(scope="module")

@@ -37,7 +37,7 @@ from tests.vllm.conftest import (
     outcome,
     scheduler_connector,
 )
-from tests.vllm.epd_stack import video_file
+from tests.vllm.epd_stack import video_files
 from tests.vllm.tiny_qwen import make_tiny_qwen2_5_vl
 from tests.vllm.video_oracle import assert_zeros_change_the_answer, encode_video, video_rows
 
@@ -56,7 +56,7 @@ UNRESIZED = 7  # VIDEOS[:7] are not resized by the processor
 @pytest.fixture(scope="module")
 def videos(tmp_path_factory: pytest.TempPathFactory) -> list[bytes]:
     tmp = tmp_path_factory.mktemp("videos")
-    return [video_file(tmp, *spec) for spec in VIDEOS]
+    return video_files(tmp, VIDEOS)
 
 
 @pytest.fixture(scope="module")
@@ -243,7 +243,7 @@ def test_video_token_parity_with_vllm_placeholders(llm: Any, server: ServerProce
 
     specs = [(4, 2.0, 64, 64), (7, 3.0, 64, 96), (25, 25.0, 160, 90), (3, 1.0, 320, 240), (48, 24.0, 64, 64),
              (60, 30.0, 200, 100), (9, 2.0, 34, 258), (11, 2.0, 28, 28), (90, 30.0, 56, 56)]
-    files = [video_file(tmp_path, *s) for s in specs] + [video_file(tmp_path, 10, 5.0, 96, 64, "libvpx-vp9")]
+    files = video_files(tmp_path, [*specs, (10, 5.0, 96, 64, "libvpx-vp9")])
     body = {"items": [{"data": base64.b64encode(f).decode(), "modality": "video"} for f in files]}
     r = httpx.post(server.url + "/v1/tokens", json=body, timeout=60)
     assert r.status_code == 200, r.text

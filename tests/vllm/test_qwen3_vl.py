@@ -1,15 +1,22 @@
-"""Qwen3-VL (dense, MoE) and Qwen3.5 images through vLLM as an EC consumer, pixel-free: the oracle,
-the negative control, parity with vLLM's own tower (DeepStack columns included) and placeholder
-counts, and the connector's width check on the wide DeepStack rows.
+"""Qwen3-VL (dense, MoE) and Qwen3.5 (dense, MoE) images and videos through vLLM as an EC
+consumer, pixel-free: the oracle, the negative control, parity with vLLM's own tower (DeepStack
+columns included), loader and processor, placeholder counts, and the connector's width check on the
+wide DeepStack rows.
 
 One engine at a time: the module's fixtures are parametrized by model type, so pytest runs every
-test for one checkpoint (one engine, one encode-server, one redis-server) before the next.
-Qwen3.5's text model needs bfloat16 on vLLM's CPU build (its gated delta-net kernels refuse
-float32): that engine runs in bfloat16; encode-server stays float32 (the connector casts).
+test for one checkpoint (one engine taking images and a video, one encode-server, one
+redis-server) before the next. Qwen3.5's text model needs bfloat16 on vLLM's CPU build (its gated
+delta-net kernels refuse float32): that engine runs in bfloat16; encode-server stays float32 (the
+connector casts).
+
+vLLM's side reads each video file with its own video loader (``Qwen3VLVideoBackend.load_bytes``:
+OpenCV's FFmpeg, 2 fps, at least 4 frames), as its OpenAI server does for a ``video_url``. The
+videos are made in the test with PyAV, by the server's Python (this environment has no PyAV).
 """
 
 from __future__ import annotations
 
+import base64
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +31,7 @@ from encode_client.keys import store_key
 from tests.redis_procs import RedisProcess, start_redis
 from tests.server import ServerProcess, start_server
 from tests.vllm.conftest import (
+    PROMPT_HEAD,
     connector_config,
     direct_embeds,
     engine,
@@ -34,16 +42,43 @@ from tests.vllm.conftest import (
     scheduler_connector,
     stored_value,
 )
-from tests.vllm.tiny_qwen3 import DEEPSTACK, MAX_PIXELS, MIN_PIXELS, make_tiny_qwen3
+from tests.vllm.epd_stack import video_files
+from tests.vllm.tiny_qwen3 import DEEPSTACK, MAX_PIXELS, MIN_PIXELS, OUT_HIDDEN, make_tiny_qwen3
+from tests.vllm.video_oracle import assert_zeros_change_the_answer, encode_video, video_rows
 
 PREFIX = f"test-vllm-qwen3-{os.getpid()}"
 KINDS = ["qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"]
 ENGINE_DTYPE = {"qwen3_5": "bfloat16", "qwen3_5_moe": "bfloat16"}
-OUT_HIDDEN = 64
 # width x height. The first three are multiples of 32 within [min_pixels, max_pixels]: not resized.
 SIZES = [(64, 64), (96, 64), (256, 192), (100, 70), (300, 260), (20, 300)]
 UNRESIZED = 3
 IMAGES = [png(w, h, seed=10 + i) for i, (w, h) in enumerate(SIZES)]
+VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"
+VIDEO_PROMPT = PROMPT_HEAD + VIDEO + "describe the image<|im_end|>\n<|im_start|>assistant\n"
+# (frames, fps, width, height): 2 s at 2 fps (4 frames, 2 groups), 2.5 s (5 frames padded to 6),
+# 3 s at 10 fps (6 of 30 frames), 5 s at 4 fps (10 of 20) at 128x96; the last two are resized.
+VIDEOS = [(4, 2.0, 64, 64), (5, 2.0, 64, 64), (30, 10.0, 96, 64), (20, 4.0, 128, 96), (12, 6.0, 100, 70),
+          (16, 8.0, 50, 130)]
+VIDEO_UNRESIZED = 4
+# max |diff| of our rows from vLLM's loader + processor + tower, as a fraction of max |x|, for every
+# video (resized ones included: the resize is torchvision's arithmetic here too). float32: float
+# noise (vLLM's tower fuses q/k/v and interpolates its position grid its own way); bfloat16: vLLM's
+# tower computes in bfloat16, ours in float32.
+TOLERANCE = {"float32": 1e-5, "bfloat16": 1e-2}
+PARITY_VIDEOS = [(4, 2.0, 64, 64), (7, 3.0, 64, 96), (25, 25.0, 160, 90), (3, 1.0, 320, 240), (48, 24.0, 64, 64),
+                 (60, 30.0, 200, 100), (9, 2.0, 34, 258)]
+
+
+@pytest.fixture(scope="module")
+def videos(tmp_path_factory: pytest.TempPathFactory) -> list[bytes]:
+    tmp = tmp_path_factory.mktemp("videos")
+    return video_files(tmp, VIDEOS)
+
+
+@pytest.fixture(scope="module")
+def parity_files(tmp_path_factory: pytest.TempPathFactory) -> list[bytes]:
+    tmp = tmp_path_factory.mktemp("parity_videos")
+    return video_files(tmp, [*PARITY_VIDEOS, (10, 5.0, 96, 64, "libvpx-vp9")])
 
 
 @pytest.fixture(scope="module", params=KINDS)
@@ -66,7 +101,7 @@ def redis_proc(kind: str) -> Iterator[RedisProcess]:
 def server(qwen3_dir: Path, redis_proc: RedisProcess, logs: Path) -> Iterator[ServerProcess]:
     proc = start_server(
         "--model", str(qwen3_dir), "--redis-url", redis_proc.url, "--cache-prefix", PREFIX,
-        "--grpc-port", "0", "--dtype", "float32", log_dir=logs,
+        "--grpc-port", "0", "--max-batch-tokens", "96", "--dtype", "float32", log_dir=logs,
     )
     yield proc
     proc.stop()
@@ -82,8 +117,10 @@ def client(server: ServerProcess) -> Iterator[Client]:
 def llm(kind: str, qwen3_dir: Path, redis_proc: RedisProcess, server: ServerProcess) -> Iterator[Any]:
     config = connector_config(redis_proc.url, server.url, PREFIX, timeout_ms=500)
     dtype = ENGINE_DTYPE.get(kind, "float32")
-    with engine(qwen3_dir, config, tower=True, dtype=dtype) as llm:  # plain vLLM on the pixels too
-        print(f"\n{kind}: vLLM engine (EC consumer, {dtype}) started in {llm.startup_seconds:.1f} s")
+    # With its tower (plain vLLM on the pixels and the files too), images and a video per prompt.
+    with engine(qwen3_dir, config, tower=True, dtype=dtype, limit_mm_per_prompt={"image": 4, "video": 1},
+                max_model_len=2048) as llm:
+        print(f"\n{kind}: vLLM engine (EC consumer, images and video, {dtype}) started in {llm.startup_seconds:.1f} s")
         yield llm
 
 
@@ -234,3 +271,144 @@ def test_the_family_is_published_for_the_proxy(kind: str, client: Client) -> Non
     assert model["family"]["name"] == "qwen3_vl"
     assert model["family"]["epd"]["mode"] == "pixel_free"
     assert model["family"]["epd"]["fields"]["image"] == ["image_grid_thw"]
+
+
+def _video_metadata_only(meta: dict[str, Any], mm_hash: str) -> dict[str, Any]:
+    import torch
+
+    item = {"video_grid_thw": torch.tensor([meta["video_grid_thw"]]), "timestamps": [meta["timestamps"]]}
+    return {"prompt": VIDEO_PROMPT, "multi_modal_data": {"video": item}, "multi_modal_uuids": {"video": [mm_hash]}}
+
+
+def _video_direct(rows: np.ndarray, meta: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    item = {"video_embeds": torch.tensor(rows), "video_grid_thw": torch.tensor([meta["video_grid_thw"]]),
+            "timestamps": [meta["timestamps"]]}
+    return {"prompt": VIDEO_PROMPT, "multi_modal_data": {"video": item}}
+
+
+def _vllm_loaded(data: bytes) -> tuple[Any, dict[str, Any]]:
+    """The frames and metadata vLLM's own loader gives for the file (its OpenAI server's path)."""
+    from vllm.multimodal.video import Qwen3VLVideoBackend
+
+    return Qwen3VLVideoBackend.load_bytes(data)
+
+
+def _video_plain(data: bytes, uuid: str) -> dict[str, Any]:
+    return {"prompt": VIDEO_PROMPT, "multi_modal_data": {"video": _vllm_loaded(data)},
+            "multi_modal_uuids": {"video": [uuid]}}
+
+
+@pytest.fixture(scope="module")
+def video_baseline(llm: Any, server: ServerProcess, videos: list[bytes]) -> dict[str, Any]:
+    handed = [encode_video(server, v, "metadata") for v in videos]
+    rows = [video_rows(encode_video(server, v, "embeddings")) for v in videos]
+    metas = [h["meta"] for h in handed]
+    hashes = [h["hash"] for h in handed]
+    via_connector = greedy(llm, [_video_metadata_only(m, h) for m, h in zip(metas, hashes, strict=True)])
+    direct = greedy(llm, [_video_direct(r, m) for r, m in zip(rows, metas, strict=True)])
+    return {"metas": metas, "hashes": hashes, "rows": rows, "connector": via_connector, "direct": direct}
+
+
+def test_video_tokens_through_the_connector_equal_direct_video_embeds(llm: Any, video_baseline: dict[str, Any]) -> None:
+    """The oracle: metadata-only video items (grid + timestamps, uuid = mm_hash) give the tokens the
+    same rows given directly as video_embeds give; the connector served every video."""
+    assert video_baseline["connector"] == video_baseline["direct"]
+    counts = scheduler_connector(llm).counts
+    assert counts["hit"] >= len(VIDEOS) and counts["wrong_shape"] == 0, counts
+
+
+def test_zeros_in_the_store_change_the_video_answer(
+    llm: Any, server: ServerProcess, video_baseline: dict[str, Any], redis_proc: RedisProcess, videos: list[bytes]
+) -> None:
+    assert_zeros_change_the_answer(
+        llm, server, redis_proc, PREFIX, video_baseline, videos, _video_metadata_only, _video_direct
+    )
+
+
+def test_video_rows_and_tokens_match_vllms_own_loader_and_tower(
+    kind: str, llm: Any, videos: list[bytes], video_baseline: dict[str, Any]
+) -> None:
+    """vLLM's own path on the file (its loader samples, its processor resizes and patches, its tower
+    encodes) gives encode-server's grid, timestamps and rows, every column (DeepStack blocks
+    included), resized videos too: max |diff| <= TOLERANCE x max |x| (PyAV and OpenCV decode the
+    H.264 stream with FFmpeg; the resize is torchvision's arithmetic in both). In float32, plain
+    vLLM's greedy tokens equal the EPD request's; in bfloat16 they are printed (a bfloat16 tower's
+    rows are not ours to the last bit, so a greedy token may flip)."""
+    dtype = ENGINE_DTYPE.get(kind, "float32")
+    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    own_tokens = greedy(llm, [_video_plain(v, f"video-pixels-{i}") for i, v in enumerate(videos)])
+    report = []
+    for i, (data, meta, rows) in enumerate(zip(videos, video_baseline["metas"], video_baseline["rows"], strict=True)):
+        _, vllm_meta = _vllm_loaded(data)
+        own = runner.encoder_cache[f"video-pixels-{i}"].float().cpu().numpy()
+        assert own.shape == rows.shape, (i, own.shape, rows.shape)
+        blocks = own.shape[1] // OUT_HIDDEN
+        diffs = [float(np.abs(a - b).max()) for a, b in zip(np.split(own, blocks, axis=1),
+                                                            np.split(rows, blocks, axis=1), strict=True)]
+        scale = float(np.abs(rows).max())
+        same = own_tokens[i] == video_baseline["connector"][i]
+        report.append(f"{kind} video {i} {VIDEOS[i]} ({'as is' if i < VIDEO_UNRESIZED else 'resized'}): vLLM sampled "
+                      f"{len(vllm_meta['frames_indices'])} frames, grid {meta['video_grid_thw']}, {rows.shape[0]} x "
+                      f"{rows.shape[1]}; max |diff| per block {' '.join(f'{d:.1e}' for d in diffs)} (of {scale:.1f}, "
+                      f"{max(diffs) / scale:.1e} x max); greedy {'equal' if same else 'DIFFER'}")
+        assert max(diffs) <= TOLERANCE[dtype] * max(1.0, scale), report[-1]
+        if dtype == "float32":
+            assert same, report[-1]
+    print("\n" + "\n".join(report))
+
+
+def test_video_pixels_equal_the_video_processors_bit_for_bit(qwen3_dir: Path, videos: list[bytes]) -> None:
+    """The server's frames to pixel_values_videos (``qwen_video.patchify``, torch without
+    torchvision) on the frames vLLM's loader decodes == the checkpoint's Qwen3VLVideoProcessor
+    (transformers' torchvision backend, what vLLM calls), bit for bit, resized videos included."""
+    import torch
+    from transformers import AutoVideoProcessor
+
+    from encode_server.encoders.qwen3_vl import _VIDEO_DEFAULTS, video_smart_resize
+    from encode_server.encoders.qwen_video import VideoConfig, patchify
+
+    processor = AutoVideoProcessor.from_pretrained(qwen3_dir)
+    config = VideoConfig(processor.to_dict(), defaults=_VIDEO_DEFAULTS)
+    for i, data in enumerate(videos):
+        frames, _ = _vllm_loaded(data)
+        theirs = processor(videos=[frames], do_sample_frames=False, cap_pixels_per_frame=False, return_tensors="pt")
+        rows, grid = patchify(frames, video_smart_resize(*frames.shape[:3], config), config)
+        assert [grid] == theirs["video_grid_thw"].tolist(), (i, grid, theirs["video_grid_thw"])
+        pixels = theirs["pixel_values_videos"]
+        assert torch.equal(rows, pixels), (i, VIDEOS[i], float((rows - pixels).abs().max()))
+
+
+def test_video_token_parity_with_vllm_placeholders(llm: Any, server: ServerProcess, parity_files: list[bytes]) -> None:
+    """/v1/tokens for a video, from its header alone, == vLLM's placeholder count (video pads) and
+    the grid and timestamps its processor computes, over lengths, rates, sizes and containers."""
+    from vllm import SamplingParams
+
+    body = {"items": [{"data": base64.b64encode(f).decode(), "modality": "video"} for f in parity_files]}
+    r = httpx.post(server.url + "/v1/tokens", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    ours = r.json()["items"]
+    video_token = llm.llm_engine.model_config.hf_config.video_token_id
+    outs = llm.generate([_video_plain(f, f"count-{i}") for i, f in enumerate(parity_files)],
+                        SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+    theirs = [o.prompt_token_ids.count(video_token) for o in outs]
+    assert [o["num_tokens"] for o in ours] == theirs, (ours, theirs)
+    for f, mine in zip(parity_files, ours, strict=True):
+        frames, vllm_meta = _vllm_loaded(f)
+        assert len(vllm_meta["frames_indices"]) == len(frames)
+        grid_t = -(-len(frames) // 2)
+        assert mine["meta"]["video_grid_thw"][0] == grid_t, (mine, vllm_meta)
+        assert len(mine["meta"]["timestamps"]) == grid_t
+
+
+def test_a_video_for_an_image_only_family_is_refused(tmp_path: Path, logs: Path, videos: list[bytes]) -> None:
+    from tests.tiny.llava import make_tiny_llava
+
+    proc = start_server("--model", str(make_tiny_llava(tmp_path / "llava")), "--grpc-port", "0", log_dir=logs)
+    try:
+        body = {"items": [{"data": base64.b64encode(videos[0]).decode(), "modality": "video"}]}
+        r = httpx.post(proc.url + "/v1/encode", json=body, timeout=30)
+        assert (r.status_code, r.json()["error"]["type"]) == (400, "unsupported_modality"), r.text
+    finally:
+        proc.stop()

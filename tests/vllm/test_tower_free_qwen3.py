@@ -32,7 +32,7 @@ from tests.vllm.conftest import (
     tower_parameters,
 )
 from tests.vllm.epd_stack import video_file
-from tests.vllm.test_qwen3_video import _direct, _metadata_only
+from tests.vllm.test_qwen3_vl import _video_direct, _video_metadata_only
 from tests.vllm.tiny_qwen3 import make_tiny_qwen3
 from tests.vllm.video_oracle import encode_video, video_rows
 
@@ -87,8 +87,9 @@ def test_qwen3_5_runs_tower_free(
     video = video_file(tmp_path_factory.mktemp("tower_free_video"), 5, 2.0, 64, 64)
     handed, rows = encode_video(server, video, "metadata"), video_rows(encode_video(server, video, "embeddings"))
     epd = [*(metadata_only(g, r.hash) for g, r in zip(grids, results, strict=True)),
-           _metadata_only(handed["meta"], handed["hash"])]
-    direct = [*(direct_embeds(e, g) for e, g in zip(embeddings, grids, strict=True)), _direct(rows, handed["meta"])]
+           _video_metadata_only(handed["meta"], handed["hash"])]
+    direct = [*(direct_embeds(e, g) for e, g in zip(embeddings, grids, strict=True)),
+              _video_direct(rows, handed["meta"])]
     config = connector_config(REDIS_URL, server.url, PREFIX, timeout_ms=500)
     answers = {}
     # Its text model needs bfloat16 on vLLM's CPU build.

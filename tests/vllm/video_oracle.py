@@ -1,4 +1,4 @@
-"""What the video oracles through vLLM share (test_qwen3_video, test_qwen25_video,
+"""What the video oracles through vLLM share (test_qwen3_vl, test_qwen25_video,
 test_tower_free_qwen3): encode-server's answer for a video and its rows, and the negative control
 (zeros stored under the videos' keys change the answer). Test videos: ``epd_stack.video_file``."""
 

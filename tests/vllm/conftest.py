@@ -11,7 +11,7 @@ import gc
 import io
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -60,9 +60,22 @@ def pil(data: bytes) -> Any:
     return Image.open(io.BytesIO(data)).convert("RGB")
 
 
+_CHECKPOINTS: dict[str, Path] = {}
+
+
+def tiny_checkpoint(name: str, build: Callable[[Path], Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny checkpoint ``name``, built by ``build`` once per session: the modules that serve the
+    same checkpoint share its directory, which every engine and server only reads (a test that
+    needs other settings copies it: ``copy_with_processor_settings``). ``name`` says the builder
+    and its arguments: one name, one checkpoint."""
+    if name not in _CHECKPOINTS:
+        _CHECKPOINTS[name] = build(tmp_path_factory.mktemp(f"tiny-{name}"))
+    return _CHECKPOINTS[name]
+
+
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_qwen2_5_vl(tmp_path_factory.mktemp("tiny-qwen2_5_vl"))
+    return tiny_checkpoint("qwen2_5_vl", make_tiny_qwen2_5_vl, tmp_path_factory)
 
 
 @pytest.fixture(scope="session")

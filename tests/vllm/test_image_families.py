@@ -22,7 +22,16 @@ from encode_client.keys import store_key
 from tests.redis_procs import RedisProcess, start_redis
 from tests.server import ServerProcess, start_server
 from tests.tiny import copy_with_processor_settings
-from tests.vllm.conftest import connector_config, engine, greedy, pil, png, scheduler_connector, stored_value
+from tests.vllm.conftest import (
+    connector_config,
+    engine,
+    greedy,
+    pil,
+    png,
+    scheduler_connector,
+    stored_value,
+    tiny_checkpoint,
+)
 from tests.vllm.families import CASES, FamilyCase
 
 PREFIX = f"test-vllm-families-{os.getpid()}"
@@ -41,7 +50,7 @@ def case(request: pytest.FixtureRequest) -> FamilyCase:
 
 @pytest.fixture(scope="module")
 def checkpoint(case: FamilyCase, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return case.build(tmp_path_factory.mktemp(f"tiny-{case.name}"))
+    return tiny_checkpoint(case.name, case.build, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

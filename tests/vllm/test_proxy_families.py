@@ -35,7 +35,7 @@ from encode_client.proxy import EPDProxy
 from encode_server.encoders import FAMILIES, Family
 from tests.redis_procs import delete_prefix
 from tests.server import ServerProcess, start_server
-from tests.vllm.conftest import REDIS_URL, metric, png, running_proxy, stored_value
+from tests.vllm.conftest import REDIS_URL, metric, png, running_proxy, stored_value, tiny_checkpoint
 from tests.vllm.epd_stack import (
     Relay,
     answer_text,
@@ -50,6 +50,9 @@ from tests.vllm.families import PROXY_CASES, ProxyCase
 
 PREFIX = f"test-vllm-proxy-families-{os.getpid()}"
 EPD_FAMILIES = {family.name: family for family in FAMILIES if family.epd is not None}
+# The session's name of a family's checkpoint where other modules serve it under another
+# (conftest.tiny_checkpoint: one name, one build); the others are named as the family.
+PROXY_CHECKPOINTS = {"qwen2_vl": "qwen2_5_vl-video"}
 # Each module-scoped stack starts one vLLM OpenAI server (20-140 s on the 2-core CI machine).
 pytestmark = pytest.mark.timeout(600)
 
@@ -85,20 +88,20 @@ def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     if name not in PROXY_CASES:
         pytest.fail(f"{name} has an EPD contract but no record in tests/vllm/families.py's PROXY_CASES")
     case, family, prefix = PROXY_CASES[name], EPD_FAMILIES[name], f"{PREFIX}-{name}"
-    checkpoint = case.build(tmp_path_factory.mktemp(f"proxy-{name}"))
+    model = tiny_checkpoint(PROXY_CHECKPOINTS.get(name, name), case.build, tmp_path_factory)
     clips: dict[str, bytes] = {}
     if case.clip is not None:
         tmp = tmp_path_factory.mktemp(f"proxy-{name}-clips")
         frames, fps, width, height = case.clip
         chat_clip, fresh = video_files(tmp, [case.clip, (frames + 1, fps, width, height)])
         clips = {"chat": chat_clip, "fresh": fresh}
-    server = start_server("--model", str(checkpoint), "--redis-url", REDIS_URL, "--cache-prefix", prefix,
+    server = start_server("--model", str(model), "--redis-url", REDIS_URL, "--cache-prefix", prefix,
                           "--grpc-port", "0", "--dtype", "float32", log_dir=logs)
     try:
         extra = {"redis_url": REDIS_URL, "encoder_url": server.url, "prefix": prefix}
         limits = {"image": len(case.sizes), "video": 1 if clips else 0}
         with (
-            vllm_openai_server(checkpoint, extra, logs, case.vllm_args, tower=True, limits=limits) as consumer,
+            vllm_openai_server(model, extra, logs, case.vllm_args, tower=True, limits=limits) as consumer,
             Relay(consumer["port"]) as relay,
             running_proxy(relay.url, [server.url]) as proxy,
         ):

@@ -30,7 +30,7 @@ from encode_client.proxy import EPDProxy
 
 from tests.redis_procs import delete_prefix
 from tests.server import ServerProcess, start_server
-from tests.vllm.conftest import REDIS_URL, running_proxy
+from tests.vllm.conftest import REDIS_URL, running_proxy, tiny_checkpoint
 from tests.vllm.epd_stack import (
     Relay,
     answer_text,
@@ -55,7 +55,7 @@ pytestmark = pytest.mark.timeout(600)
 
 @pytest.fixture(scope="module")
 def qwen25_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_qwen2_5_vl(tmp_path_factory.mktemp("qwen2_5_vl_proxy_video"), video={})
+    return tiny_checkpoint("qwen2_5_vl-video", lambda d: make_tiny_qwen2_5_vl(d, video={}), tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

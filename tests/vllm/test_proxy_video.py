@@ -33,7 +33,7 @@ from encode_client.proxy import EPDProxy
 
 from tests.redis_procs import delete_prefix
 from tests.server import ServerProcess, start_server
-from tests.vllm.conftest import REDIS_URL, metric, png, running_proxy
+from tests.vllm.conftest import REDIS_URL, metric, png, running_proxy, tiny_checkpoint
 from tests.vllm.epd_stack import (
     Relay,
     answer_text,
@@ -59,7 +59,7 @@ pytestmark = pytest.mark.timeout(600)
 
 @pytest.fixture(scope="module")
 def qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_qwen3(tmp_path_factory.mktemp("qwen3_vl_proxy_video"))
+    return tiny_checkpoint("qwen3_vl", make_tiny_qwen3, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

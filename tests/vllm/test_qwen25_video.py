@@ -36,6 +36,7 @@ from tests.vllm.conftest import (
     model_runner,
     outcome,
     scheduler_connector,
+    tiny_checkpoint,
 )
 from tests.vllm.epd_stack import video_files
 from tests.vllm.tiny_qwen import make_tiny_qwen2_5_vl
@@ -61,7 +62,7 @@ def videos(tmp_path_factory: pytest.TempPathFactory) -> list[bytes]:
 
 @pytest.fixture(scope="module")
 def qwen25_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_qwen2_5_vl(tmp_path_factory.mktemp("qwen2_5_vl_video"), video={})
+    return tiny_checkpoint("qwen2_5_vl-video", lambda d: make_tiny_qwen2_5_vl(d, video={}), tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

@@ -29,6 +29,7 @@ from tests.vllm.conftest import (
     metadata_only,
     png,
     scheduler_connector,
+    tiny_checkpoint,
     tower_parameters,
 )
 from tests.vllm.epd_stack import video_file
@@ -47,7 +48,7 @@ UNREAD = {"ec_connector": "EncodeServerECConnector", "ec_connector_module_path":
 def test_a_tower_free_deepstack_engine_is_refused_at_start_naming_the_fix(
     kind: str, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    model = make_tiny_qwen3(tmp_path_factory.mktemp(f"tower_free_{kind}"), kind)  # type: ignore[arg-type]
+    model = tiny_checkpoint(kind, lambda d: make_tiny_qwen3(d, kind), tmp_path_factory)  # type: ignore[arg-type]
     with pytest.raises(Exception) as info, engine(model, UNREAD):  # vLLM may wrap it: the message counts
         pass
     chain: list[str] = []
@@ -62,7 +63,7 @@ def test_a_tower_free_deepstack_engine_is_refused_at_start_naming_the_fix(
 
 @pytest.fixture(scope="module")
 def qwen35_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_qwen3(tmp_path_factory.mktemp("tower_free_qwen3_5"), "qwen3_5")
+    return tiny_checkpoint("qwen3_5", lambda d: make_tiny_qwen3(d, "qwen3_5"), tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

@@ -75,9 +75,14 @@ class Plan:
     rounds: int = 4
     images: int = 24  # unique images per round and server
     default_dtype: bool = True  # also encode-server in float32 (its CPU default before it followed vLLM's auto)
+    # The checkpoint's max_pixels. vLLM's E encodes a dummy image of this size at start (an EC
+    # producer measures its encoder's output width): 12.8 M pixels, 16k patches through full
+    # attention, is 2.5 minutes on 2 cores, most of --quick's time. 1 M still leaves the 640x480
+    # images unresized (391 rows).
+    max_pixels: int = MAX_PIXELS
 
 
-QUICK = Plan(rounds=2, images=4, default_dtype=False)
+QUICK = Plan(rounds=2, images=4, default_dtype=False, max_pixels=1_003_520)
 
 
 def vllm_env() -> Path:
@@ -86,11 +91,11 @@ def vllm_env() -> Path:
     return Path(out.stdout.strip().splitlines()[-1])
 
 
-def build_checkpoint(env: Path, directory: Path) -> Path:
+def build_checkpoint(env: Path, directory: Path, max_pixels: int = MAX_PIXELS) -> Path:
     """The checkpoint, saved by vLLM's own transformers (the one that must read it)."""
     code = (
         "import sys; from tests.vllm.tiny_qwen import make_tiny_qwen2_5_vl as make; "
-        f"make(sys.argv[1], vision={TOWER!r}, dtype='bfloat16', max_pixels={MAX_PIXELS})"
+        f"make(sys.argv[1], vision={TOWER!r}, dtype='bfloat16', max_pixels={max_pixels})"
     )
     subprocess.run([str(env / "bin" / "python"), "-c", code, str(directory)], check=True, cwd=ROOT,
                    env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True)
@@ -322,10 +327,11 @@ def run(plan: Plan) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="encode-bench-vllm-"))
     started = time.perf_counter()
     env = vllm_env()
-    model = build_checkpoint(env, work / "qwen2_5_vl-tower6x256-bf16")
+    model = build_checkpoint(env, work / "qwen2_5_vl-tower6x256-bf16", plan.max_pixels)
     detail: dict[str, Any] = {"model": "Qwen2.5-VL, tower 6 x 256 (out 64), tiny LM, bfloat16 checkpoint",
                               "images": "640x480 PNG, base64", "concurrency": CONCURRENCY,
-                              "rounds": plan.rounds, "images_per_round": plan.images}
+                              "rounds": plan.rounds, "images_per_round": plan.images,
+                              "max_pixels": plan.max_pixels}
     with vllm_encoder(env, model, work / "export-vllm", work) as theirs:
         with encode_server(model, work / "export-es", work, "bfloat16") as ours:
             detail.update(compare(ours, theirs, plan, seed=1))

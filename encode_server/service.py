@@ -576,14 +576,11 @@ class EncodeService:
         return info, plan
 
     def _prepare_video(self, data: bytes, index: int) -> PreparedImage:
-        from encode_server.encoders.qwen_video import frames_nbytes
         from encode_server.video import decode_frames
 
         started = time.perf_counter()
         info, plan = self._plan_video(data, index)
-        config = getattr(self.encoder, "video", None)
-        nbytes = frames_nbytes(len(plan.indices), info.height, info.width, plan.size, config) if config else 0
-        with self._charged(nbytes, index, "decoding this video"):
+        with self._charged(plan.nbytes, index, "decoding this video"):
             frames = decode_frames(data, plan.indices, size=(info.height, info.width), index=index)
             try:
                 prepared = self.encoder.preprocess_video(frames, plan)

@@ -66,12 +66,15 @@ class VideoPlan:
     """How one video becomes rows, decided from its header alone (``/v1/tokens``, the memory charge).
 
     ``indices``: the frames to decode, in order; ``size``: (height, width) each is resized to;
-    ``num_tokens``/``cost_tokens``/``meta`` as for an image (``meta`` e.g. ``video_grid_thw``)."""
+    ``num_tokens``/``cost_tokens``/``meta`` as for an image (``meta`` e.g. ``video_grid_thw``);
+    ``nbytes``: the peak host memory of decoding and preprocessing it, which the request-memory
+    budget charges before a frame is decoded (the family knows its copies: no default)."""
 
     indices: tuple[int, ...]
     size: tuple[int, int]
     num_tokens: int
     cost_tokens: int
+    nbytes: int
     meta: dict[str, Any] = field(default_factory=dict)
 
 

@@ -47,7 +47,7 @@ from .base import EncodedTensor, PreparedImage, VideoPlan
 from .family import Epd, Family
 from .hf import HFEncoder, LoadSpec, to_encoded
 from .loading import CheckpointFiles, Layout, empty_module, load_vision_weights
-from .qwen_video import VideoConfig, prepare_video, split_groups, video_grid
+from .qwen_video import VideoConfig, frames_nbytes, prepare_video, split_groups, video_grid
 
 __all__ = [
     "FAMILY", "LAYOUTS", "VIDEO_DEFAULTS", "PatchLinear", "QwenVisionEncoder", "as_patch_linear", "attach_video",
@@ -224,7 +224,8 @@ class QwenVisionEncoder(HFEncoder):
             # Qwen2_5_VLProcessor: temporal_patch_size / the sampled rate (frames kept / frames * fps).
             meta["second_per_grid_ts"] = self.video.temporal_patch_size / (len(indices) / info.num_frames * info.fps)
         patches = grid[0] * grid[1] * grid[2]
-        return VideoPlan(tuple(indices), size, patches // self.merge_size**2, patches, meta)
+        nbytes = frames_nbytes(len(indices), info.height, info.width, size, self.video)
+        return VideoPlan(tuple(indices), size, patches // self.merge_size**2, patches, nbytes, meta)
 
     def preprocess_video(self, frames: Any, plan: VideoPlan) -> PreparedImage:
         assert self.video is not None

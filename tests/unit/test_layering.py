@@ -46,3 +46,39 @@ def test_the_client_package_never_imports_the_server() -> None:
     for path in (ROOT / "clients/python/encode_client").rglob("*.py"):
         server = sorted(m for m in imported_modules(path) if m.split(".")[0] == "encode_server")
         assert server == [], f"{path.relative_to(ROOT)} imports {server}"
+
+
+# What the rest of the server may import from encoders/: the package's API (``load_encoder``,
+# ``FAMILIES``...), the interface every family implements, and the cores torch shares. Everything a
+# family knows stays in its module: the server asks the encoder (``VideoPlan.nbytes``, not a
+# family's own ``frames_nbytes``), so a new family is one module and nothing outside changes.
+ENCODER_SURFACE = ("encode_server.encoders", "encode_server.encoders.base", "encode_server.encoders.threads")
+
+
+def _imports_inside_functions_too(path: Path) -> set[str]:
+    """Every import of ``path``, a module's or a function's, relative ones resolved in the package."""
+    package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package.rsplit(".", node.level - 1)[0] if node.level else ""
+            module = ".".join(p for p in (base, node.module or "") if p)
+            found.add(module)
+            found.update(f"{module}.{alias.name}" for alias in node.names if module == "encode_server.encoders")
+    return found
+
+
+def test_no_module_outside_encoders_imports_a_family_module() -> None:
+    outside = [p for p in (ROOT / "encode_server").rglob("*.py") if "encoders" not in p.relative_to(ROOT).parts]
+    assert len(outside) > 20, "the walk found the server's modules"
+    leaks = {}
+    for path in outside:
+        reached = {m for m in _imports_inside_functions_too(path)
+                   if m.startswith("encode_server.encoders.") and m not in ENCODER_SURFACE}
+        # ``from encode_server.encoders import load_encoder``: names from the package, not modules.
+        reached = {m for m in reached if (ROOT / (m.replace(".", "/") + ".py")).is_file()}
+        if reached:
+            leaks[str(path.relative_to(ROOT))] = sorted(reached)
+    assert leaks == {}, f"family knowledge reached from outside encoders/: {leaks}"

@@ -67,3 +67,17 @@ def test_the_builtin_model_is_a_qwen_family_model() -> None:
     # Qwen2-VL video processor from when there is only the image processor's).
     plan = encoder.plan_video(VideoInfo(64, 48, 8, 4.0, "h264"), 2.0)
     assert set(encoder.family.epd.fields["video"]) <= set(plan.meta)
+
+
+@pytest.mark.parametrize("name", sorted(f.name for f in FAMILIES if "video" in f.modalities))
+def test_a_video_plan_says_what_decoding_it_holds(name: str, request: pytest.FixtureRequest) -> None:
+    """The request-memory budget charges a video's ``VideoPlan.nbytes`` before a frame is decoded:
+    every video family says it, at least the decoded frames themselves, and more for more frames."""
+    from tests.tiny.records import RECORDS
+
+    checkpoint = request.getfixturevalue(f"{RECORDS[name].kind}_dir")
+    encoder = load_encoder(str(checkpoint), device="cpu")
+    short, long = (encoder.plan_video(VideoInfo(64, 48, n, 4.0, "h264"), 2.0) for n in (8, 40))
+    for plan in (short, long):
+        assert plan.nbytes >= len(plan.indices) * 64 * 48 * 3, (name, plan)
+    assert len(long.indices) > len(short.indices) and long.nbytes > short.nbytes, (name, short, long)

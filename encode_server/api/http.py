@@ -43,7 +43,7 @@ from encode_server.api.schemas import (
     TokensRequestIn,
     TokensResponseOut,
 )
-from encode_server.api.status import status_for
+from encode_server.api.status import STATUS, status_for
 from encode_server.core.errors import EncodeServerError, InvalidRequest, Unauthorized, Unavailable
 from encode_server.core.types import ItemResult, Return
 from encode_server.core.wire import WireTensor, safetensors_parts
@@ -92,18 +92,9 @@ def _error_doc(*types: str) -> dict[str, Any]:
     return {"model": ErrorOut, "description": "error types: " + ", ".join(types)}
 
 
-_ENCODE_ERRORS: dict[int | str, dict[str, Any]] = {
-    400: _error_doc(
-        "invalid_json", "invalid_base64", "invalid_hash", "hash_mismatch", "invalid_image", "unsupported_image"
-    ),
-    401: _error_doc("unauthorized"),
-    409: _error_doc("no_shared_tier"),
-    413: _error_doc("payload_too_large", "image_too_large", "too_many_items", "value_too_large"),
-    415: _error_doc("unsupported_media_type"),
-    422: _error_doc("invalid_request"),
-    503: _error_doc("overloaded", "not_ready", "shared_tier_unavailable"),
-    504: _error_doc("timeout"),
-}
+# Every error the service answers, per HTTP status, from the error classes' own registry
+# (``core/errors.py``: ``types``): nothing to keep by hand.
+_ENCODE_ERRORS: dict[int | str, dict[str, Any]] = {status: _error_doc(*cls.types) for cls, status in STATUS}
 
 
 def _record(request: Request) -> RequestRecord:

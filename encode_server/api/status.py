@@ -15,9 +15,9 @@ from encode_server.core.errors import (
     UnsupportedMediaType,
 )
 
-__all__ = ["status_for"]
+__all__ = ["STATUS", "status_for"]
 
-_STATUS: tuple[tuple[type[EncodeServerError], int], ...] = (
+STATUS: tuple[tuple[type[EncodeServerError], int], ...] = (
     (BadInput, 400),
     (Unauthorized, 401),
     (Conflict, 409),
@@ -30,7 +30,7 @@ _STATUS: tuple[tuple[type[EncodeServerError], int], ...] = (
 
 
 def status_for(exc: EncodeServerError) -> int:
-    for cls, status in _STATUS:
+    for cls, status in STATUS:
         if isinstance(exc, cls):
             return status
     return 500

@@ -21,6 +21,8 @@ HTTP.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 __all__ = [
     "BadInput",
     "Conflict",
@@ -38,6 +40,9 @@ class EncodeServerError(Exception):
     """Base class; ``type`` is the stable, documented error code."""
 
     type: str = "internal"
+    # Every type this class is raised with, its default first: the one registry the OpenAPI
+    # document's error lists are derived from (a test holds the code's literals to it).
+    types: ClassVar[tuple[str, ...]] = ("internal",)
 
     def __init__(self, message: str, *, type: str | None = None, index: int | None = None) -> None:
         super().__init__(message)
@@ -59,30 +64,40 @@ class EncodeServerError(Exception):
 
 class BadInput(EncodeServerError):
     type = "invalid_image"
+    types = (
+        "invalid_image", "invalid_json", "invalid_base64", "invalid_hash",
+        "hash_mismatch", "unsupported_image", "invalid_video", "unsupported_modality",
+    )
 
 
 class InvalidRequest(EncodeServerError):
     type = "invalid_request"
+    types = ("invalid_request",)
 
 
 class TooLarge(EncodeServerError):
     type = "payload_too_large"
+    types = ("payload_too_large", "image_too_large", "video_too_large", "too_many_items", "value_too_large")
 
 
 class UnsupportedMediaType(EncodeServerError):
     type = "unsupported_media_type"
+    types = ("unsupported_media_type", "unsupported_video")
 
 
 class Unauthorized(EncodeServerError):
     type = "unauthorized"
+    types = ("unauthorized",)
 
 
 class Conflict(EncodeServerError):
     type = "no_shared_tier"
+    types = ("no_shared_tier",)
 
 
 class Unavailable(EncodeServerError):
     type = "overloaded"
+    types = ("overloaded", "not_ready", "shared_tier_unavailable")
 
     def __init__(
         self,
@@ -98,3 +113,4 @@ class Unavailable(EncodeServerError):
 
 class Timeout(EncodeServerError):
     type = "timeout"
+    types = ("timeout",)

@@ -185,3 +185,26 @@ def test_http_status_and_grpc_code_match_the_code() -> None:
             wrong.append(f"{kind}: {code} is not a gRPC status code")
     assert wrong == []
 
+
+
+def test_each_error_class_declares_every_type_it_is_raised_with() -> None:
+    """``types`` is the registry the OpenAPI document's error lists come from: every ``type=`` the
+    code gives a class is declared on it, its default first, and each type on one class only."""
+    by_class, _, _ = collect_types()
+    undeclared = sorted(f"{kind} ({name})" for kind, names in by_class.items() for name in names
+                        if kind not in ERROR_CLASSES[name].types)
+    assert undeclared == [], f"raised but not in the class's types (core/errors.py): {undeclared}"
+    for name, cls in ERROR_CLASSES.items():
+        assert cls.types[0] == cls.type, name
+    declared = [kind for cls in ERROR_CLASSES.values() for kind in cls.__dict__.get("types", ())]
+    assert len(declared) == len(set(declared)), sorted(declared)
+
+
+def test_the_openapi_documents_every_declared_type_under_its_status() -> None:
+    from encode_server.api.http import _ENCODE_ERRORS
+
+    for cls in ERROR_CLASSES.values():
+        if cls is errors.EncodeServerError:
+            continue
+        description = _ENCODE_ERRORS[status_for(cls("probe"))]["description"]
+        assert all(kind in description for kind in cls.types), (cls.__name__, description)

@@ -7,6 +7,7 @@ Run by ``make test-vllm`` in the cached vLLM venv; one engine per test module.
 
 from __future__ import annotations
 
+import functools
 import gc
 import io
 import os
@@ -63,19 +64,25 @@ def pil(data: bytes) -> Any:
 _CHECKPOINTS: dict[str, Path] = {}
 
 
-def tiny_checkpoint(name: str, build: Callable[[Path], Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny checkpoint ``name``, built by ``build`` once per session: the modules that serve the
-    same checkpoint share its directory, which every engine and server only reads (a test that
-    needs other settings copies it: ``copy_with_processor_settings``). ``name`` says the builder
-    and its arguments: one name, one checkpoint."""
-    if name not in _CHECKPOINTS:
-        _CHECKPOINTS[name] = build(tmp_path_factory.mktemp(f"tiny-{name}"))
-    return _CHECKPOINTS[name]
+def tiny_checkpoint(
+    tmp_path_factory: pytest.TempPathFactory, build: Callable[..., Path], *args: Any, **kwargs: Any
+) -> Path:
+    """``build(directory, *args, **kwargs)``, once per session: the modules that serve the same
+    checkpoint share its directory, which every engine and server only reads (a test that needs
+    other settings copies it: ``copy_with_processor_settings``). The builder and its arguments are
+    the key (a ``functools.partial`` is unwrapped into them), so one build is one checkpoint: pass
+    the same arguments the same way (``kind=`` by keyword) to share it."""
+    while isinstance(build, functools.partial):
+        args, kwargs, build = (*build.args, *args), {**build.keywords, **kwargs}, build.func
+    key = repr((build.__module__, build.__qualname__, args, sorted(kwargs.items())))
+    if key not in _CHECKPOINTS:
+        _CHECKPOINTS[key] = build(tmp_path_factory.mktemp(f"tiny-{build.__name__}"), *args, **kwargs)
+    return _CHECKPOINTS[key]
 
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_checkpoint("qwen2_5_vl", make_tiny_qwen2_5_vl, tmp_path_factory)
+    return tiny_checkpoint(tmp_path_factory, make_tiny_qwen2_5_vl)
 
 
 @pytest.fixture(scope="session")

@@ -14,6 +14,7 @@ pixel-free or pixels + uuid), for ``test_proxy_families.py``: its chats through
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -158,10 +159,11 @@ PROXY_CASES: dict[str, ProxyCase] = {
     # A Qwen2.5-VL with a video processor. Its chat template has no video branch: vLLM places each
     # item's placeholder itself (string content). 56 px frames and images are not resized.
     "qwen2_vl": ProxyCase(
-        "qwen2_vl", lambda path: make_tiny_qwen2_5_vl(path, video={}), [(56, 56), (150, 100)],
+        "qwen2_vl", functools.partial(make_tiny_qwen2_5_vl, video={}), [(56, 56), (150, 100)],
         clip=(5, 2.0, 56, 56), vllm_args=("--chat-template-content-format", "string"),
     ),
     # Qwen3-VL (the family's Qwen3.5 and MoE kinds share its parser): 64 px frames are not resized.
-    "qwen3_vl": ProxyCase("qwen3_vl", make_tiny_qwen3, [(64, 64), (128, 96)], clip=(4, 2.0, 64, 64)),
+    "qwen3_vl": ProxyCase("qwen3_vl", functools.partial(make_tiny_qwen3, kind="qwen3_vl"), [(64, 64), (128, 96)],
+                          clip=(4, 2.0, 64, 64)),
     **{case.name: _proxy_case(case) for case in CASES},
 }

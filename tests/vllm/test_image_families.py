@@ -50,7 +50,7 @@ def case(request: pytest.FixtureRequest) -> FamilyCase:
 
 @pytest.fixture(scope="module")
 def checkpoint(case: FamilyCase, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_checkpoint(case.name, case.build, tmp_path_factory)
+    return tiny_checkpoint(tmp_path_factory, case.build)
 
 
 @pytest.fixture(scope="module")

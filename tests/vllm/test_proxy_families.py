@@ -50,9 +50,6 @@ from tests.vllm.families import PROXY_CASES, ProxyCase
 
 PREFIX = f"test-vllm-proxy-families-{os.getpid()}"
 EPD_FAMILIES = {family.name: family for family in FAMILIES if family.epd is not None}
-# The session's name of a family's checkpoint where other modules serve it under another
-# (conftest.tiny_checkpoint: one name, one build); the others are named as the family.
-PROXY_CHECKPOINTS = {"qwen2_vl": "qwen2_5_vl-video"}
 # Each module-scoped stack starts one vLLM OpenAI server (20-140 s on the 2-core CI machine).
 pytestmark = pytest.mark.timeout(600)
 
@@ -88,7 +85,7 @@ def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     if name not in PROXY_CASES:
         pytest.fail(f"{name} has an EPD contract but no record in tests/vllm/families.py's PROXY_CASES")
     case, family, prefix = PROXY_CASES[name], EPD_FAMILIES[name], f"{PREFIX}-{name}"
-    model = tiny_checkpoint(PROXY_CHECKPOINTS.get(name, name), case.build, tmp_path_factory)
+    model = tiny_checkpoint(tmp_path_factory, case.build)
     clips: dict[str, bytes] = {}
     if case.clip is not None:
         tmp = tmp_path_factory.mktemp(f"proxy-{name}-clips")

@@ -59,7 +59,7 @@ pytestmark = pytest.mark.timeout(600)
 
 @pytest.fixture(scope="module")
 def qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_checkpoint("qwen3_vl", make_tiny_qwen3, tmp_path_factory)
+    return tiny_checkpoint(tmp_path_factory, make_tiny_qwen3, kind="qwen3_vl")
 
 
 @pytest.fixture(scope="module")

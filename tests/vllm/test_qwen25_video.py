@@ -62,7 +62,7 @@ def videos(tmp_path_factory: pytest.TempPathFactory) -> list[bytes]:
 
 @pytest.fixture(scope="module")
 def qwen25_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_checkpoint("qwen2_5_vl-video", lambda d: make_tiny_qwen2_5_vl(d, video={}), tmp_path_factory)
+    return tiny_checkpoint(tmp_path_factory, make_tiny_qwen2_5_vl, video={})
 
 
 @pytest.fixture(scope="module")

@@ -90,7 +90,7 @@ def kind(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture(scope="module")
 def qwen3_dir(kind: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_checkpoint(kind, lambda d: make_tiny_qwen3(d, kind), tmp_path_factory)  # type: ignore[arg-type]
+    return tiny_checkpoint(tmp_path_factory, make_tiny_qwen3, kind=kind)
 
 
 @pytest.fixture(scope="module")

@@ -48,7 +48,7 @@ UNREAD = {"ec_connector": "EncodeServerECConnector", "ec_connector_module_path":
 def test_a_tower_free_deepstack_engine_is_refused_at_start_naming_the_fix(
     kind: str, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    model = tiny_checkpoint(kind, lambda d: make_tiny_qwen3(d, kind), tmp_path_factory)  # type: ignore[arg-type]
+    model = tiny_checkpoint(tmp_path_factory, make_tiny_qwen3, kind=kind)
     with pytest.raises(Exception) as info, engine(model, UNREAD):  # vLLM may wrap it: the message counts
         pass
     chain: list[str] = []
@@ -63,7 +63,7 @@ def test_a_tower_free_deepstack_engine_is_refused_at_start_naming_the_fix(
 
 @pytest.fixture(scope="module")
 def qwen35_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_checkpoint("qwen3_5", lambda d: make_tiny_qwen3(d, "qwen3_5"), tmp_path_factory)
+    return tiny_checkpoint(tmp_path_factory, make_tiny_qwen3, kind="qwen3_5")
 
 
 @pytest.fixture(scope="module")

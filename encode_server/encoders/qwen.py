@@ -223,6 +223,14 @@ class QwenVisionEncoder(HFEncoder):
         if self.info.kind == "qwen2_5_vl":
             # Qwen2_5_VLProcessor: temporal_patch_size / the sampled rate (frames kept / frames * fps).
             meta["second_per_grid_ts"] = self.video.temporal_patch_size / (len(indices) / info.num_frames * info.fps)
+        return self._video_plan(info, indices, size, grid, meta)
+
+    def _video_plan(
+        self, info: VideoInfo, indices: list[int], size: tuple[int, int], grid: list[int], meta: dict[str, Any]
+    ) -> VideoPlan:
+        """The plan from the sampled frames and their grid: rows, cost and the memory charge, as
+        both Qwen video families (this one and Qwen3-VL's) count them."""
+        assert self.video is not None
         patches = grid[0] * grid[1] * grid[2]
         nbytes = frames_nbytes(len(indices), info.height, info.width, size, self.video)
         return VideoPlan(tuple(indices), size, patches // self.merge_size**2, patches, nbytes, meta)

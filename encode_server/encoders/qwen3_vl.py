@@ -34,7 +34,7 @@ from .family import Epd, Family
 from .hf import LoadSpec
 from .loading import CheckpointFiles
 from .qwen import QwenVisionEncoder, attach_video, load_vision_tower
-from .qwen_video import VideoConfig, frames_nbytes, video_grid
+from .qwen_video import VideoConfig, video_grid
 
 __all__ = ["FAMILY", "Qwen3VisionEncoder", "load_qwen3"]
 
@@ -121,10 +121,7 @@ class Qwen3VisionEncoder(QwenVisionEncoder):
         source_fps = info.fps if info.fps > 0 else _UNKNOWN_FPS
         seconds = [i / source_fps for i in padded]
         timestamps = [(seconds[i] + seconds[i + tp - 1]) / 2 for i in range(0, len(seconds), tp)]
-        patches = grid[0] * grid[1] * grid[2]
-        nbytes = frames_nbytes(len(indices), info.height, info.width, size, self.video)
-        return VideoPlan(tuple(indices), size, patches // self.merge_size**2, patches, nbytes,
-                         {"video_grid_thw": grid, "timestamps": timestamps})
+        return self._video_plan(info, indices, size, grid, {"video_grid_thw": grid, "timestamps": timestamps})
 
     @staticmethod
     def output_width(module: torch.nn.Module) -> int:

@@ -7,18 +7,15 @@ Only the starting is timed (until the process answers its readiness check), neve
 
 from __future__ import annotations
 
-import time
 from collections import defaultdict
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
-__all__ = ["Startup", "record", "summary", "timed"]
+__all__ = ["Startup", "record", "set_current_test", "summary"]
 
 
 @dataclass(frozen=True)
 class Startup:
-    kind: str  # "encode-server", "vLLM OpenAI server", "vLLM engine (in-process)", "redis-server"
+    kind: str  # "encode-server", "vLLM OpenAI server", "vLLM engine (in-process)"
     what: str  # which one: its model, its role
     seconds: float
     test: str  # the test (or fixture's first test) that started it
@@ -34,14 +31,6 @@ def set_current_test(nodeid: str) -> None:
 
 def record(kind: str, what: str, seconds: float) -> None:
     _STARTUPS.append(Startup(kind, what, seconds, _CURRENT_TEST[0]))
-
-
-@contextmanager
-def timed(kind: str, what: str) -> Iterator[None]:
-    """Records how long the ``with`` body took to start ``kind``, when it did not raise."""
-    started = time.perf_counter()
-    yield
-    record(kind, what, time.perf_counter() - started)
 
 
 def summary(slowest: int = 30) -> list[str]:

@@ -74,12 +74,13 @@ import binascii
 import copy
 import inspect
 import json
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Generator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from blake3 import blake3
 
+from encode_client._base import BaseClient, Flow
 from encode_client._client import AsyncClient, Client
 from encode_client._errors import ServerError
 from encode_client._images import mm_hash
@@ -397,6 +398,85 @@ def _refused_video(part: MediaPart, exc: ServerError) -> EPDError | ServerError:
     return exc
 
 
+# -- the rewrite, once: a flow of jobs, driven by the sync and the async rewrite ---------------------
+
+ContractSource = EpdContract | Callable[[], EpdContract | Awaitable[EpdContract]] | None
+# A job is a client flow (``BaseClient``'s, no I/O) or the caller's contract callable (a coroutine
+# function's awaited by the async driver). A step is the jobs that may run at once: the async driver
+# gathers them, the sync one runs them in order; either sends back one outcome per job, its value or
+# the exception it raised, so the flow, not the driver, decides which error the rewrite raises.
+Job = Flow[Any] | Callable[[], Any]
+RewriteFlow = Generator[list[Job], list[Any], tuple[dict[str, Any], list[Result]]]
+
+
+def _rewrite_flow(body: Mapping[str, Any], plan: ChatPlan, client: BaseClient, contract: ContractSource) -> RewriteFlow:
+    """The contract read, its check, the hand-offs (the images in one, each video in one of its own,
+    all at once) and ``apply_results``. The first failure in ``plan.media`` order is raised, a video
+    encode-server refused as an ``EPDError`` naming its part (``_refused_video``)."""
+    if not plan.media:
+        return apply_results(body, plan, [], None), []
+    if contract is None:
+        (model,) = yield [client._model_flow()]
+        contract = EpdContract.from_model(_value(model))
+    elif callable(contract):
+        (made,) = yield [contract]
+        contract = _value(made)
+    if not isinstance(contract, EpdContract):
+        raise TypeError(f"contract must be an EpdContract or a callable giving one, not {contract!r}")
+    check_contract(plan, contract)
+    named: list[MediaPart | None] = [None] if plan.images else []  # the images' call names no one part
+    jobs: list[Job] = [client._encode_flow([p.data for p in plan.images], "handoff", "image")] if plan.images else []
+    jobs += [client._encode_flow([v.data], "handoff", "video") for v in plan.videos]
+    outcomes = yield jobs
+    results: list[Result] = []
+    for video, outcome in zip([*named, *plan.videos], outcomes, strict=True):
+        if video is not None and isinstance(outcome, ServerError):
+            raise _refused_video(video, outcome)
+        results += _value(outcome)
+    return apply_results(body, plan, results, contract), results
+
+
+def _value(outcome: Any) -> Any:
+    """A job's outcome: its value, or the exception it raised, raised here."""
+    if isinstance(outcome, BaseException):
+        raise outcome
+    return outcome
+
+
+def _drive(flow: RewriteFlow, client: Client) -> tuple[dict[str, Any], list[Result]]:
+    """Run ``flow`` with ``client``: each step's jobs in order."""
+
+    def outcome(job: Job) -> Any:
+        try:
+            return client._run(job) if isinstance(job, Generator) else job()
+        except Exception as exc:
+            return exc
+
+    try:
+        step = next(flow)
+        while True:
+            step = flow.send([outcome(job) for job in step])
+    except StopIteration as stop:
+        return stop.value  # type: ignore[no-any-return]
+
+
+async def _drive_async(flow: RewriteFlow, client: AsyncClient) -> tuple[dict[str, Any], list[Result]]:
+    """Run ``flow`` with ``client``: each step's jobs at once."""
+
+    async def outcome(job: Job) -> Any:
+        if isinstance(job, Generator):
+            return await client._run(job)
+        made = job()
+        return await made if inspect.isawaitable(made) else made
+
+    try:
+        step = next(flow)
+        while True:
+            step = flow.send(list(await asyncio.gather(*(outcome(job) for job in step), return_exceptions=True)))
+    except StopIteration as stop:
+        return stop.value  # type: ignore[no-any-return]
+
+
 def rewrite_chat_plan(
     body: Mapping[str, Any],
     plan: ChatPlan,
@@ -405,17 +485,7 @@ def rewrite_chat_plan(
     contract: EpdContract | Callable[[], EpdContract] | None = None,
 ) -> tuple[dict[str, Any], list[Result]]:
     """``rewrite_chat_request`` for a request already checked into ``plan``."""
-    if not plan.media:
-        return apply_results(body, plan, [], None), []
-    contract = contract() if callable(contract) else contract or EpdContract.from_model(client.model())
-    check_contract(plan, contract)
-    results = client.hand_off([p.data for p in plan.images], modality="image") if plan.images else []
-    for video in plan.videos:
-        try:
-            results += client.hand_off([video.data], modality="video")
-        except ServerError as exc:
-            raise _refused_video(video, exc) from None
-    return apply_results(body, plan, results, contract), results
+    return _drive(_rewrite_flow(body, plan, client, contract), client)
 
 
 def rewrite_chat_request(
@@ -432,11 +502,12 @@ def rewrite_chat_request(
     ``client.model()`` then. The results are the hand-off's, one per ``ChatPlan.media`` (images,
     then videos, each in request order).
 
-    Each image and video is in encode-server's shared tier when this returns (``client.hand_off``).
-    Raises ``EPDError`` for a part it cannot read or refuses (a video encode-server refuses
-    included), ``EpdContractError`` when the served model has no EPD contract, and the client's
-    errors (``ServerError``, ``ReplicaUnavailable``) when encode-server refuses or does not answer.
-    ``body`` is not changed.
+    Each image and video is in encode-server's shared tier when this returns (``client.hand_off``;
+    the images in one hand-off, each video in one of its own). Raises ``EPDError`` for a part it
+    cannot read or refuses (a video encode-server refuses included), ``EpdContractError`` when the
+    served model has no EPD contract, and the client's errors (``ServerError``,
+    ``ReplicaUnavailable``) when encode-server refuses or does not answer: of several failed
+    hand-offs, the first in ``ChatPlan.media`` order. ``body`` is not changed.
     """
     plan = check_chat_request(body, trust_client_embeds=trust_client_embeds)
     return rewrite_chat_plan(body, plan, client, contract=contract)
@@ -447,11 +518,12 @@ async def rewrite_chat_request_async(
     client: AsyncClient,
     *,
     trust_client_embeds: bool = False,
-    contract: EpdContract | Callable[[], EpdContract | Awaitable[EpdContract]] | None = None,
+    contract: ContractSource = None,
 ) -> tuple[dict[str, Any], list[Result]]:
-    """``rewrite_chat_request`` with an ``AsyncClient``. A callable ``contract`` is called in the loop,
-    after the request is checked and only when it has images or videos; it may be a coroutine
-    function (the proxy's, which reads the contract from encode-server once)."""
+    """``rewrite_chat_request`` with an ``AsyncClient``, its hand-offs at once. A callable
+    ``contract`` is called in the loop, after the request is checked and only when it has images or
+    videos; it may be a coroutine function (the proxy's, which reads the contract from
+    encode-server once)."""
     plan = check_chat_request(body, trust_client_embeds=trust_client_embeds)
     return await rewrite_chat_plan_async(body, plan, client, contract=contract)
 
@@ -461,27 +533,7 @@ async def rewrite_chat_plan_async(
     plan: ChatPlan,
     client: AsyncClient,
     *,
-    contract: EpdContract | Callable[[], EpdContract | Awaitable[EpdContract]] | None = None,
+    contract: ContractSource = None,
 ) -> tuple[dict[str, Any], list[Result]]:
-    """``rewrite_chat_request_async`` for a request already checked into ``plan``: the images in one
-    hand-off, each video in one of its own, all at once."""
-    if not plan.media:
-        return apply_results(body, plan, [], None), []
-    if callable(contract):
-        made = contract()
-        contract = await made if inspect.isawaitable(made) else made
-    elif contract is None:
-        contract = EpdContract.from_model(await client.model())
-    check_contract(plan, contract)
-    calls = [client.hand_off([p.data for p in plan.images], modality="image")] if plan.images else []
-    calls += [client.hand_off([v.data], modality="video") for v in plan.videos]
-    outcomes = await asyncio.gather(*calls, return_exceptions=True)
-    named: list[MediaPart | None] = [None] if plan.images else []  # the images' call names no one part
-    results: list[Result] = []
-    for video, outcome in zip([*named, *plan.videos], outcomes, strict=True):
-        if video is not None and isinstance(outcome, ServerError):
-            raise _refused_video(video, outcome)
-        if isinstance(outcome, BaseException):
-            raise outcome
-        results += outcome
-    return apply_results(body, plan, results, contract), results
+    """``rewrite_chat_request_async`` for a request already checked into ``plan``."""
+    return await _drive_async(_rewrite_flow(body, plan, client, contract), client)

@@ -1,0 +1,219 @@
+"""The EPD rewrite is one flow (``epd._rewrite_flow``) that the sync and async rewrites only drive:
+the same body, results and errors from both, with clients whose ``_send`` answers from a script
+instead of the network (issue 31)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from encode_client import AsyncClient, Client, Result, ServerError, mm_hash
+from encode_client._base import Call
+from encode_client.epd import (
+    EpdContract,
+    EpdContractError,
+    EPDError,
+    check_chat_request,
+    rewrite_chat_plan,
+    rewrite_chat_plan_async,
+    rewrite_chat_request,
+    rewrite_chat_request_async,
+)
+
+PNG_A, PNG_B = b"\x89PNG\r\n\x1a\n a", b"\x89PNG\r\n\x1a\n b"
+MP4_A, MP4_B = b"\x00\x00\x00\x18ftypmp42 a", b"\x00\x00\x00\x18ftypmp42 b"
+QWEN3 = EpdContract("pixel_free", {"image": ("image_grid_thw",), "video": ("video_grid_thw", "timestamps")})
+MODEL = {"id": "m", "family": {"name": "qwen3_vl", "epd": {"mode": "pixel_free", "fields": {
+    "image": ["image_grid_thw"], "video": ["video_grid_thw", "timestamps"]}}}}
+META = {"image": {"image_grid_thw": [1, 4, 4]}, "video": {"video_grid_thw": [2, 4, 4], "timestamps": [0.25, 1.25]}}
+
+
+def _url(kind: str, data: bytes) -> str:
+    return f"data:{kind};base64," + base64.b64encode(data).decode()
+
+
+def image(data: bytes) -> dict[str, Any]:
+    return {"type": "image_url", "image_url": {"url": _url("image/png", data)}}
+
+
+def video(data: bytes) -> dict[str, Any]:
+    return {"type": "video_url", "video_url": {"url": _url("video/mp4", data)}}
+
+
+def chat(*parts: dict[str, Any]) -> dict[str, Any]:
+    return {"model": "m", "messages": [{"role": "user", "content": [*parts, {"type": "text", "text": "t"}]}]}
+
+
+class _Script:
+    """encode-server as a function of each call: a hand-off item is encoded with its modality's
+    meta, unless ``refuse`` maps its hash to the error to answer instead."""
+
+    def __init__(self, refuse: dict[str, ServerError] | None = None) -> None:
+        self.refuse = refuse or {}
+        self.calls: list[Call] = []
+
+    def answer(self, call: Call) -> Any:
+        self.calls.append(call)
+        if call.op == "model":
+            return [MODEL]
+        for item in call.payload:
+            if item.hash in self.refuse:
+                return self.refuse[item.hash]
+        return [Result(0, item.hash, "encoded", None, 8, (), None, meta=META[item.modality or "image"])
+                for item in call.payload]
+
+
+class _SyncScripted(Client):
+    def __init__(self, script: _Script) -> None:
+        super().__init__("http://encode-server.invalid", response="json")
+        self.script = script
+
+    def _send(self, call: Call) -> Any:
+        return self.script.answer(call)
+
+
+class _AsyncScripted(AsyncClient):
+    def __init__(self, script: _Script) -> None:
+        super().__init__("http://encode-server.invalid", response="json")
+        self.script = script
+
+    async def _send(self, call: Call) -> Any:
+        await asyncio.sleep(0)  # let the other hand-offs of the step start
+        return self.script.answer(call)
+
+
+def _both(body: dict[str, Any], refuse: dict[str, ServerError] | None = None, **kw: Any) -> list[Any]:
+    """What the sync and the async rewrite give for ``body``: (body, results) or the exception."""
+    outs: list[Any] = []
+    for run in (_run_sync, _run_async):
+        try:
+            outs.append(run(body, _Script(refuse), **kw))
+        except Exception as exc:  # compared below, by type and text
+            outs.append(exc)
+    return outs
+
+
+def _run_sync(body: dict[str, Any], script: _Script, **kw: Any) -> Any:
+    with _SyncScripted(script) as client:
+        return rewrite_chat_request(body, client, **kw)
+
+
+def _run_async(body: dict[str, Any], script: _Script, **kw: Any) -> Any:
+    async def go() -> Any:
+        async with _AsyncScripted(script) as client:
+            return await rewrite_chat_request_async(body, client, **kw)
+
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize("parts", [
+    (image(PNG_A), video(MP4_A), image(PNG_B), video(MP4_B)),
+    (video(MP4_B), video(MP4_A)),
+    (image(PNG_B), image(PNG_A)),
+    ({"type": "text", "text": "no media"},),
+], ids=["mixed", "videos", "images", "none"])
+def test_both_rewrites_give_one_body_and_the_results_images_then_videos_in_request_order(
+    parts: tuple[dict[str, Any], ...],
+) -> None:
+    body = chat(*parts)
+    sync, asynchronous = _both(body, contract=QWEN3)
+    assert sync == asynchronous
+    plan = check_chat_request(body)
+    rewritten, results = sync
+    assert [r.hash for r in results] == [mm_hash(p.data) for p in plan.media]
+    for part, result in zip(plan.media, results, strict=True):
+        kind = f"{part.modality}_embeds"
+        assert rewritten["messages"][0]["content"][part.part] == {"type": kind, kind: META[part.modality],
+                                                                    "uuid": result.hash}
+
+
+def test_a_video_encode_server_refuses_is_named_by_its_part_in_both_rewrites() -> None:
+    refused = {mm_hash(MP4_B): ServerError(400, "invalid_video", "no moov atom", 0)}
+    outs = _both(chat(image(PNG_A), video(MP4_A), video(MP4_B)), refused, contract=QWEN3)
+    for out in outs:
+        assert isinstance(out, EPDError) and out.where == "messages[0].content[2]"
+        assert "encode-server refused this video: 400 invalid_video: no moov atom" in str(out)
+
+
+@pytest.mark.parametrize(("status", "index"), [(409, 0), (429, 0), (500, None), (400, None)])
+def test_a_video_refusal_that_is_not_the_videos_fault_stays_the_servers_error(status: int, index: int | None) -> None:
+    refused = {mm_hash(MP4_A): ServerError(status, "no_shared_tier", "x", index)}
+    for out in _both(chat(video(MP4_A)), refused, contract=QWEN3):
+        assert type(out) is ServerError and out.status == status
+
+
+def test_of_several_failed_hand_offs_both_rewrites_raise_the_first_in_request_order() -> None:
+    refused = {mm_hash(PNG_A): ServerError(409, "no_shared_tier", "images", None),
+               mm_hash(MP4_A): ServerError(400, "invalid_video", "first video", 0),
+               mm_hash(MP4_B): ServerError(400, "invalid_video", "second video", 0)}
+    sync, asynchronous = _both(chat(video(MP4_A), image(PNG_A), video(MP4_B)), refused, contract=QWEN3)
+    assert type(sync) is type(asynchronous) is ServerError and sync.status == asynchronous.status == 409
+    del refused[mm_hash(PNG_A)]
+    for out in _both(chat(video(MP4_B), image(PNG_A), video(MP4_A)), refused, contract=QWEN3):
+        assert isinstance(out, EPDError) and out.where == "messages[0].content[0]" and "second video" in str(out)
+
+
+def test_the_hand_offs_are_one_step_of_the_flow_the_images_together_and_each_video_alone() -> None:
+    from encode_client.epd import _rewrite_flow
+
+    body = chat(image(PNG_A), video(MP4_A), image(PNG_B), video(MP4_B))
+    with _SyncScripted(_Script()) as client:
+        flow = _rewrite_flow(body, check_chat_request(body), client, QWEN3)
+        step = next(flow)
+        assert len(step) == 3  # one hand-off for the images, one per video: all at once
+        outcomes = [client._run(job) for job in step]
+        with pytest.raises(StopIteration) as done:
+            flow.send(outcomes)
+    assert [len(o) for o in outcomes] == [2, 1, 1]
+    assert [r.hash for r in done.value.value[1]] == [mm_hash(d) for d in (PNG_A, PNG_B, MP4_A, MP4_B)]
+
+
+def test_the_contract_is_read_only_for_a_request_with_media_from_a_callable_or_the_model() -> None:
+    asked: list[str] = []
+
+    def sync_contract() -> EpdContract:
+        asked.append("sync")
+        return QWEN3
+
+    async def async_contract() -> EpdContract:
+        asked.append("async")
+        return QWEN3
+
+    text = chat({"type": "text", "text": "no media"})
+    script = _Script()
+    _run_sync(text, script, contract=sync_contract)
+    _run_async(text, script, contract=async_contract)
+    assert asked == [] and script.calls == []  # no media: no contract, no call
+    _run_sync(chat(image(PNG_A)), _Script(), contract=sync_contract)
+    _run_async(chat(image(PNG_A)), _Script(), contract=async_contract)
+    assert asked == ["sync", "async"]
+    script = _Script()
+    sync, asynchronous = (run(chat(video(MP4_A)), script) for run in (_run_sync, _run_async))
+    assert sync == asynchronous and [c.op for c in script.calls] == ["model", "handoff"] * 2
+
+
+def test_a_contract_that_cannot_be_read_is_raised_by_both_rewrites_before_any_hand_off() -> None:
+    def broken() -> EpdContract:
+        raise EpdContractError("no family")
+
+    script = _Script()
+    for run in (_run_sync, _run_async):
+        with pytest.raises(EpdContractError, match="no family"):
+            run(chat(image(PNG_A)), script, contract=broken)
+    assert script.calls == []
+
+
+def test_the_plan_drivers_take_a_checked_plan() -> None:
+    body = chat(video(MP4_A), image(PNG_A))
+    plan = check_chat_request(body)
+    with _SyncScripted(_Script()) as client:
+        sync = rewrite_chat_plan(body, plan, client, contract=QWEN3)
+
+    async def go(run: Callable[..., Any]) -> Any:
+        async with _AsyncScripted(_Script()) as client:
+            return await run(body, plan, client, contract=QWEN3)
+
+    assert asyncio.run(go(rewrite_chat_plan_async)) == sync

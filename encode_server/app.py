@@ -43,7 +43,7 @@ from encode_server.core.errors import EncodeServerError
 from encode_server.core.stored import ValueSpec
 from encode_server.core.types import EncodedTensor
 from encode_server.encoders import check_local_model, load_encoder
-from encode_server.encoders.base import PreparedImage, VisionEncoder
+from encode_server.encoders.base import PreparedItem, VisionEncoder
 from encode_server.encoders.threads import MAX_AUTO_WORKERS, CoreShare, forward_workers
 from encode_server.malloc import release_free_memory
 from encode_server.metrics import Metrics
@@ -225,19 +225,17 @@ def build_service(
     whose forward passes run on ``forward``, ``--forward-workers`` of them at once (the executor
     must have that many threads); on a CPU they share torch's threads (``encoders/threads.py``).
     Decoded pixels are charged to ``budget`` (the runtime's)."""
-    workers = forward_workers(settings.forward_workers, encoder.info.device,
-                              batched=getattr(encoder, "batched", None) is not None)
-    run_batch: Callable[[Sequence[PreparedImage]], Sequence[EncodedTensor | EncodeServerError]] = encoder.forward
+    workers = forward_workers(settings.forward_workers, encoder.info.device, batched=encoder.preprocesses_on_device)
+    run_batch: Callable[[Sequence[PreparedItem]], Sequence[EncodedTensor | EncodeServerError]] = encoder.forward
     if workers > 1 and encoder.info.device == "cpu":
         share = CoreShare(encoder.forward)
         log.info("forward passes: up to %d side by side, sharing %d torch threads", workers, share.cores)
         run_batch = share
-    batcher: Batcher[PreparedImage, EncodedTensor] = Batcher(
+    batcher: Batcher[PreparedItem, EncodedTensor] = Batcher(
         run_batch,
         max_batch_size=settings.max_batch_size,
         max_batch_tokens=settings.max_batch_tokens,
-        max_wait_s=settings.max_wait_ms / 1000.0,
-        max_queue=settings.max_queue,
+        max_wait_s=settings.max_wait_ms / 1000.0,  # no bound of its own: the service admits (--max-queue)
         executor=forward,
         observer=metrics.observe_batch,
         concurrency=workers,

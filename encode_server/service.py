@@ -13,15 +13,14 @@ import io
 import logging
 import sys
 import time
-import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, cast
 
 from PIL import Image
 
+from encode_server.admission import MemoryCharge, QueueBound, plan_video
 from encode_server.cache.base import SharedTier
 from encode_server.cache.export import FileExporter
 from encode_server.cache.local import LocalTier
@@ -36,7 +35,6 @@ from encode_server.core.errors import (
     Timeout,
     TooLarge,
     Unavailable,
-    UnsupportedMediaType,
 )
 from encode_server.core.hashing import CacheKey, fingerprint, mm_hash, parse_mm_hash
 from encode_server.core.types import (
@@ -44,14 +42,13 @@ from encode_server.core.types import (
     VIDEO,
     Embedding,
     EncodedTensor,
-    Hit,
     ItemResult,
     RequestItem,
+    Resolved,
     Return,
-    VideoInfo,
 )
-from encode_server.encoders.base import EncoderInfo, PreparedImage, VideoPlan, VisionEncoder
-from encode_server.imaging import decoded_nbytes, oriented_size
+from encode_server.encoders.base import EncoderInfo, PreparedItem, VisionEncoder
+from encode_server.imaging import oriented_size
 from encode_server.metrics import Metrics
 
 __all__ = ["EncodeService", "LookupResult", "TokenCount", "model_fingerprint", "serving_fingerprint"]
@@ -122,27 +119,6 @@ class _Identified:
     modality: str = "image"
 
 
-class _Charge:
-    """Bytes acquired from the request-memory budget for one image's preparation. ``close`` gives
-    back what is not kept; a kept part goes back when the object holding it is collected, on
-    whatever path (encoded, failed, or its requester gone while it decoded)."""
-
-    def __init__(self, budget: ByteBudget | None, nbytes: int) -> None:
-        self._budget = budget
-        self._left = nbytes
-
-    def keep_while_alive(self, holder: object, nbytes: int) -> None:
-        kept = min(nbytes, self._left)
-        if self._budget is not None and kept:
-            self._left -= kept
-            weakref.finalize(holder, self._budget.release, kept)
-
-    def close(self) -> None:
-        if self._budget is not None and self._left:
-            self._budget.release(self._left)
-        self._left = 0
-
-
 class EncodeService:
     """Resolves items through the tiers it is handed: ``local`` (this process), ``shared``
     (Redis, optional) and, last, ``batcher`` (the encoder). It builds none of them: the
@@ -155,13 +131,12 @@ class EncodeService:
         metrics: Metrics,
         *,
         local: LocalTier,
-        batcher: Batcher[PreparedImage, EncodedTensor],
+        batcher: Batcher[PreparedItem, EncodedTensor],
         shared: SharedTier | None = None,
         exporter: FileExporter | None = None,
         budget: ByteBudget | None = None,
     ) -> None:
         self.encoder = encoder
-        self.budget = budget  # the request-memory budget: decoded pixels are charged to it
         self.settings = settings
         self.metrics = metrics
         self.shared = shared
@@ -174,9 +149,11 @@ class EncodeService:
         self._preprocess_pool = ThreadPoolExecutor(
             settings.preprocess_threads, thread_name_prefix="preprocess"
         )
-        # Pending = admitted and not yet encoded (decoding, queued or in a forward pass): what
-        # --max-queue bounds, so that memory stays bounded however fast requests arrive.
-        metrics.queue_depth.set_function(lambda: len(self._inflight))
+        # Admission (admission.py): --max-queue in items, and the request-memory budget (the
+        # runtime's) charged with what decoding an item holds, before it is decoded.
+        self.queue = QueueBound(settings.max_queue, metrics)
+        self.memory = MemoryCharge(budget, metrics, max_pixels=settings.max_image_pixels)
+        metrics.queue_depth.set_function(lambda: self.queue.pending)
         info = encoder.info
         metrics.model_info.labels(
             model=info.model_id, fingerprint=self.fingerprint, dtype=info.dtype, device=info.device
@@ -315,7 +292,7 @@ class EncodeService:
         counts = []
         for item in items:
             if item.modality == VIDEO:  # from the container's header: no frame is decoded
-                info, plan = self._plan_video(item.data or b"", item.index)
+                info, plan = plan_video(self.encoder, self.settings, item.data or b"", item.index)
                 counts.append(TokenCount(item.index, info.width, info.height, plan.num_tokens, plan.meta))
             else:
                 counts.append(self._count(item.index, *oriented_size(item.data or b"", max_pixels=limit,
@@ -340,44 +317,6 @@ class EncodeService:
         except ValueError as exc:  # e.g. an aspect ratio the processor refuses, as in _prepare
             raise BadInput(f"image cannot be preprocessed: {exc}", type="unsupported_image", index=index) from exc
         return TokenCount(index, width, height, num_tokens, meta)
-
-    def describe(self) -> dict[str, Any]:
-        info = self.encoder.info
-        s = self.settings
-        return {
-            "model": info.model_id,
-            "id": info.model_id,  # deprecated alias of "model" (the name every other answer uses)
-            "revision": info.revision,
-            "fingerprint": self.fingerprint,
-            "kind": info.kind,
-            "family": family.describe() if (family := self.encoder.family) is not None else None,
-            "output": info.output,
-            "dtype": info.dtype,
-            "dtype_reason": self.encoder.dtype_reason,
-            "device": info.device,
-            "hidden_size": info.hidden_size,
-            "num_parameters": info.num_parameters,
-            "weights_digest": info.weights_digest,
-            "meaningless": info.meaningless,
-            "preprocessing": info.preprocessing,
-            "batching": {
-                "max_batch_size": s.max_batch_size,
-                "max_batch_tokens": s.max_batch_tokens,
-                "max_wait_ms": s.max_wait_ms,
-                "max_queue": s.max_queue,
-            },
-            "limits": {
-                "max_request_bytes": s.max_request_bytes,
-                "max_items": s.max_items,
-                "max_image_pixels": s.max_image_pixels,
-                "request_timeout": s.request_timeout,
-            },
-            "cache": {
-                "local_bytes": self.local.lru.capacity_bytes,
-                "prefix": s.cache_prefix,
-                "shared": self.shared.name if self.shared is not None else None,
-            },
-        }
 
     # -- steps ---------------------------------------------------------------------------------
 
@@ -421,11 +360,11 @@ class EncodeService:
             value = self.local.get_and_pin(ident.key)
             if value is not None:
                 pinned.append(ident.key)
-                found[ident.key] = Hit(self.local.name, value)
+                found[ident.key] = Resolved(self.local.name, value)
         return found
 
     async def _lookup_shared(
-        self, idents: list[_Identified], found: dict[CacheKey, Hit], pinned: list[CacheKey]
+        self, idents: list[_Identified], found: dict[CacheKey, Resolved], pinned: list[CacheKey]
     ) -> None:
         if self.shared is None:
             return
@@ -434,16 +373,16 @@ class EncodeService:
             return
         for key, value in zip(keys, await self.shared.get_many(keys), strict=True):
             if value is not None:
-                found[key] = Hit(self.shared.name, value)
+                found[key] = Resolved(self.shared.name, value)
                 if self.local.put_and_pin(key, value):
                     pinned.append(key)
             elif (local := self.local.peek(key)) is not None and self.local.pin_if_present(key):
                 # An encode finished while we awaited Redis: it is local now, not a miss.
                 pinned.append(key)
-                found[key] = Hit(self.local.name, local)
+                found[key] = Resolved(self.local.name, local)
 
     async def _encode_missing(
-        self, idents: list[_Identified], found: dict[CacheKey, Hit], pinned: list[CacheKey]
+        self, idents: list[_Identified], found: dict[CacheKey, Resolved], pinned: list[CacheKey]
     ) -> None:
         # The first item with bytes owns the encode of its key; hash-only items join an encode
         # already in flight (theirs or another request's) and are otherwise misses.
@@ -453,15 +392,9 @@ class EncodeService:
                 continue
             if ident.data is not None or ident.key in self._inflight:
                 wanted[ident.key] = ident
-        new = [key for key in wanted if key not in self._inflight]
-        if new and len(self._inflight) + len(new) > self.settings.max_queue:
-            self.metrics.reject("overloaded")
-            raise Unavailable(
-                f"encode queue is full ({len(self._inflight)} of {self.settings.max_queue} pending, "
-                f"{len(new)} more asked)",
-                type="overloaded",
-                retry_after=1.0,
-            )
+        # Admitted all or none, before any is decoded: a video counts once, whatever its parts.
+        if new := sum(key not in self._inflight for key in wanted):
+            self.queue.admit(new)
         futures = {
             key: self._inflight.get(key) or self._start_encode(key, ident) for key, ident in wanted.items()
         }
@@ -475,7 +408,7 @@ class EncodeService:
             elif isinstance(outcome, BaseException):
                 raise outcome
             else:
-                found[key] = Hit(ENCODER, outcome)
+                found[key] = Resolved(ENCODER, outcome)
                 if self.local.pin_if_present(key):
                     pinned.append(key)
         if errors:
@@ -528,12 +461,13 @@ class EncodeService:
             future.set_exception(exc)
         finally:
             self._inflight.pop(key, None)
+            self.queue.release()
 
-    def _prepare(self, data: bytes, index: int, modality: str = "image") -> PreparedImage:
+    def _prepare(self, data: bytes, index: int, modality: str = "image") -> PreparedItem:
         if modality == VIDEO:
             return self._prepare_video(data, index)
         started = time.perf_counter()
-        with self._pixels_charged(data, index) as charge:
+        with self.memory.pixels(data, index) as charge:
             try:
                 prepared = self.encoder.prepare(data, max_pixels=self.settings.max_image_pixels, index=index)
             except ValueError as exc:  # e.g. an aspect ratio the processor refuses
@@ -543,44 +477,12 @@ class EncodeService:
         self.metrics.preprocess.observe(time.perf_counter() - started)
         return prepared
 
-    def _plan_video(self, data: bytes, index: int) -> tuple[VideoInfo, VideoPlan]:
-        """A video's header read and checked against the limits, and its sampling planned: before
-        any frame is decoded."""
-        from encode_server.video import probe
-
-        s = self.settings
-        info = probe(data, index=index)
-        if info.codec == "gif":
-            raise UnsupportedMediaType(
-                "a GIF is an image for this model (vLLM reads its first frame): send it as an image",
-                type="unsupported_video", index=index,
-            )
-        if info.duration > s.max_video_seconds:
-            raise TooLarge(f"video is {info.duration:.1f} s long, above the limit of {s.max_video_seconds:g} s",
-                           type="video_too_large", index=index)
-        if info.width * info.height > s.max_image_pixels:
-            raise TooLarge(f"video frames are {info.width}x{info.height}, above the limit of {s.max_image_pixels} "
-                           "pixels", type="video_too_large", index=index)
-        try:
-            plan = self.encoder.plan_video(info, s.video_fps)
-        except ValueError as exc:
-            raise BadInput(f"video cannot be preprocessed: {exc}", type="invalid_video", index=index) from exc
-        if len(plan.indices) > s.max_video_frames:
-            raise TooLarge(f"video samples {len(plan.indices)} frames, above the limit of {s.max_video_frames}",
-                           type="video_too_large", index=index)
-        # Every frame up to the last sampled one is decoded (inter-frame codecs): a header that
-        # claims a high frame rate asks for that much decoding in a few seconds of "duration".
-        if (decoded := max(plan.indices) + 1) > s.max_video_decoded_frames:
-            raise TooLarge(f"video needs {decoded} frames decoded ({info.num_frames} at {info.fps:g} fps), above the "
-                           f"limit of {s.max_video_decoded_frames}", type="video_too_large", index=index)
-        return info, plan
-
-    def _prepare_video(self, data: bytes, index: int) -> PreparedImage:
+    def _prepare_video(self, data: bytes, index: int) -> PreparedItem:
         from encode_server.video import decode_frames
 
         started = time.perf_counter()
-        info, plan = self._plan_video(data, index)
-        with self._charged(plan.nbytes, index, "decoding this video"):
+        info, plan = plan_video(self.encoder, self.settings, data, index)
+        with self.memory.bytes(plan.nbytes, index, "decoding this video"):
             frames = decode_frames(data, plan.indices, size=(info.height, info.width), index=index)
             try:
                 prepared = self.encoder.preprocess_video(frames, plan)
@@ -590,38 +492,7 @@ class EncodeService:
         self.metrics.preprocess.observe(time.perf_counter() - started)
         return prepared
 
-    @contextmanager
-    def _pixels_charged(self, data: bytes, index: int) -> Iterator[_Charge]:
-        """Decoded pixels (size from the header) are charged to the budget while they live: for
-        the block, and what a batched encoder's image holds until its batch (``PreparedImage.pending``)
-        for as long as that object lives."""
-        if self.budget is None:
-            yield _Charge(None, 0)
-            return
-        nbytes = decoded_nbytes(data, max_pixels=self.settings.max_image_pixels, index=index)
-        with self._charged(nbytes, index, "decoding this image") as charge:
-            yield charge
-
-    @contextmanager
-    def _charged(self, nbytes: int, index: int, what: str) -> Iterator[_Charge]:
-        """``nbytes`` acquired from the request-memory budget for the block (refused at once, 503,
-        when they do not fit); what the block keeps (``_Charge.keep_while_alive``) outlives it."""
-        if self.budget is None:
-            yield _Charge(None, 0)
-            return
-        if not self.budget.try_acquire(nbytes):
-            self.metrics.reject("memory")
-            raise Unavailable(
-                f"request memory budget is full: {what} takes {nbytes / 2**20:.1f} MiB; retry later",
-                type="overloaded", index=index, retry_after=1.0,
-            )
-        charge = _Charge(self.budget, nbytes)
-        try:
-            yield charge
-        finally:
-            charge.close()
-
-    def _result(self, ident: _Identified, hit: Hit | None) -> ItemResult:
+    def _result(self, ident: _Identified, hit: Resolved | None) -> ItemResult:
         if hit is None:
             self.metrics.items.labels(status="miss", source="none").inc()
             return ItemResult(ident.index, ident.mm_hash, "miss", None, None, key=ident.key)

@@ -34,6 +34,7 @@ from encode_server.api.frontdoor import (
     retry_after,
 )
 from encode_server.api.grpc_decode import add_encoder_servicer, check_decoded
+from encode_server.api.model import describe_model
 from encode_server.api.ports import PortUnavailable, check_bindable
 from encode_server.api.proto.encode_server.v1 import encoder_pb2 as pb
 from encode_server.api.proto.encode_server.v1 import encoder_pb2_grpc as pb_grpc
@@ -271,7 +272,7 @@ class GrpcApi(pb_grpc.EncoderServicer):
         info = service.encoder.info
         return pb.ModelResponse(
             model=info.model_id, id=info.model_id, fingerprint=service.fingerprint, kind=info.kind, dtype=info.dtype,
-            hidden_size=info.hidden_size, json=json.dumps(service.describe()),
+            hidden_size=info.hidden_size, json=json.dumps(describe_model(service)),
         )
 
 

@@ -32,6 +32,7 @@ from encode_server.api.frontdoor import (
     record_request,
     retry_after,
 )
+from encode_server.api.model import describe_model
 from encode_server.api.openapi import request_body_doc
 from encode_server.api.runtime import Runtime, shutting_down
 from encode_server.api.schemas import (
@@ -186,7 +187,7 @@ class HttpApi:
     async def model(self, request: Request) -> Response:
         """The loaded model, its fingerprint, preprocessing, batching and limits."""
         self._tenant(request)
-        return JSONResponse(self.runtime.require_service().describe())
+        return JSONResponse(describe_model(self.runtime.require_service()))
 
     async def health(self) -> Response:
         """The process is alive (liveness)."""

@@ -22,8 +22,9 @@ Invariants:
 - Passes share the queue: the free passes start at once, each taking at most ``ceil(q /
   concurrency)`` of the ``q`` items queued, so work is spread over the passes rather than one
   taking all while the next to be free idles.
-- At most ``max_queue`` items wait; ``submit`` past that raises ``Unavailable("overloaded")``
-  instead of growing memory without bound.
+- The queue is not bounded here: what is submitted was admitted by its caller (the service's
+  ``--max-queue``, in items: ``admission.QueueBound``). A bound of its own would be a second count
+  in another unit, parts: it refused a long video's later parts after queuing its first ones.
 - Items whose future was cancelled before their batch formed are dropped, not run.
 - Order is FIFO: no item starts its pass after a later one's started (with ``concurrency`` > 1, a
   later batch may finish first).
@@ -78,17 +79,15 @@ class Batcher(Generic[T, R]):
         max_batch_size: int,
         max_batch_tokens: int,
         max_wait_s: float,
-        max_queue: int,
         executor: Executor | None = None,
         observer: BatchObserver | None = None,
         concurrency: int = 1,
     ) -> None:
-        assert max_batch_size > 0 and max_batch_tokens > 0 and max_queue > 0 and max_wait_s >= 0 and concurrency > 0
+        assert max_batch_size > 0 and max_batch_tokens > 0 and max_wait_s >= 0 and concurrency > 0
         self._run_batch = run_batch
         self.max_batch_size = max_batch_size
         self.max_batch_tokens = max_batch_tokens
         self.max_wait_s = max_wait_s
-        self.max_queue = max_queue
         self._executor = executor
         self._observer = observer
         self.concurrency = concurrency  # the executor must run this many calls at once
@@ -105,18 +104,16 @@ class Batcher(Generic[T, R]):
         """Items queued and not yet in a batch."""
         return len(self._queue)
 
-    def has_room(self, n: int) -> bool:
-        """Could ``n`` more items be queued now? (No mutation.)"""
-        return len(self._queue) + n <= self.max_queue
+    @property
+    def passes_running(self) -> int:
+        """Forward passes under way."""
+        return len(self._running)
 
     def submit(self, item: T, cost: int) -> asyncio.Future[R]:
-        """Queue ``item``; the future resolves to its result. Call from the event loop."""
+        """Queue ``item`` (already admitted: nothing is refused here); the future resolves to its
+        result. Call from the event loop."""
         if self._task is None:
             raise RuntimeError("Batcher.start() was not called")
-        if not self.has_room(1):
-            raise Unavailable(
-                f"encode queue is full ({self.max_queue} items pending)", type="overloaded", retry_after=1.0
-            )
         future: asyncio.Future[R] = asyncio.get_running_loop().create_future()
         self._queue.append(_Pending(item, max(1, cost), future))
         self._queued_cost += max(1, cost)

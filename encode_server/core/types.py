@@ -10,7 +10,7 @@ if TYPE_CHECKING:
     from encode_server.core.hashing import CacheKey
 
 __all__ = [
-    "ENCODER", "IMAGE", "MODALITIES", "VIDEO", "Embedding", "EncodedTensor", "Hit", "ItemResult", "RequestItem",
+    "ENCODER", "IMAGE", "MODALITIES", "VIDEO", "Embedding", "EncodedTensor", "ItemResult", "RequestItem", "Resolved",
     "Return", "VideoInfo",
 ]
 
@@ -87,9 +87,9 @@ class VideoInfo:
 
 
 @dataclass(frozen=True)
-class Hit:
-    """Where a resolved embedding came from: a tier's name (``local``, ``redis``) or
-    :data:`ENCODER`."""
+class Resolved:
+    """An embedding found for an item and where it came from: a tier's name (``local``,
+    ``redis``: a hit) or :data:`ENCODER` (encoded for this request, or joined in flight)."""
 
     source: str
     embedding: Embedding

@@ -27,7 +27,7 @@ from typing import Any
 from transformers import AutoConfig, AutoImageProcessor
 
 from . import clip, gemma3, glm4v, internvl, llava, llava_next, mistral3, qwen, qwen3_vl, siglip2
-from .base import EncodedTensor, EncoderInfo, PreparedImage, VisionEncoder
+from .base import EncodedTensor, EncoderInfo, PreparedItem, VisionEncoder
 from .batched import BatchedPipeline
 from .builtin import BUILTIN_MODELS, load_builtin
 from .family import Epd, Family, by_model_type
@@ -43,7 +43,7 @@ __all__ = [
     "EncoderInfo",
     "Epd",
     "Family",
-    "PreparedImage",
+    "PreparedItem",
     "VisionEncoder",
     "check_local_model",
     "load_encoder",

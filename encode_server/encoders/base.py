@@ -24,7 +24,7 @@ from encode_server.imaging import decode_image
 
 from .family import Family
 
-__all__ = ["EncodedTensor", "EncoderInfo", "PreparedImage", "VideoPlan", "VisionEncoder"]
+__all__ = ["EncodedTensor", "EncoderInfo", "PreparedItem", "VideoPlan", "VisionEncoder"]
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,9 @@ class EncoderInfo:
 
     model_id: str
     revision: str | None
-    kind: str  # "clip" | "siglip" | "llava" | "qwen2_vl" | "qwen2_5_vl"
+    # The checkpoint's ``model_type`` as its family names it: one of ``encoders.FAMILIES``' model
+    # types, a ``*_vision_model`` checkpoint under its model's ("clip" for "clip_vision_model").
+    kind: str
     output: str  # "hidden" | "pooled" | "projected" | "merged"
     dtype: str  # "float32" | "bfloat16" | "float16": the embedding's dtype
     device: str
@@ -48,8 +50,9 @@ class EncoderInfo:
 
 
 @dataclass
-class PreparedImage:
-    """One image turned into model inputs; ``cost_tokens`` is what it weighs in a batch."""
+class PreparedItem:
+    """One item turned into model inputs, as the batcher queues it: an image, a video, or one part
+    of a video (``VisionEncoder.split``); ``cost_tokens`` is what it weighs in a batch."""
 
     inputs: dict[str, torch.Tensor]
     num_tokens: int  # N, the rows of this image's embedding
@@ -86,18 +89,24 @@ class VisionEncoder(ABC):
     family: Family | None = None  # set by ``load_encoder``: what the server publishes about it
     dtype_reason: str = ""  # set by ``load_encoder``: why this dtype (``GET /v1/model``)
 
+    @property
+    def preprocesses_on_device(self) -> bool:
+        """Whether ``forward`` decodes and preprocesses its batch on the device
+        (``encoders/batched.py``): such passes run one at a time (``threads.forward_workers``)."""
+        return False
+
     @abstractmethod
-    def preprocess(self, image: Image.Image) -> PreparedImage:
+    def preprocess(self, image: Image.Image) -> PreparedItem:
         """An RGB image (EXIF orientation already applied) to inputs, its token count and meta."""
 
-    def prepare(self, data: bytes, *, max_pixels: int, index: int | None = None) -> PreparedImage:
-        """Image bytes to a ``PreparedImage``: decoded (Pillow) and preprocessed here, unless the
+    def prepare(self, data: bytes, *, max_pixels: int, index: int | None = None) -> PreparedItem:
+        """Image bytes to a ``PreparedItem``: decoded (Pillow) and preprocessed here, unless the
         encoder preprocesses batches on its device. Raises ``BadInput``/``TooLarge`` for bad bytes,
         ``ValueError`` for an image the processor refuses."""
         return self.preprocess(decode_image(data, max_pixels=max_pixels, index=index))
 
     @abstractmethod
-    def forward(self, batch: Sequence[PreparedImage]) -> list[EncodedTensor | EncodeServerError]:
+    def forward(self, batch: Sequence[PreparedItem]) -> list[EncodedTensor | EncodeServerError]:
         """One forward pass over ``batch``; one embedding per image, in order. An item whose bytes
         turn out bad only when its batch decodes them gets its error instead, alone."""
 
@@ -112,11 +121,11 @@ class VisionEncoder(ABC):
         they cost, without decoding any."""
         raise NotImplementedError(f"{type(self).__name__} takes no video")
 
-    def preprocess_video(self, frames: Any, plan: VideoPlan) -> PreparedImage:
+    def preprocess_video(self, frames: Any, plan: VideoPlan) -> PreparedItem:
         """The decoded frames (``[T, H, W, 3]`` uint8, ``plan.indices``) to model inputs."""
         raise NotImplementedError(f"{type(self).__name__} takes no video")
 
-    def split(self, prepared: PreparedImage, max_cost: int) -> list[PreparedImage]:
+    def split(self, prepared: PreparedItem, max_cost: int) -> list[PreparedItem]:
         """``prepared`` cut into parts of at most ``max_cost`` (where the model allows it) whose
         forward passes, concatenated, are its own: a long video does not hold the model for one
         long pass. Default: not cut."""

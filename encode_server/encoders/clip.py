@@ -25,7 +25,7 @@ from transformers import (
     SiglipVisionModel,
 )
 
-from .base import EncodedTensor, PreparedImage
+from .base import EncodedTensor, PreparedItem
 from .family import Family
 from .hf import HFEncoder, LoadSpec, to_encoded
 from .loading import CheckpointFiles, Layout, empty_module, load_vision_weights
@@ -45,9 +45,9 @@ class FixedResolutionEncoder(HFEncoder):
     num_tokens: int
     cost_tokens: int
 
-    def preprocess(self, image: Image.Image) -> PreparedImage:
+    def preprocess(self, image: Image.Image) -> PreparedItem:
         pixel_values = self._process(image)["pixel_values"]
-        return PreparedImage({"pixel_values": pixel_values}, self.num_tokens, self.cost_tokens)
+        return PreparedItem({"pixel_values": pixel_values}, self.num_tokens, self.cost_tokens)
 
     def count_tokens(self, width: int, height: int) -> tuple[int, dict[str, Any]]:
         return self.num_tokens, {}
@@ -55,7 +55,7 @@ class FixedResolutionEncoder(HFEncoder):
     def cost_of(self, num_tokens: int, meta: dict[str, Any]) -> int:
         return self.cost_tokens
 
-    def _forward(self, batch: Sequence[PreparedImage], inputs: dict[str, torch.Tensor]) -> list[EncodedTensor]:
+    def _forward(self, batch: Sequence[PreparedItem], inputs: dict[str, torch.Tensor]) -> list[EncodedTensor]:
         with torch.inference_mode():
             embeddings = self._embed(inputs["pixel_values"])
         return [to_encoded(embedding) for embedding in self._to_host(embeddings)]

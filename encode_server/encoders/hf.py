@@ -13,7 +13,7 @@ from abc import abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from PIL import Image
@@ -21,7 +21,7 @@ from PIL import Image
 from encode_server.core.dtypes import DtypeChoice, auto_dtype, normalize_dtype, widest_dtype
 from encode_server.core.errors import EncodeServerError
 
-from .base import EncodedTensor, EncoderInfo, PreparedImage, VisionEncoder
+from .base import EncodedTensor, EncoderInfo, PreparedItem, VisionEncoder
 from .batched import BatchedPipeline
 
 __all__ = [
@@ -211,9 +211,10 @@ class HFEncoder(VisionEncoder):
     """
 
     batched: BatchedPipeline | None = None
-    # Inputs the processor makes per batch that must agree with what ``prepare`` computed from the
-    # header (the token count and grid the batcher budgeted and the client is told).
-    _CHECKED_META = ("image_grid_thw", "spatial_shapes")
+    # The meta fields the batched processor also makes, as tensors of the same name, that must agree
+    # with what ``prepare`` computed from the header (the token count and grid the batcher budgeted
+    # and the client is told). The family's encoder names its own (Qwen's grid, SigLIP2's shapes).
+    checked_meta: ClassVar[tuple[str, ...]] = ()
 
     def __init__(
         self,
@@ -246,6 +247,10 @@ class HFEncoder(VisionEncoder):
             architecture=architecture(module),
         )
 
+    @property
+    def preprocesses_on_device(self) -> bool:
+        return self.batched is not None
+
     def use_batched(self, pipeline: BatchedPipeline) -> None:
         """Preprocess on the device from now on (at load, before serving). The fingerprint changes
         with it: another decoder and other resize kernels give other (close) embeddings."""
@@ -257,15 +262,15 @@ class HFEncoder(VisionEncoder):
     def cost_of(self, num_tokens: int, meta: dict[str, Any]) -> int:
         """The patch tokens an image of this count and meta costs through the tower."""
 
-    def prepare(self, data: bytes, *, max_pixels: int, index: int | None = None) -> PreparedImage:
+    def prepare(self, data: bytes, *, max_pixels: int, index: int | None = None) -> PreparedItem:
         if self.batched is None:
             return super().prepare(data, max_pixels=max_pixels, index=index)
         pending, width, height = self.batched.prepare(data, max_pixels=max_pixels, index=index)
         num_tokens, meta = self.count_tokens(width, height)
         cost = self.cost_of(num_tokens, meta)
-        return PreparedImage({}, num_tokens, cost, meta, pending=pending, held_bytes=pending.held_bytes)
+        return PreparedItem({}, num_tokens, cost, meta, pending=pending, held_bytes=pending.held_bytes)
 
-    def forward(self, batch: Sequence[PreparedImage]) -> list[EncodedTensor | EncodeServerError]:
+    def forward(self, batch: Sequence[PreparedItem]) -> list[EncodedTensor | EncodeServerError]:
         if not batch:
             return []
         # Inputs made on the CPU: every item without a batched path, and a video's with one.
@@ -283,7 +288,7 @@ class HFEncoder(VisionEncoder):
             return [result for result in out if result is not None]
         return self._forward_batched(batch)
 
-    def _forward_batched(self, batch: Sequence[PreparedImage]) -> list[EncodedTensor | EncodeServerError]:
+    def _forward_batched(self, batch: Sequence[PreparedItem]) -> list[EncodedTensor | EncodeServerError]:
         """Every item of ``batch`` waits as bytes or pixels: decoded and preprocessed on the device."""
         assert self.batched is not None
         made, errors = self.batched.run([item.pending for item in batch])
@@ -296,8 +301,8 @@ class HFEncoder(VisionEncoder):
         encoded = iter(self._forward(decoded, inputs))
         return [error if error is not None else next(encoded) for error in errors]
 
-    def _check_meta(self, batch: Sequence[PreparedImage], made: dict[str, torch.Tensor]) -> None:
-        for key in self._CHECKED_META:
+    def _check_meta(self, batch: Sequence[PreparedItem], made: dict[str, torch.Tensor]) -> None:
+        for key in self.checked_meta:
             if key not in made or not batch or key not in batch[0].meta:
                 continue
             for item, row in zip(batch, made[key].tolist(), strict=True):
@@ -305,7 +310,7 @@ class HFEncoder(VisionEncoder):
                     raise RuntimeError(f"the batched processor made {key} {row}, the header said {item.meta[key]}")
 
     @abstractmethod
-    def _forward(self, batch: Sequence[PreparedImage], inputs: dict[str, torch.Tensor]) -> list[EncodedTensor]:
+    def _forward(self, batch: Sequence[PreparedItem], inputs: dict[str, torch.Tensor]) -> list[EncodedTensor]:
         """The embeddings of ``batch`` from its inputs, on the device (pixels in the compute dtype)."""
 
     def _to_host(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,7 @@ from PIL import Image
 from transformers import InternVLConfig, InternVLProcessor
 from transformers.models.internvl.modeling_internvl import InternVLMultiModalProjector, InternVLVisionModel
 
-from .base import EncodedTensor, PreparedImage
+from .base import EncodedTensor, PreparedItem
 from .family import Epd, Family
 from .hf import HFEncoder, LoadSpec, apply_call_defaults, to_encoded
 from .loading import CheckpointFiles, Layout, empty_module, load_vision_weights
@@ -95,10 +95,10 @@ class InternVLEncoder(HFEncoder):
     def _tiles(self, width: int, height: int) -> int:
         return int(self.processor.get_number_of_image_patches(height, width, {}))
 
-    def preprocess(self, image: Image.Image) -> PreparedImage:
+    def preprocess(self, image: Image.Image) -> PreparedItem:
         inputs = self._process(image)
         tiles = int(inputs["num_patches"][0])
-        return PreparedImage(
+        return PreparedItem(
             inputs={"pixel_values": inputs["pixel_values"]},
             num_tokens=tiles * self.rows_per_tile,
             cost_tokens=tiles * self.tokens_per_tile,
@@ -113,7 +113,7 @@ class InternVLEncoder(HFEncoder):
     def cost_of(self, num_tokens: int, meta: dict[str, Any]) -> int:
         return int(meta["image_num_patches"]) * self.tokens_per_tile
 
-    def _forward(self, batch: Sequence[PreparedImage], inputs: dict[str, torch.Tensor]) -> list[EncodedTensor]:
+    def _forward(self, batch: Sequence[PreparedItem], inputs: dict[str, torch.Tensor]) -> list[EncodedTensor]:
         with torch.inference_mode():
             rows = self._to_host(self.module(inputs["pixel_values"]))
         tiles = [int(item.meta["image_num_patches"]) for item in batch]

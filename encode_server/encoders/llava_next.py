@@ -27,7 +27,7 @@ from transformers.image_processing_utils import select_best_resolution
 from transformers.models.llava_next.modeling_llava_next import LlavaNextModel, LlavaNextMultiModalProjector
 from transformers.models.llava_onevision.modeling_llava_onevision import LlavaOnevisionModel
 
-from .base import EncodedTensor, PreparedImage
+from .base import EncodedTensor, PreparedItem
 from .family import Epd, Family
 from .hf import HFEncoder, LoadSpec, to_encoded
 from .loading import CheckpointFiles, Layout, empty_module, load_vision_weights
@@ -121,12 +121,12 @@ class AnyresEncoder(HFEncoder):
             newlines = int(current_height // ratio)
         return self.side**2 + unpadded + newlines, {"image_sizes": [height, width]}
 
-    def preprocess(self, image: Image.Image) -> PreparedImage:
+    def preprocess(self, image: Image.Image) -> PreparedItem:
         inputs = self._process(image)
         pixel_values = inputs["pixel_values"][0]  # this image's tiles (one image: no padding to a batch)
         height, width = (int(x) for x in inputs["image_sizes"][0])
         num_tokens, meta = self.count_tokens(width, height)
-        return PreparedImage(
+        return PreparedItem(
             inputs={"pixel_values": pixel_values, "image_sizes": inputs["image_sizes"][0]},
             num_tokens=num_tokens,
             cost_tokens=pixel_values.shape[0] * self.side**2,
@@ -138,7 +138,7 @@ class AnyresEncoder(HFEncoder):
         tiles, plus the base tile (the CPU path counts its real tiles)."""
         return (math.ceil(num_tokens / self.side**2) + 1) * self.side**2
 
-    def _forward(self, batch: Sequence[PreparedImage], inputs: dict[str, torch.Tensor]) -> list[EncodedTensor]:
+    def _forward(self, batch: Sequence[PreparedItem], inputs: dict[str, torch.Tensor]) -> list[EncodedTensor]:
         counts = [item.cost_tokens // self.side**2 for item in batch]  # each image's tiles
         out = []
         with torch.inference_mode():

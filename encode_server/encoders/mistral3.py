@@ -26,7 +26,7 @@ from transformers.models.mistral3.modeling_mistral3 import Mistral3MultiModalPro
 
 from encode_server.core.errors import EncodeServerError
 
-from .base import EncodedTensor, PreparedImage
+from .base import EncodedTensor, PreparedItem
 from .family import Epd, Family
 from .hf import HFEncoder, LoadSpec, to_encoded
 from .loading import CheckpointFiles, Layout, empty_module, load_vision_weights
@@ -85,10 +85,10 @@ class Mistral3Encoder(HFEncoder):
             height, width = math.floor(height / ratio), math.floor(width / ratio)
         return ((height - 1) // self.merged + 1) * self.merged, ((width - 1) // self.merged + 1) * self.merged
 
-    def preprocess(self, image: Image.Image) -> PreparedImage:
+    def preprocess(self, image: Image.Image) -> PreparedItem:
         inputs = self._process(image)
         height, width = (int(x) for x in inputs["image_sizes"][0])
-        return PreparedImage(
+        return PreparedItem(
             inputs={"pixel_values": inputs["pixel_values"], "image_sizes": inputs["image_sizes"]},
             num_tokens=(height // self.merged) * (width // self.merged),
             cost_tokens=(height // self.patch) * (width // self.patch),
@@ -103,14 +103,14 @@ class Mistral3Encoder(HFEncoder):
         height, width = meta["image_sizes"]
         return (int(height) // self.patch) * (int(width) // self.patch)
 
-    def forward(self, batch: Sequence[PreparedImage]) -> list[EncodedTensor | EncodeServerError]:
+    def forward(self, batch: Sequence[PreparedItem]) -> list[EncodedTensor | EncodeServerError]:
         """One pass per image: each keeps its own aspect ratio, so their pixels do not stack."""
         out: list[EncodedTensor | EncodeServerError] = []
         for item in batch:  # a loop, not a comprehension: zero-argument super() needs this frame
             out += super().forward([item])
         return out
 
-    def _forward(self, batch: Sequence[PreparedImage], inputs: dict[str, torch.Tensor]) -> list[EncodedTensor]:
+    def _forward(self, batch: Sequence[PreparedItem], inputs: dict[str, torch.Tensor]) -> list[EncodedTensor]:
         with torch.inference_mode():
             return [to_encoded(self._to_host(self.module(inputs["pixel_values"], inputs["image_sizes"])))]
 

@@ -43,7 +43,7 @@ from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransforme
 
 from encode_server.core.types import VideoInfo
 
-from .base import EncodedTensor, PreparedImage, VideoPlan
+from .base import EncodedTensor, PreparedItem, VideoPlan
 from .family import Epd, Family
 from .hf import HFEncoder, LoadSpec, to_encoded
 from .loading import CheckpointFiles, Layout, empty_module, load_vision_weights
@@ -128,6 +128,7 @@ class QwenVisionEncoder(HFEncoder):
     """
 
     video: VideoConfig | None = None
+    checked_meta = ("image_grid_thw",)  # the batched processor's grid must be the header's
 
     def __init__(
         self,
@@ -168,11 +169,11 @@ class QwenVisionEncoder(HFEncoder):
         """The rows vLLM's ``embed_multimodal`` hands its language model, for a batch's patches."""
         return self.module(pixel_values, grid_thw=grid_thw).pooler_output
 
-    def preprocess(self, image: Image.Image) -> PreparedImage:
+    def preprocess(self, image: Image.Image) -> PreparedItem:
         inputs = self._process(image)
         grid = [int(x) for x in inputs["image_grid_thw"][0]]
         patches = grid[0] * grid[1] * grid[2]
-        return PreparedImage(
+        return PreparedItem(
             inputs={"pixel_values": inputs["pixel_values"], "image_grid_thw": inputs["image_grid_thw"]},
             num_tokens=patches // self.merge_size**2,
             cost_tokens=patches,
@@ -235,14 +236,14 @@ class QwenVisionEncoder(HFEncoder):
         nbytes = frames_nbytes(len(indices), info.height, info.width, size, self.video)
         return VideoPlan(tuple(indices), size, patches // self.merge_size**2, patches, nbytes, meta)
 
-    def preprocess_video(self, frames: Any, plan: VideoPlan) -> PreparedImage:
+    def preprocess_video(self, frames: Any, plan: VideoPlan) -> PreparedItem:
         assert self.video is not None
         return prepare_video(frames, plan, self.video)
 
-    def split(self, prepared: PreparedImage, max_cost: int) -> list[PreparedImage]:
+    def split(self, prepared: PreparedItem, max_cost: int) -> list[PreparedItem]:
         return split_groups(prepared, max_cost, self.merge_size)
 
-    def _forward(self, batch: Sequence[PreparedImage], inputs: dict[str, torch.Tensor]) -> list[EncodedTensor]:
+    def _forward(self, batch: Sequence[PreparedItem], inputs: dict[str, torch.Tensor]) -> list[EncodedTensor]:
         with torch.inference_mode():
             merged = self.features(inputs["pixel_values"], inputs["image_grid_thw"])
         merged = self._to_host(merged)

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .base import PreparedImage, VideoPlan
+from .base import PreparedItem, VideoPlan
 
 __all__ = ["VideoConfig", "frames_nbytes", "patchify", "prepare_video", "split_groups", "video_grid"]
 
@@ -101,13 +101,13 @@ def video_grid(num_frames: int, size: tuple[int, int], config: VideoConfig) -> l
             size[1] // config.patch_size]
 
 
-def prepare_video(frames: np.ndarray, plan: VideoPlan, config: VideoConfig) -> PreparedImage:
+def prepare_video(frames: np.ndarray, plan: VideoPlan, config: VideoConfig) -> PreparedItem:
     """Decoded frames (``plan.indices``) to the tower's inputs, checked against the plan's grid: the
     rows must fill the placeholder that ``/v1/tokens`` counted from the header."""
     rows, grid = patchify(frames, plan.size, config)
     if grid != plan.meta["video_grid_thw"]:
         raise ValueError(f"the decoded frames make a {grid} grid, the header a {plan.meta['video_grid_thw']} one")
-    return PreparedImage(
+    return PreparedItem(
         inputs={"pixel_values": rows, "image_grid_thw": torch.tensor([grid])},
         num_tokens=plan.num_tokens, cost_tokens=plan.cost_tokens, meta=plan.meta,
     )
@@ -122,7 +122,7 @@ def frames_nbytes(num_frames: int, height: int, width: int, size: tuple[int, int
     return num_frames * height * width * 3 + resized + 2 * padded * size[0] * size[1] * 3 * 4
 
 
-def split_groups(prepared: PreparedImage, max_cost: int, merge_size: int) -> list[PreparedImage]:
+def split_groups(prepared: PreparedItem, max_cost: int, merge_size: int) -> list[PreparedItem]:
     """A video's prepared inputs cut into runs of whole temporal groups, each costing at most
     ``max_cost`` patch tokens (at least one group each); an image (one group) is not cut."""
     grid = [int(x) for x in prepared.inputs["image_grid_thw"][0]]
@@ -135,7 +135,7 @@ def split_groups(prepared: PreparedImage, max_cost: int, merge_size: int) -> lis
     for start in range(0, groups, step):
         count = min(step, groups - start)
         parts.append(
-            PreparedImage(
+            PreparedItem(
                 inputs={
                     "pixel_values": pixels[start * per_group : (start + count) * per_group],
                     "image_grid_thw": torch.tensor([[count, grid[1], grid[2]]]),

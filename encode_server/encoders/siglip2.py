@@ -21,7 +21,7 @@ from transformers import PretrainedConfig
 from transformers.models.siglip2.image_processing_pil_siglip2 import get_image_size_for_max_num_patches
 from transformers.models.siglip2.modeling_siglip2 import Siglip2VisionModel
 
-from .base import EncodedTensor, PreparedImage
+from .base import EncodedTensor, PreparedItem
 from .family import Family
 from .hf import HFEncoder, LoadSpec, to_encoded
 from .loading import CheckpointFiles, Layout, empty_module, load_vision_weights
@@ -34,6 +34,8 @@ LAYOUTS: list[Layout] = [{"vision_model.": ""}, {"": ""}]
 
 class Siglip2Encoder(HFEncoder):
     """A NaFlex SigLIP2 vision tower; a batch is stacked (every item is padded to one length)."""
+
+    checked_meta = ("spatial_shapes",)  # the batched processor's patch grid must be the header's
 
     def __init__(self, module: torch.nn.Module, processor: Any, spec: LoadSpec, *, digest: str) -> None:
         config: Any = module.config
@@ -53,10 +55,10 @@ class Siglip2Encoder(HFEncoder):
     def _tokens(self, grid: list[int]) -> tuple[int, dict[str, Any]]:
         return (1, {}) if self._pooled else (grid[0] * grid[1], {"spatial_shapes": grid})
 
-    def preprocess(self, image: Image.Image) -> PreparedImage:
+    def preprocess(self, image: Image.Image) -> PreparedItem:
         inputs = self._process(image)
         num_tokens, meta = self._tokens([int(x) for x in inputs["spatial_shapes"][0]])
-        return PreparedImage(inputs, num_tokens, self.max_num_patches, meta)
+        return PreparedItem(inputs, num_tokens, self.max_num_patches, meta)
 
     def count_tokens(self, width: int, height: int) -> tuple[int, dict[str, Any]]:
         """The processor's own resize rule: the largest aspect-preserving grid within the patch budget."""
@@ -66,7 +68,7 @@ class Siglip2Encoder(HFEncoder):
     def cost_of(self, num_tokens: int, meta: dict[str, Any]) -> int:
         return self.max_num_patches
 
-    def _forward(self, batch: Sequence[PreparedImage], inputs: dict[str, torch.Tensor]) -> list[EncodedTensor]:
+    def _forward(self, batch: Sequence[PreparedItem], inputs: dict[str, torch.Tensor]) -> list[EncodedTensor]:
         with torch.inference_mode():
             outputs = self.module(
                 pixel_values=inputs["pixel_values"],

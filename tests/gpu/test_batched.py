@@ -27,7 +27,7 @@ from bench.workload import photos
 from encode_server.core.errors import BadInput
 from encode_server.core.types import EncodedTensor
 from encode_server.encoders import load_encoder
-from encode_server.encoders.base import PreparedImage
+from encode_server.encoders.base import PreparedItem
 from encode_server.encoders.hf import HFEncoder
 from encode_server.imaging import decode_image
 from tests.gpu.conftest import DEVICES
@@ -169,6 +169,6 @@ def test_the_fingerprint_says_the_pipeline_and_the_cpu_path_keeps_its_own(family
 def test_an_empty_batch_and_a_batch_of_only_bad_items() -> None:
     encoder = load_encoder("builtin:tiny", device="cpu", preprocess_device="model")
     assert encoder.forward([]) == []
-    bad: PreparedImage = encoder.prepare(jpeg_without_tables(), max_pixels=MAX_PIXELS, index=3)
+    bad: PreparedItem = encoder.prepare(jpeg_without_tables(), max_pixels=MAX_PIXELS, index=3)
     [error] = encoder.forward([bad])
     assert isinstance(error, BadInput) and error.index == 3

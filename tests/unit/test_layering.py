@@ -33,6 +33,51 @@ def test_a_front_door_imports_no_tier_loader_batcher_or_other_door(door: str) ->
     assert wiring == [], f"api/{door}.py wires what the composition root should: {wiring}"
 
 
+@pytest.mark.parametrize("module", sorted(p.stem for p in (ROOT / "encode_server/api").glob("*.py")))
+def test_nothing_where_the_front_doors_live_wires_the_server(module: str) -> None:
+    # ``api/model.py`` (what GET /v1/model publishes) reads the service it is given, builds nothing.
+    modules = imported_modules(ROOT / f"encode_server/api/{module}.py")
+    wiring = sorted(m for m in modules if any(m == w or m.startswith(w + ".") for w in WIRING))
+    assert wiring == [], f"api/{module}.py wires what the composition root should: {wiring}"
+
+
+def _within(module: str, packages: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
+
+
+# Imports point one way: the front doors -> the service -> (admission, tiers, batcher, encoders)
+# -> the pure core. Each layer, and what sits above it (it must never import).
+ABOVE = {
+    "encode_server/service.py": ("encode_server.api", "encode_server.app"),
+    "encode_server/admission.py": ("encode_server.service", "encode_server.api", "encode_server.app",
+                                   "encode_server.cache", "encode_server.core.batcher"),
+    "encode_server/cache": ("encode_server.service", "encode_server.admission", "encode_server.api",
+                            "encode_server.app"),
+    "encode_server/encoders": ("encode_server.service", "encode_server.admission", "encode_server.api",
+                               "encode_server.app", "encode_server.cache"),
+}
+
+
+@pytest.mark.parametrize("layer", sorted(ABOVE))
+def test_a_layer_imports_nothing_above_it(layer: str) -> None:
+    path = ROOT / layer
+    files = sorted(path.rglob("*.py")) if path.is_dir() else [path]
+    upward = {str(f.relative_to(ROOT)): sorted(m for m in _imports_inside_functions_too(f) if _within(m, ABOVE[layer]))
+              for f in files}
+    assert {f: m for f, m in upward.items() if m} == {}, f"{layer} imports what sits above it"
+
+
+CORE = ("encode_server.core",)
+
+
+def test_the_core_imports_only_the_core_of_the_server() -> None:
+    files = sorted((ROOT / "encode_server/core").glob("*.py"))
+    outside = {str(f.relative_to(ROOT)): sorted(m for m in _imports_inside_functions_too(f)
+                                                if _within(m, ("encode_server",)) and not _within(m, CORE))
+               for f in files}
+    assert {f: m for f, m in outside.items() if m} == {}, "the core is pure: stdlib, numpy and itself"
+
+
 def test_the_composition_root_builds_both_doors_and_the_tiers() -> None:
     modules = imported_modules(ROOT / "encode_server/app.py")
     for needed in ("encode_server.api.http", "encode_server.api.grpc", "encode_server.cache.redis",

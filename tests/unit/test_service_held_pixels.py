@@ -16,7 +16,7 @@ from encode_server.core.budget import ByteBudget
 from encode_server.core.errors import BadInput, EncodeServerError
 from encode_server.core.types import EncodedTensor, RequestItem
 from encode_server.encoders import load_encoder
-from encode_server.encoders.base import PreparedImage, VisionEncoder
+from encode_server.encoders.base import PreparedItem, VisionEncoder
 from encode_server.imaging import read_header
 from encode_server.metrics import Metrics
 from tests.images import image_bytes
@@ -40,13 +40,13 @@ class HoldingEncoder(VisionEncoder):
         self.gate = threading.Event()
         self.entered = threading.Event()
 
-    def preprocess(self, image: Any) -> PreparedImage:
+    def preprocess(self, image: Any) -> PreparedItem:
         return self.inner.preprocess(image)
 
     def count_tokens(self, width: int, height: int) -> tuple[int, dict[str, Any]]:
         return self.inner.count_tokens(width, height)
 
-    def prepare(self, data: bytes, *, max_pixels: int, index: int | None = None) -> PreparedImage:
+    def prepare(self, data: bytes, *, max_pixels: int, index: int | None = None) -> PreparedItem:
         header = read_header(data, max_pixels=max_pixels, index=index)
         prepared = self.inner.prepare(data, max_pixels=max_pixels, index=index)
         prepared.pending = _Waiting(bytearray(3 * header.width * header.height))
@@ -54,7 +54,7 @@ class HoldingEncoder(VisionEncoder):
         prepared.meta = {**prepared.meta, "bad": data.endswith(b"BAD")}
         return prepared
 
-    def forward(self, batch: Sequence[PreparedImage]) -> list[EncodedTensor | EncodeServerError]:
+    def forward(self, batch: Sequence[PreparedItem]) -> list[EncodedTensor | EncodeServerError]:
         self.entered.set()
         assert self.gate.wait(20)
         good = [item for item in batch if not item.meta["bad"]]

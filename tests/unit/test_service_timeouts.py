@@ -13,7 +13,7 @@ from encode_server.config import Settings
 from encode_server.core.hashing import mm_hash
 from encode_server.core.types import RequestItem
 from encode_server.encoders import load_encoder
-from encode_server.encoders.base import EncodedTensor, PreparedImage, VisionEncoder
+from encode_server.encoders.base import EncodedTensor, PreparedItem, VisionEncoder
 from encode_server.metrics import Metrics
 from tests.images import image_bytes
 from tests.services import make_service
@@ -28,10 +28,10 @@ class GatedEncoder(VisionEncoder):
         self.gate = threading.Event()
         self.gate.set()
 
-    def preprocess(self, image: Any) -> PreparedImage:
+    def preprocess(self, image: Any) -> PreparedItem:
         return self.inner.preprocess(image)
 
-    def forward(self, batch: Sequence[PreparedImage]) -> list[EncodedTensor]:
+    def forward(self, batch: Sequence[PreparedItem]) -> list[EncodedTensor]:
         assert self.gate.wait(20)
         return self.inner.forward(batch)
 
@@ -59,7 +59,7 @@ def test_cancelled_requests_leave_no_pins_slots_or_inflight_entries() -> None:
                 if service.batcher.pending == 0 and not service._inflight:
                     break
                 await asyncio.sleep(0.05)
-            assert service.batcher.pending == 0 and not service._inflight
+            assert service.batcher.pending == 0 and not service._inflight and service.queue.pending == 0
             assert service.local.lru.pinned_bytes == 0
             # The abandoned encodes went on and were cached, each under its tenant's key.
             for tenant in (None, "acme"):

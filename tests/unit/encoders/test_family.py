@@ -81,3 +81,22 @@ def test_a_video_plan_says_what_decoding_it_holds(name: str, request: pytest.Fix
     for plan in (short, long):
         assert plan.nbytes >= len(plan.indices) * 64 * 48 * 3, (name, plan)
     assert len(long.indices) > len(short.indices) and long.nbytes > short.nbytes, (name, short, long)
+
+
+@pytest.mark.parametrize("name", sorted(f.name for f in FAMILIES))
+def test_the_meta_a_family_checks_is_meta_its_encoder_emits_and_its_processor_makes(
+    name: str, request: pytest.FixtureRequest, image: Image.Image
+) -> None:
+    """Batched preprocessing makes the grid again on the device, and ``HFEncoder`` checks it against
+    what the header said for the fields the family's encoder names (``checked_meta``): no generic
+    module keeps a list of family field names, and a named field is one both sides have."""
+    from tests.tiny.records import RECORDS
+
+    checkpoint = request.getfixturevalue(f"{RECORDS[name].kind}_dir")
+    encoder = load_encoder(str(checkpoint), device="cpu")
+    _tokens, meta = encoder.count_tokens(*image.size)
+    made = set(encoder.processor(images=image, return_tensors="pt"))  # type: ignore[attr-defined]
+    checked = set(encoder.checked_meta)  # type: ignore[attr-defined]
+    assert checked <= set(meta) & made, (name, checked, meta, made)
+    if name in ("qwen2_vl", "qwen3_vl", "glm4v", "siglip2"):  # the grids of dynamic resolution
+        assert checked, name

@@ -220,7 +220,7 @@ def test_public_surface() -> None:
         "EncoderInfo",
         "Epd",
         "Family",
-        "PreparedImage",
+        "PreparedItem",
         "VisionEncoder",
         "check_local_model",
         "load_encoder",

@@ -11,7 +11,7 @@ import torch
 
 from encode_server.core.errors import BadInput, EncodeServerError
 from encode_server.encoders import load_encoder
-from encode_server.encoders.base import PreparedImage
+from encode_server.encoders.base import PreparedItem
 from tests.unit.encoders.util import noise_image
 
 
@@ -38,12 +38,12 @@ def test_waiting_images_and_cpu_made_inputs_each_take_their_pass() -> None:
     expected = [encoder.forward([encoder.preprocess(image)])[0] for image in images]
     encoder.batched = pipeline = _Pipeline(encoder)
 
-    def waiting(image: Any) -> PreparedImage:
+    def waiting(image: Any) -> PreparedItem:
         made = encoder.preprocess(image)
-        return PreparedImage({}, made.num_tokens, made.cost_tokens, made.meta, pending=image)
+        return PreparedItem({}, made.num_tokens, made.cost_tokens, made.meta, pending=image)
 
     ready = encoder.preprocess(images[1])  # inputs made on the CPU, as a video's are
-    bad = PreparedImage({}, 1, 4, {}, pending="bad")
+    bad = PreparedItem({}, 1, 4, {}, pending="bad")
     out = encoder.forward([waiting(images[0]), ready, bad, waiting(images[2])])
     assert pipeline.batches == [3]  # the three waiting items in one device pass, the ready one apart
     assert isinstance(out[2], BadInput)

@@ -352,8 +352,8 @@ class EncodeService:
             out.append(_Identified(item.index, h, self.key_for(h, tenant), item.data, item.modality))
         return out
 
-    def _lookup_local(self, idents: list[_Identified], pinned: list[CacheKey]) -> dict[CacheKey, Hit]:
-        found: dict[CacheKey, Hit] = {}
+    def _lookup_local(self, idents: list[_Identified], pinned: list[CacheKey]) -> dict[CacheKey, Resolved]:
+        found: dict[CacheKey, Resolved] = {}
         for ident in idents:
             if ident.key in found:
                 continue

@@ -31,7 +31,7 @@ def test_preprocessing_on_the_model_device_without_torchvision_is_a_clear_error(
 
 def test_auto_keeps_the_cpu_path_on_a_cpu_model_and_unknown_values_are_refused() -> None:
     encoder = load_encoder("builtin:tiny", device="cpu", preprocess_device="auto")
-    assert isinstance(encoder, HFEncoder) and encoder.batched is None
+    assert isinstance(encoder, HFEncoder) and encoder.batched is None and not encoder.preprocesses_on_device
     assert "pipeline" not in encoder.info.preprocessing
     with pytest.raises(ValueError, match="preprocess_device"):
         load_encoder("builtin:tiny", device="cpu", preprocess_device="gpu")

@@ -36,7 +36,9 @@ def test_waiting_images_and_cpu_made_inputs_each_take_their_pass() -> None:
     encoder: Any = load_encoder("builtin:tiny", device="cpu")
     images = [noise_image(64 + 28 * i, 56, seed=i) for i in range(3)]
     expected = [encoder.forward([encoder.preprocess(image)])[0] for image in images]
+    assert not encoder.preprocesses_on_device
     encoder.batched = pipeline = _Pipeline(encoder)
+    assert encoder.preprocesses_on_device  # what app.py asks: such passes run one at a time
 
     def waiting(image: Any) -> PreparedItem:
         made = encoder.preprocess(image)

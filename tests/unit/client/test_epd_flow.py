@@ -16,6 +16,7 @@ from encode_client.epd import (
     EpdContract,
     EpdContractError,
     EPDError,
+    apply_results,
     check_chat_request,
     rewrite_chat_plan,
     rewrite_chat_plan_async,
@@ -124,10 +125,11 @@ def test_both_rewrites_give_one_body_and_the_results_images_then_videos_in_reque
     plan = check_chat_request(body)
     rewritten, results = sync
     assert [r.hash for r in results] == [mm_hash(p.data) for p in plan.media]
-    for part, result in zip(plan.media, results, strict=True):
+    assert rewritten == apply_results(body, plan, results, QWEN3)  # each part from its own result
+    for part in plan.media:
         kind = f"{part.modality}_embeds"
-        assert rewritten["messages"][0]["content"][part.part] == {"type": kind, kind: META[part.modality],
-                                                                    "uuid": result.hash}
+        rebuilt = rewritten["messages"][0]["content"][part.part]
+        assert rebuilt["type"] == kind and rebuilt[kind] == META[part.modality]
 
 
 def test_a_video_encode_server_refuses_is_named_by_its_part_in_both_rewrites() -> None:

@@ -1,0 +1,282 @@
+"""``ProxyApp``, the ASGI application of ``encode-epd-proxy`` (``encode_client.proxy``): one
+request from admission to its answer; the rewrite, the forward and the error table are modules of
+their own."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import MutableMapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+
+from encode_client._callers import Caller, Callers
+from encode_client._client import AsyncClient
+from encode_client._lanes import AsyncLanes
+from encode_client._proxy_errors import REWRITE_ERRORS, Refused, openai_error, rewrite_refusal
+from encode_client._proxy_forward import HOP_BY_HOP, Forwarder, Prepare, Release
+from encode_client._proxy_metrics import ProxyMetrics
+from encode_client._proxy_rewrite import CHAT, prepare_body
+from encode_client._proxy_settings import ProxySettings
+from encode_client._upstreams import Upstream, Upstreams
+from encode_client.epd import EpdContract
+
+__all__ = ["FORWARDED", "OPEN_PATHS", "OWN_ROUTES", "ProxyApp"]
+
+log = logging.getLogger("encode_client.proxy")
+
+# Every route vLLM serves that a client may reach through the proxy. Others (the Responses, pooling,
+# tokenizer, render, token-in and admin routes) take content the proxy does not check, such as a
+# part with a uuid, so they are refused rather than forwarded.
+FORWARDED = frozenset(
+    {("POST", CHAT), ("POST", "/v1/completions"), ("GET", "/v1/models"), ("GET", "/ping"), ("GET", "/version"),
+     ("GET", "/load")}
+)
+OWN_ROUTES = frozenset({("GET", "/health"), ("GET", "/metrics")})  # the proxy's own, never forwarded
+OPEN_PATHS = frozenset({"/health", "/ping", "/version", "/metrics", "/load"})  # probes: no key needed
+_LANES = 16  # httpx pools to vLLM and to encode-server, used in turn (``_lanes``: one pool slows down)
+
+
+@dataclass
+class _Exchange:
+    """One request's bookkeeping: what the log line and the metrics say, what to release after."""
+
+    method: str
+    path: str
+    started: float = field(default_factory=time.perf_counter)
+    status: int = 0
+    images: int = 0
+    videos: int = 0
+    tenant: str | None = None
+    cleanup: list[Release] = field(default_factory=list)
+
+
+class ProxyApp:
+    """The ASGI application (``encode_client.proxy``'s docstring): admission (routes, keys, drain,
+    ``--max-concurrency``, the body's bound), then the rewrite step (``_proxy_rewrite``) and the
+    forward (``_proxy_forward``); every refusal is a ``Refused`` (``_proxy_errors``), answered and
+    counted here. ``draining`` turns ``/health`` to 503."""
+
+    def __init__(self, settings: ProxySettings) -> None:
+        self.settings = settings
+        self.callers = Callers(settings.api_keys) if settings.api_keys else None
+        self.upstreams = Upstreams(settings.vllm_urls, down_for=settings.down_for)
+        self.metrics = ProxyMetrics()
+        self.draining = False
+        self.inflight = 0
+        self._contract: EpdContract | None = None
+        self._http: AsyncLanes | None = None
+        self._forwarder: Forwarder | None = None
+        self._encoders: dict[str | None, AsyncClient] = {}
+        for upstream in self.upstreams.all:
+            self.metrics.upstream_up.labels(upstream.url).set(1)
+            self.metrics.outstanding.labels(upstream.url).set(0)
+
+    # -- lifespan --------------------------------------------------------------------------------
+
+    async def startup(self) -> None:
+        s = self.settings
+        pool = httpx.Limits(max_connections=s.max_connections, max_keepalive_connections=s.max_connections)
+        timeout = httpx.Timeout(s.timeout, connect=s.connect_timeout, pool=s.connect_timeout)
+        self._http = AsyncLanes(_LANES, timeout=timeout, limits=pool)
+        self._forwarder = Forwarder(self._http, self.upstreams, self.metrics, timeout=s.timeout, retries=s.retries)
+        keys = [c.key for c in self.callers] if self.callers is not None else [s.api_key]
+        self._encoders = {
+            k: AsyncClient(list(s.encoder_urls), api_key=k, response="json", timeout=s.encoder_timeout, pool=pool,
+                           lanes=_LANES)
+            for k in keys
+        }
+
+    async def shutdown(self) -> None:
+        for encoder in self._encoders.values():
+            await encoder.aclose()
+        if self._http is not None:
+            await self._http.aclose()
+
+    def encoder_for(self, caller: Caller | None) -> AsyncClient:
+        """The encode-server client that speaks for ``caller`` (with its key, hence its tenant)."""
+        return self._encoders[caller.key if caller is not None else next(iter(self._encoders))]
+
+    async def contract(self, caller: Caller | None) -> EpdContract:
+        """The served family's EPD contract (pixel-free or pixels + uuid, and its fields), read from
+        encode-server's ``GET /v1/model`` once; a failed read is retried by the next request."""
+        if self._contract is None:
+            self._contract = EpdContract.from_model(await self.encoder_for(caller).model())
+        return self._contract
+
+    # -- ASGI -----------------------------------------------------------------------------------
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            return await self._lifespan(receive, send)
+        if scope["type"] != "http":
+            return
+        exchange = _Exchange(scope["method"], scope["path"])
+
+        async def send_status(message: MutableMapping[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                exchange.status = int(message["status"])
+            await send(message)
+
+        try:
+            response = await self._answer(Request(scope, receive), exchange)
+            await response(scope, receive, send_status)
+        finally:
+            for release in reversed(exchange.cleanup):
+                await release()
+            self._record(exchange)
+
+    async def _lifespan(self, receive: Any, send: Any) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await self.startup()
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.shutdown()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    def _record(self, exchange: _Exchange) -> None:
+        known = (exchange.method, exchange.path) in FORWARDED | OWN_ROUTES
+        route = exchange.path if known else "other"
+        self.metrics.requests.labels(route, str(exchange.status)).inc()
+        self.metrics.request_seconds.labels(route).observe(time.perf_counter() - exchange.started)
+        if exchange.path not in OPEN_PATHS:
+            log.info(
+                "%s %s %d images=%d videos=%d tenant=%s %.1f ms", exchange.method, exchange.path, exchange.status,
+                exchange.images, exchange.videos, exchange.tenant or "-",
+                (time.perf_counter() - exchange.started) * 1000,
+            )
+
+    # -- one request ----------------------------------------------------------------------------
+
+    async def _answer(self, request: Request, exchange: _Exchange) -> Response:
+        try:
+            return await self._handle(request, exchange)
+        except Refused as refused:
+            self.metrics.errors.labels(refused.kind).inc()
+            return refused.response()
+        except Exception:  # a bug here must still be an OpenAI-shaped answer, and logged
+            log.exception("%s %s: the proxy failed", request.method, request.url.path)
+            self.metrics.errors.labels("internal_error").inc()
+            return openai_error(500, "the EPD proxy failed on this request (logged)", "internal_error")
+
+    async def _handle(self, request: Request, exchange: _Exchange) -> Response:
+        route = (request.method, request.url.path)
+        if route == ("GET", "/health"):
+            return await self._health()
+        if route == ("GET", "/metrics"):
+            return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        if route not in FORWARDED:
+            routes = ", ".join(f"{m} {p}" for m, p in sorted(FORWARDED | OWN_ROUTES))
+            raise Refused(404, f"the EPD proxy does not forward {route[0]} {route[1]}; it serves {routes}",
+                          "not_found_error")
+        caller = None
+        if self.callers is not None and request.url.path not in OPEN_PATHS:
+            caller = self.callers.authenticate(request.headers.get("authorization"))
+            if caller is None:
+                raise Refused(401, "missing or unknown API key: send 'Authorization: Bearer KEY'",
+                              "authentication_error")
+            exchange.tenant = caller.tenant
+        if self.draining:
+            raise Refused(503, "the proxy is shutting down; retry on another", "unavailable_error",
+                          **{"Retry-After": "1", "Connection": "close"})
+        if self.inflight >= self.settings.max_concurrency:
+            raise Refused(503, f"the proxy is serving {self.inflight} requests, its --max-concurrency; retry",
+                          "overloaded_error", **{"Retry-After": "1"})
+        self.inflight += 1
+        self.metrics.inflight.inc()
+        exchange.cleanup.append(self._left)
+        body = await self._body(request)
+        prepare = self._preparer(request, body, caller, exchange)
+        prepared = await prepare()  # counts the request's images and videos
+        retryable = exchange.images or exchange.videos
+        assert self._forwarder is not None  # made at startup
+        target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        response, release = await self._forwarder.forward(
+            request.method, target, self._upstream_headers(request), prepared, prepare if retryable else None
+        )
+        exchange.cleanup.append(release)
+        return response
+
+    async def _left(self) -> None:
+        self.inflight -= 1
+        self.metrics.inflight.dec()
+
+    async def _body(self, request: Request) -> bytes:
+        limit = self.settings.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > limit):
+            status = 413 if declared.isdigit() else 400
+            raise Refused(status, f"the body must be at most {limit} bytes (Content-Length {declared!r})",
+                          "invalid_request_error")
+        chunks, size = [], 0
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise Refused(413, f"the body must be at most {limit} bytes", "invalid_request_error")
+                chunks.append(chunk)
+        except ClientDisconnect:
+            raise Refused(400, "the client went away while sending the body", "invalid_request_error") from None
+        return b"".join(chunks)
+
+    def _preparer(self, request: Request, body: bytes, caller: Caller | None, exchange: _Exchange) -> Prepare:
+        """The body to send vLLM, made afresh by each call (a retry hands the images and videos off again)."""
+
+        async def prepare() -> bytes:
+            if request.method != "POST":
+                return body
+            try:
+                prepared = await prepare_body(
+                    body, request.url.path, encoder=self.encoder_for(caller),
+                    contract=lambda: self.contract(caller),  # read after the checks, with images or videos
+                    tenant=caller.tenant if caller else None, trust_client_embeds=self.settings.trust_client_embeds,
+                )
+            except REWRITE_ERRORS as exc:
+                raise rewrite_refusal(exc) from None
+            if prepared.handoff_seconds is not None:
+                self.metrics.handoff_seconds.observe(prepared.handoff_seconds)
+                self.metrics.handoff_images.inc(prepared.images)
+                self.metrics.handoff_videos.inc(prepared.videos)
+            exchange.images, exchange.videos = prepared.images, prepared.videos
+            return prepared.body
+
+        return prepare
+
+    def _upstream_headers(self, request: Request) -> dict[str, str]:
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
+        if self.callers is not None or self.settings.vllm_api_key:  # a caller's key stays here
+            headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
+        if self.settings.vllm_api_key:
+            headers["Authorization"] = f"Bearer {self.settings.vllm_api_key}"
+        return headers
+
+    async def _health(self) -> Response:
+        if self.draining:
+            return openai_error(503, "draining", "unavailable_error", **{"Retry-After": "1"})
+        assert self._http is not None
+        http = self._http.next()
+        timeout = min(2.0, self.settings.connect_timeout)
+
+        async def probe(upstream: Upstream) -> bool:
+            try:
+                return (await http.get(upstream.url + "/health", timeout=timeout)).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        states = await asyncio.gather(*(probe(u) for u in self.upstreams.all))
+        for upstream, up in zip(self.upstreams.all, states, strict=True):
+            self.metrics.upstream_up.labels(upstream.url).set(int(up))
+        report = {u.url: "up" if up else "down" for u, up in zip(self.upstreams.all, states, strict=True)}
+        if not any(states):
+            self.metrics.errors.labels("upstream_unavailable").inc()
+            return openai_error(502, f"no vLLM upstream answers /health: {report}", "upstream_unavailable")
+        return JSONResponse({"status": "ok", "upstreams": report, "inflight": self.inflight})

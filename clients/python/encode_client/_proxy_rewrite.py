@@ -1,0 +1,66 @@
+"""The proxy's rewrite step: a POST body as vLLM gets it. No HTTP of its own (encode-server is
+reached through the ``AsyncClient`` it is given) and no metrics: it says what it handed off, and the
+app records it. It raises what ``_proxy_errors.REWRITE_ERRORS`` lists."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from encode_client._client import AsyncClient
+from encode_client.epd import (
+    EpdContract,
+    EPDError,
+    cache_salt,
+    check_chat_request,
+    check_request_fields,
+    rewrite_chat_plan_async,
+)
+
+__all__ = ["CHAT", "Prepared", "prepare_body"]
+
+CHAT = "/v1/chat/completions"
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """The body for vLLM, and what its rewrite handed off (``handoff_seconds`` None: nothing)."""
+
+    body: bytes
+    images: int = 0
+    videos: int = 0
+    handoff_seconds: float | None = None
+
+
+async def prepare_body(
+    raw: bytes,
+    path: str,
+    *,
+    encoder: AsyncClient,
+    contract: Callable[[], Awaitable[EpdContract]],
+    tenant: str | None,
+    trust_client_embeds: bool,
+) -> Prepared:
+    """``raw``, a POST to ``path``, checked and rewritten: a chat's images and videos handed off
+    (``epd``; ``contract`` is read after the checks, only for a request with media), the fields
+    that steer vLLM's caches refused, and ``cache_salt`` derived from ``tenant``."""
+    parsed: Any = json.loads(raw)
+    if not isinstance(parsed, dict):
+        raise EPDError("the body must be a JSON object")
+    images = videos = 0
+    seconds: float | None = None
+    if path == CHAT:
+        started = time.perf_counter()
+        plan = check_chat_request(parsed, trust_client_embeds=trust_client_embeds)
+        rewritten, results = await rewrite_chat_plan_async(parsed, plan, encoder, contract=contract)
+        if results:
+            seconds = time.perf_counter() - started
+        images, videos = len(plan.images), len(plan.videos)
+    else:
+        check_request_fields(parsed)
+        rewritten = dict(parsed)
+    rewritten["cache_salt"] = cache_salt(tenant, parsed.get("cache_salt"))
+    return Prepared(json.dumps(rewritten).encode(), images, videos, seconds)

@@ -39,6 +39,7 @@ from encode_server.core.errors import (
 from encode_server.core.hashing import CacheKey, fingerprint, mm_hash, parse_mm_hash
 from encode_server.core.types import (
     ENCODER,
+    IMAGE,
     VIDEO,
     Embedding,
     EncodedTensor,
@@ -194,9 +195,10 @@ class EncodeService:
         if self.exporter is not None:
             self.exporter.close()
 
-    def key_for(self, h: str, tenant: str | None = None) -> CacheKey:
-        """The cache key of ``h``; with a ``tenant`` (tenant isolation) a key no other tenant shares."""
-        return CacheKey(self.fingerprint, h, self.settings.cache_prefix, tenant)
+    def key_for(self, h: str, tenant: str | None = None, modality: str = IMAGE) -> CacheKey:
+        """The cache key of ``h`` as a ``modality`` item; with a ``tenant`` (tenant isolation) a key no
+        other tenant shares. A file's bytes sent as a video never address their image's entry."""
+        return CacheKey(self.fingerprint, h, self.settings.cache_prefix, tenant, modality)
 
     # -- use cases -----------------------------------------------------------------------------
 
@@ -238,7 +240,8 @@ class EncodeService:
             if return_kind is Return.METADATA and self.shared is not None:
                 await self._hand_off(results)
             if self.exporter is not None:
-                files = [(r.mm_hash, r.embedding) for r in results if r.embedding is not None]
+                files = [(r.key.identifier, r.embedding) for r in results
+                         if r.embedding is not None and r.key is not None]
                 if return_kind is Return.METADATA:
                     await self.exporter.export(files)  # the hand-off: on disk before the answer
                 else:
@@ -248,15 +251,17 @@ class EncodeService:
             for key in pinned:
                 self.local.unpin(key)
 
-    async def lookup(self, hashes: Sequence[object], *, tenant: str | None = None) -> list[LookupResult]:
-        """Which tier holds each hash, without moving bytes or changing recency."""
+    async def lookup(
+        self, hashes: Sequence[object], *, tenant: str | None = None, modality: str = IMAGE
+    ) -> list[LookupResult]:
+        """Which tier holds each hash (as a ``modality`` item), without moving bytes or changing recency."""
         parsed = []
         for index, raw in enumerate(hashes):
             try:
                 parsed.append(parse_mm_hash(raw))
             except EncodeServerError as exc:
                 raise exc.with_index(index) from None
-        keys = [self.key_for(h, tenant) for h in parsed]
+        keys = [self.key_for(h, tenant, modality) for h in parsed]
         tiers: list[str | None] = ["local" if key in self.local else None for key in keys]
         rest = [i for i, tier in enumerate(tiers) if tier is None]
         if rest and self.shared is not None:
@@ -349,7 +354,7 @@ class EncodeService:
             if item.modality == VIDEO and not self.takes_video:
                 raise BadInput(f"{self.encoder.info.kind} takes images only, not videos", type="unsupported_modality",
                                index=item.index)
-            out.append(_Identified(item.index, h, self.key_for(h, tenant), item.data, item.modality))
+            out.append(_Identified(item.index, h, self.key_for(h, tenant, item.modality), item.data, item.modality))
         return out
 
     def _lookup_local(self, idents: list[_Identified], pinned: list[CacheKey]) -> dict[CacheKey, Resolved]:

@@ -268,13 +268,15 @@ async def _parse_encode_body(request: Request, *, max_items: int, max_bytes: int
     return EncodeBody([RequestItem(index=0, data=body, modality=_modality(kind))], Return.EMBEDDINGS)
 
 
-async def parse_lookup_body(request: Request, *, max_hashes: int, max_bytes: int) -> list[str]:
+async def parse_lookup_body(request: Request, *, max_hashes: int, max_bytes: int) -> tuple[list[str], str]:
+    """``{"hashes": [...], "modality": "image"|"video"}``: the hashes and what they are."""
     if media_type(request) != "application/json":
         raise UnsupportedMediaType("/v1/lookup takes application/json")
     obj = _load_json(await read_body(request, max_bytes))
     _check_count(obj, "hashes", max_hashes)
     try:
-        return LookupRequestIn.model_validate(obj).hashes
+        parsed = LookupRequestIn.model_validate(obj)
+        return parsed.hashes, parsed.modality
     except ValidationError as exc:
         raise _validation_error(exc) from None
 

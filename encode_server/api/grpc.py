@@ -97,8 +97,8 @@ def error_metadata(exc: EncodeServerError) -> tuple[tuple[str, str], ...]:
 _MODALITIES = {pb.MODALITY_IMAGE: IMAGE, pb.MODALITY_VIDEO: VIDEO}
 
 
-def _modality(item: pb.Item, index: int) -> str:
-    """``Item.modality`` as ``RequestItem.modality``; proto3 enums are open, so a number this
+def _modality(item: pb.Item | pb.LookupRequest, index: int | None) -> str:
+    """``modality`` as ``RequestItem.modality``; proto3 enums are open, so a number this
     server does not know (a newer client's) is refused naming the item, never read as an image."""
     modality = _MODALITIES.get(item.modality)
     if modality is None:
@@ -239,7 +239,7 @@ class GrpcApi(pb_grpc.EncoderServicer):
         self, service: EncodeService, request: pb.LookupRequest, record: RequestRecord, tenant: str | None
     ) -> pb.LookupResponse:
         check_count(len(request.hashes), self.runtime.settings.max_light_items, "hashes")
-        found = await service.lookup(list(request.hashes), tenant=tenant)
+        found = await service.lookup(list(request.hashes), tenant=tenant, modality=_modality(request, None))
         record.items, record.hits = len(found), sum(f.cached for f in found)
         return pb.LookupResponse(
             items=[pb.LookupItem(hash=f.mm_hash, cached=f.cached, tier=f.tier) for f in found]

@@ -161,8 +161,8 @@ class HttpApi:
         s = self.runtime.settings
         tenant = self._tenant(request)
         service = self.runtime.require_service()
-        hashes = await parse_lookup_body(request, max_hashes=s.max_light_items, max_bytes=s.max_request_bytes)
-        found = await service.lookup(hashes, tenant=tenant)
+        hashes, modality = await parse_lookup_body(request, max_hashes=s.max_light_items, max_bytes=s.max_request_bytes)
+        found = await service.lookup(hashes, tenant=tenant, modality=modality)
         record = _record(request)
         record.items, record.hits = len(found), sum(f.cached for f in found)
         return JSONResponse({"items": [{"hash": f.mm_hash, "cached": f.cached, "tier": f.tier} for f in found]})

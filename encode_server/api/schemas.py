@@ -62,6 +62,9 @@ class LookupRequestIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     hashes: list[str] = Field(..., min_length=1)
+    modality: Literal["image", "video"] = Field(
+        "image", description="what the hashes are: a file's bytes as a video are another entry than as an image"
+    )
 
 
 class LookupItemOut(BaseModel):

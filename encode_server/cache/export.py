@@ -1,9 +1,12 @@
 """The file layout of vLLM's stock EC connector, for deployments that want no plugin at all.
 
 With ``--export-dir DIR`` the server also writes every embedding it resolves to
-``DIR/<mm_hash>/encoder_cache.safetensors`` (tensor ``ec_cache``, shape ``[N, D]``, the server's
+``DIR/<identifier>/encoder_cache.safetensors`` (tensor ``ec_cache``, shape ``[N, D]``, the server's
 dtype), which is what vLLM's ``ECExampleConnector`` reads when started with
-``"ec_connector_extra_config": {"shared_storage_path": "DIR"}`` on a shared filesystem.
+``"ec_connector_extra_config": {"shared_storage_path": "DIR"}`` on a shared filesystem. The
+identifier is the item's ``uuid`` for vLLM (``CacheKey.identifier``): an image's ``mm_hash``, or
+``video:<mm_hash>`` for a video, so that one file's bytes as an image and as a video never share a
+folder.
 
 - Atomic: each file is written to a temporary name in its folder, flushed, then renamed over the
   final name, so a reader sees a whole file or none.
@@ -57,7 +60,7 @@ class FileExporter:
         self.fingerprint = fingerprint
         self.dropped = 0
         self.evicted = 0
-        self._files: OrderedDict[str, int] = OrderedDict()  # mm_hash -> bytes, oldest first
+        self._files: OrderedDict[str, int] = OrderedDict()  # identifier -> bytes, oldest first
         self._bytes = 0
         self._lock = threading.Lock()
         self._queued = 0
@@ -114,7 +117,7 @@ class FileExporter:
     # -- writes ------------------------------------------------------------------------------------
 
     async def export(self, items: Sequence[tuple[str, Embedding]]) -> None:
-        """Write ``(mm_hash, embedding)`` pairs now (off the event loop) and return once they are on disk."""
+        """Write ``(identifier, embedding)`` pairs now (off the event loop) and return once they are on disk."""
         if items:
             await asyncio.get_running_loop().run_in_executor(self._pool, self._write_all, list(items))
 

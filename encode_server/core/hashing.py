@@ -8,10 +8,13 @@ Three digests, all full 256-bit BLAKE3 in lowercase hex (64 characters), never t
   :func:`frame` so that distinct inputs can never serialise alike.
 - the tenant part of a cache key: of the tenant id, so that no tenant id can forge another's key.
 
-The cache key joins them: ``{prefix}:v1:{fingerprint}:{mm_hash}``, or with tenant isolation
-``{prefix}:v1:{fingerprint}:t:{tenant_digest}:{mm_hash}``. Read from the right, a key is
-unambiguous: the last segment is the ``mm_hash``, and the segment two before it is ``t`` exactly when
-a tenant is present (a fingerprint is 64 hex characters, never ``t``).
+The cache key joins them: ``{prefix}:v1:{fingerprint}:{mm_hash}`` for an image, with
+``:t:{tenant_digest}`` after the fingerprint under tenant isolation and ``:{modality}`` before the
+``mm_hash`` for any other modality (``...:video:{mm_hash}``), so that one file's bytes sent as a
+video never address the entry they have as an image. Read from the right, a key is unambiguous: the
+last segment is the ``mm_hash``; the one before it is a modality's name or 64 hex digits (a tenant
+digest or the fingerprint), never both; and the segment two before the ``mm_hash`` (or the modality)
+is ``t`` exactly when a tenant is present (a fingerprint is 64 hex characters, never ``t``).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from dataclasses import dataclass, field
 import blake3
 
 from encode_server.core.errors import BadInput
+from encode_server.core.types import IMAGE, MODALITIES
 
 __all__ = [
     "FINGERPRINT_VERSION",
@@ -192,30 +196,38 @@ class CacheKey:
     digits (use :func:`parse_mm_hash` on client input: an uppercase hash would silently address a
     different key); ``prefix`` is non-empty printable text without whitespace (operator config; it
     may contain ``:``, as in ``prod:encode``); ``tenant``, when set, is a non-empty tenant id.
-    ``str(key)`` is the store key, computed once: ``{prefix}:v1:{fingerprint}:{mm_hash}``, or
-    ``{prefix}:v1:{fingerprint}:t:{tenant_digest}:{mm_hash}`` with a tenant. Two keys are equal
-    exactly when their store keys are, so a tier never splits a string apart again.
+    ``modality`` is one of ``MODALITIES``. ``str(key)`` is the store key, computed once:
+    ``{prefix}:v1:{fingerprint}:{identifier}`` (module docstring), where ``identifier`` is what the
+    EPD path hands vLLM as the item's ``uuid``: ``{mm_hash}`` for an image, ``t:{tenant_digest}:``
+    before it with a tenant, ``{modality}:`` before the ``mm_hash`` for a video. An image's key is
+    what it was before modalities were keyed. Two keys are equal exactly when their store keys are,
+    so a tier never splits a string apart again.
     """
 
     fingerprint: str
     mm_hash: str
     prefix: str = "encode"
     tenant: str | None = None
+    modality: str = IMAGE
     text: str = field(init=False, repr=False)
+    identifier: str = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         fingerprint, mm_hash, prefix, tenant = self.fingerprint, self.mm_hash, self.prefix, self.tenant
+        modality = self.modality
         if not isinstance(fingerprint, str) or _LOWER_HEX64.fullmatch(fingerprint) is None:
             raise ValueError(f"fingerprint must be 64 lowercase hex digits, got {fingerprint!r}")
         if not isinstance(mm_hash, str) or _LOWER_HEX64.fullmatch(mm_hash) is None:
             raise ValueError(f"mm_hash must be 64 lowercase hex digits (see parse_mm_hash), got {mm_hash!r}")
         if not isinstance(prefix, str) or not prefix or not prefix.isprintable() or any(c.isspace() for c in prefix):
             raise ValueError(f"prefix must be a non-empty printable string without whitespace, got {prefix!r}")
-        if tenant is None:
-            text = f"{prefix}:{KEY_VERSION}:{fingerprint}:{mm_hash}"
-        else:
-            text = f"{prefix}:{KEY_VERSION}:{fingerprint}:t:{tenant_digest(tenant)}:{mm_hash}"
-        object.__setattr__(self, "text", text)
+        if modality not in MODALITIES:
+            raise ValueError(f"modality must be one of {', '.join(MODALITIES)}, got {modality!r}")
+        identifier = mm_hash if modality == IMAGE else f"{modality}:{mm_hash}"
+        if tenant is not None:
+            identifier = f"t:{tenant_digest(tenant)}:{identifier}"
+        object.__setattr__(self, "identifier", identifier)
+        object.__setattr__(self, "text", f"{prefix}:{KEY_VERSION}:{fingerprint}:{identifier}")
 
     def __str__(self) -> str:
         return self.text
@@ -227,6 +239,8 @@ class CacheKey:
         return hash(self.text)
 
 
-def cache_key(fingerprint: str, mm_hash: str, *, prefix: str = "encode", tenant: str | None = None) -> str:
+def cache_key(
+    fingerprint: str, mm_hash: str, *, prefix: str = "encode", tenant: str | None = None, modality: str = IMAGE
+) -> str:
     """The store key of one embedding: ``str(CacheKey(...))`` (see :class:`CacheKey`)."""
-    return CacheKey(fingerprint, mm_hash, prefix, tenant).text
+    return CacheKey(fingerprint, mm_hash, prefix, tenant, modality).text

@@ -72,13 +72,13 @@ def test_a_video_part_becomes_video_embeds_named_by_its_tenants_key(
     assert rewritten["messages"][0]["content"][1] == {
         "type": "video_embeds",
         "video_embeds": {"video_grid_thw": meta["video_grid_thw"], "timestamps": meta["timestamps"]},
-        "uuid": f"t:{digest}:{mm_hash(VIDEO)}",
+        "uuid": f"t:{digest}:video:{mm_hash(VIDEO)}",
     }
     assert rewritten["messages"][0]["content"][0]["uuid"] == f"t:{digest}:{mm_hash(IMAGE)}"
     assert [r.status for r in results] == ["encoded", "encoded"] and [r.status for r in hits] == ["hit", "hit"]
     assert again == rewritten
     store = redis.Redis.from_url(shared_redis_url)
-    assert store.exists(store_key(fingerprint, mm_hash(VIDEO), prefix=PREFIX, tenant="acme"))
+    assert store.exists(store_key(fingerprint, mm_hash(VIDEO), prefix=PREFIX, tenant="acme", modality="video"))
 
 
 def test_a_video_the_server_refuses_is_named_by_its_part(qwen3_server: ServerProcess) -> None:

@@ -20,6 +20,7 @@ from blake3 import blake3
 from encode_server.api.proto.encode_server.v1 import encoder_pb2 as pb
 from encode_server.api.proto.encode_server.v1 import encoder_pb2_grpc as pb_grpc
 from tests import tiny_models
+from tests.images import image_bytes
 from tests.server import ServerProcess, start_server
 from tests.videos import make_video
 
@@ -54,7 +55,7 @@ def test_a_video_is_one_item_with_one_hash_and_its_tokens_from_the_header(server
     counted = _post(server, "/v1/tokens", [_item(GOOD)]).json()["items"][0]
     assert (counted["num_tokens"], counted["meta"], counted["width"], counted["height"]) == (
         item["num_tokens"], item["meta"], 64, 96)
-    hit = _post(server, "/v1/encode", [{"hash": item["hash"]}]).json()["items"][0]
+    hit = _post(server, "/v1/encode", [{"hash": item["hash"], "modality": "video"}]).json()["items"][0]
     assert (hit["status"], hit["embedding"]) == ("hit", item["embedding"])
 
 
@@ -111,6 +112,33 @@ def test_an_item_sent_as_the_other_modality_is_told_which_its_bytes_are(server: 
             assert r.status_code == 400, (route, r.text)
             body = r.json()["error"]
             assert (body["type"], body["index"]) == (error, 0) and hint in body["message"], (route, body)
+
+
+def test_a_hash_only_item_never_returns_the_entry_of_the_other_modality(server: ServerProcess) -> None:
+    """One file's bytes as an image and as a video are two entries: a hash-only video of an
+    encoded image's hash is a miss (not the image's rows and meta), and the other way round; so is
+    each one's lookup, over HTTP, gRPC and the client."""
+    from encode_client import Client
+
+    png, mp4 = image_bytes(width=56, height=56, seed=91), make_video(6, 3.0, 32, 32, seed=91)
+    image = httpx.post(server.url + "/v1/encode", content=png, headers={"Content-Type": "image/png"}, timeout=60)
+    video = _post(server, "/v1/encode", [_item(mp4)])
+    assert image.status_code == video.status_code == 200, (image.text, video.text)
+    png_hash, mp4_hash = blake3(png).hexdigest(), blake3(mp4).hexdigest()
+    crossed = _post(server, "/v1/encode", [{"hash": png_hash, "modality": "video"}, {"hash": mp4_hash}])
+    assert [i["status"] for i in crossed.json()["items"]] == ["miss", "miss"], crossed.text
+    same = _post(server, "/v1/encode", [{"hash": png_hash}, {"hash": mp4_hash, "modality": "video"}])
+    assert [i["status"] for i in same.json()["items"]] == ["hit", "hit"], same.text
+    for modality, cached in (("image", [True, False]), ("video", [False, True])):
+        body = {"hashes": [png_hash, mp4_hash], **({"modality": modality} if modality == "video" else {})}
+        r = httpx.post(server.url + "/v1/lookup", json=body, timeout=60)
+        assert [i["cached"] for i in r.json()["items"]] == cached, (modality, r.text)
+        with grpc.insecure_channel(server.grpc_target) as channel:
+            kind = pb.MODALITY_VIDEO if modality == "video" else pb.MODALITY_IMAGE
+            found = pb_grpc.EncoderStub(channel).Lookup(pb.LookupRequest(hashes=[png_hash, mp4_hash], modality=kind))
+        assert [i.cached for i in found.items] == cached, modality
+        with Client(server.url) as client:
+            assert [i.cached for i in client.lookup([png_hash, mp4_hash], modality=modality)] == cached, modality
 
 
 # -- gRPC, the Python client and the CLI, on the same server ----------------------------------------

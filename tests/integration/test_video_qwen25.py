@@ -58,7 +58,8 @@ def test_a_video_is_one_item_and_its_tokens_come_from_the_header(
     counted = _post(server, "/v1/tokens", video)
     assert (counted["num_tokens"], counted["meta"], counted["width"], counted["height"]) == (
         item["num_tokens"], item["meta"], width, height)
-    hit = httpx.post(server.url + "/v1/encode", json={"items": [{"hash": item["hash"]}]}, timeout=60).json()
+    hit = httpx.post(server.url + "/v1/encode", json={"items": [{"hash": item["hash"], "modality": "video"}]},
+                     timeout=60).json()
     assert (hit["items"][0]["status"], hit["items"][0]["embedding"]) == ("hit", item["embedding"])
 
 

@@ -29,7 +29,7 @@ import pytest
 import redis
 from encode_client import Client, mm_hash
 from encode_client.epd import rewrite_chat_request
-from encode_client.keys import store_key
+from encode_client.keys import own_identifier, store_key
 from encode_client.proxy import EPDProxy
 
 from encode_server.encoders import FAMILIES, Family
@@ -127,13 +127,13 @@ def _encoded_and_hits(server: ServerProcess) -> tuple[float, float]:
 
 def _through_the_proxy_as_plain_vllm(stack: Stack, body: dict[str, Any], media: list[bytes], kind: str) -> None:
     """``body`` (whose items are ``media``, of ``kind`` "image" or "video") through the proxy: vLLM
-    is sent each item named by its mm_hash, in the family's mode; the answer is plain vLLM's on the
-    pixels; the repeat answers alike from encode-server's cache."""
+    is sent each item named by its identifier (the mm_hash; ``video:`` before it for a video), in the
+    family's mode; the answer is plain vLLM's on the pixels; the repeat answers alike from encode-server's cache."""
     encoded, hits = _encoded_and_hits(stack.server)
     mark = stack.relay.mark()
     first = answer_text(post_chat(stack.proxy.url, body))
     sent = stack.relay.since(mark)
-    assert stack.relay.uuids_since(mark) == [mm_hash(d) for d in media]
+    assert stack.relay.uuids_since(mark) == [own_identifier(mm_hash(d), kind) for d in media]
     if stack.pixel_free or kind == "video":
         for data in media:
             assert base64.b64encode(data)[-64:] not in sent, f"{kind} bytes reached vLLM"

@@ -112,7 +112,8 @@ def test_a_clip_not_at_one_second_per_group_answers_through_the_proxy_as_plain_v
         sent = relay.since(mark)
         assert base64.b64encode(clip)[:64] not in sent, "frame bytes reached vLLM"
         part = _sent_video_part(sent)
-        assert part["uuid"] == mm_hash(clip) and set(part["video_embeds"]) == {"video_grid_thw", "second_per_grid_ts"}
+        assert part["uuid"] == f"video:{mm_hash(clip)}"
+        assert set(part["video_embeds"]) == {"video_grid_thw", "second_per_grid_ts"}
         seconds = np.load(io.BytesIO(base64.b64decode(part["video_embeds"]["second_per_grid_ts"])))
         meta = httpx.post(server.url + "/v1/tokens", timeout=30, json={
             "items": [{"data": base64.b64encode(clip).decode(), "modality": "video"}]}).json()["items"][0]["meta"]

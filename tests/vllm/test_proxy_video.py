@@ -132,7 +132,7 @@ def test_a_chat_with_an_image_and_a_video_sends_vllm_no_pixels_and_answers_as_pl
         assert payload[:64] not in sent and payload[-64:] not in sent, "pixel or frame bytes reached vLLM"
     assert b"image_url" not in sent and b"video_url" not in sent
     assert b'"video_embeds"' in sent and b'"video_grid_thw"' in sent and b'"timestamps"' in sent
-    assert relay.uuids_since(mark) == [mm_hash(IMAGE), mm_hash(video)]
+    assert relay.uuids_since(mark) == [mm_hash(IMAGE), f"video:{mm_hash(video)}"]
     assert _encoded_and_hits(server) == (encoded + 2, hits)
 
     proxy_metrics = httpx.get(proxy.url + "/metrics", timeout=10).text

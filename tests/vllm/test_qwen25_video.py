@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
+from encode_client.keys import own_identifier
 
 from tests.redis_procs import RedisProcess, start_redis
 from tests.server import ServerProcess, start_server
@@ -98,8 +99,9 @@ def _fields(meta: dict[str, Any], seconds: bool) -> dict[str, Any]:
 
 
 def _metadata_only(meta: dict[str, Any], mm_hash: str, *, seconds: bool = False) -> dict[str, Any]:
+    """The EPD request for the video ``mm_hash``, named by its identifier (``video:{mm_hash}``)."""
     return {"prompt": PROMPT, "multi_modal_data": {"video": _fields(meta, seconds)},
-            "multi_modal_uuids": {"video": [mm_hash]}}
+            "multi_modal_uuids": {"video": [own_identifier(mm_hash, "video")]}}
 
 
 def _direct(rows: np.ndarray, meta: dict[str, Any], *, seconds: bool = False) -> dict[str, Any]:
@@ -151,7 +153,7 @@ def baseline(llm: Any, server: ServerProcess, videos: list[bytes]) -> dict[str, 
 
 
 def test_video_tokens_through_the_connector_equal_direct_video_embeds(llm: Any, baseline: dict[str, Any]) -> None:
-    """The oracle: metadata-only video items (grid, uuid = mm_hash; with or without
+    """The oracle: metadata-only video items (grid, uuid = video:{mm_hash}; with or without
     second_per_grid_ts) give the tokens the same rows given directly as video_embeds give; the
     connector served every video."""
     assert baseline["connector"] == baseline["direct"]

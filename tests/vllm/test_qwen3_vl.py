@@ -27,7 +27,7 @@ import httpx
 import numpy as np
 import pytest
 from encode_client import Client
-from encode_client.keys import store_key
+from encode_client.keys import own_identifier, store_key
 
 from tests.redis_procs import RedisProcess, start_redis
 from tests.server import ServerProcess, start_server
@@ -279,7 +279,8 @@ def _video_metadata_only(meta: dict[str, Any], mm_hash: str) -> dict[str, Any]:
     import torch
 
     item = {"video_grid_thw": torch.tensor([meta["video_grid_thw"]]), "timestamps": [meta["timestamps"]]}
-    return {"prompt": VIDEO_PROMPT, "multi_modal_data": {"video": item}, "multi_modal_uuids": {"video": [mm_hash]}}
+    uuids = {"video": [own_identifier(mm_hash, "video")]}  # a video's identifier: video:{mm_hash}
+    return {"prompt": VIDEO_PROMPT, "multi_modal_data": {"video": item}, "multi_modal_uuids": uuids}
 
 
 def _video_direct(rows: np.ndarray, meta: dict[str, Any]) -> dict[str, Any]:
@@ -316,7 +317,7 @@ def video_baseline(llm: Any, server: ServerProcess, videos: list[bytes]) -> dict
 
 
 def test_video_tokens_through_the_connector_equal_direct_video_embeds(llm: Any, video_baseline: dict[str, Any]) -> None:
-    """The oracle: metadata-only video items (grid + timestamps, uuid = mm_hash) give the tokens the
+    """The oracle: metadata-only video items (grid + timestamps, uuid = video:{mm_hash}) give the tokens the
     same rows given directly as video_embeds give; the connector served every video."""
     assert video_baseline["connector"] == video_baseline["direct"]
     counts = Counter(scheduler_connector(llm).counts)

@@ -41,7 +41,8 @@ def assert_zeros_change_the_answer(
     fingerprint = httpx.get(server.url + "/v1/model").json()["fingerprint"]
     redis = redis_proc.client()
     for h, meta, rows in zip(baseline["hashes"], baseline["metas"], baseline["rows"], strict=True):
-        redis.set(store_key(fingerprint, h, prefix=prefix), stored_value(np.zeros_like(rows), fingerprint, h, meta))
+        zeros = stored_value(np.zeros_like(rows), fingerprint, h, meta)
+        redis.set(store_key(fingerprint, h, prefix=prefix, modality="video"), zeros)
     llm.llm_engine.reset_encoder_cache()
     zeros = greedy(llm, [metadata_only(m, h) for m, h in zip(baseline["metas"], baseline["hashes"], strict=True)])
     assert zeros == greedy(llm, [direct(np.zeros_like(r), m) for r, m in zip(baseline["rows"], baseline["metas"],

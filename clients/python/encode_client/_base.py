@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 from blake3 import blake3
 
 from encode_client._errors import MissingExtra, ReplicaUnavailable, ServerError
-from encode_client._images import ImageInput, Media, WireItem, media, mm_hash
+from encode_client._images import IMAGE, VIDEO, ImageInput, Media, WireItem, media, mm_hash
 from encode_client._retry import Limits, RetryPolicy
 from encode_client._types import LookupItem, Result, TokenCount, UploadStats, WarmItem
 
@@ -309,9 +309,13 @@ class BaseClient:
         answers = {h: found[i] for i, h in enumerate(unique)}
         return [_reindex(answers[h], index) for index, h in enumerate(hashes)]
 
-    def _lookup_flow(self, hashes: Sequence[str]) -> Flow[list[LookupItem]]:
+    def _lookup_flow(self, hashes: Sequence[str], modality: str = IMAGE) -> Flow[list[LookupItem]]:
+        """Which tier holds each hash as a ``modality`` item (a file's bytes as a video are
+        another entry than as an image)."""
+        if modality not in (IMAGE, VIDEO):
+            raise ValueError(f"modality must be {IMAGE!r} or {VIDEO!r}, not {modality!r}")
         keys = [h.lower() for h in hashes]
-        found = yield from self._rounds("lookup", keys, lambda ix: [keys[i] for i in ix], self._by_count)
+        found = yield from self._rounds("lookup", keys, lambda ix: (modality, [keys[i] for i in ix]), self._by_count)
         return [found[i] for i in range(len(keys))]
 
     def _warm_flow(self, images: Sequence[ImageInput]) -> Flow[list[WarmItem]]:
@@ -319,7 +323,12 @@ class BaseClient:
         Unlike ``encode`` no embedding comes back for an image that is already cached."""
         inputs = [media(i) for i in images]
         hashes = [mm_hash(m.data) for m in inputs]
-        cached = yield from self._lookup_flow(hashes)
+        cached: list[LookupItem] = [LookupItem(h, False, None) for h in hashes]
+        for modality in dict.fromkeys(m.modality for m in inputs):  # one lookup per modality present
+            these = [i for i, m in enumerate(inputs) if m.modality == modality]
+            found = yield from self._lookup_flow([hashes[i] for i in these], modality)
+            for i, item in zip(these, found, strict=True):
+                cached[i] = item
         todo = [i for i, c in enumerate(cached) if not c.cached]
         encoded = yield from self._rounds(
             "encode", [hashes[i] for i in todo], lambda ix: [_upload(hashes[todo[i]], inputs[todo[i]]) for i in ix],

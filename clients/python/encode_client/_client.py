@@ -67,8 +67,9 @@ class Client(BaseClient):
         or first bytes (``Video`` wraps one)."""
         return self._run(self._encode_flow(images, "handoff", modality))
 
-    def lookup(self, hashes: Sequence[str]) -> list[LookupItem]:
-        return self._run(self._lookup_flow(hashes))
+    def lookup(self, hashes: Sequence[str], *, modality: str = "image") -> list[LookupItem]:
+        """Which tier holds each hash, as an ``"image"`` or a ``"video"`` item."""
+        return self._run(self._lookup_flow(hashes, modality))
 
     def warm(self, images: Sequence[ImageInput]) -> list[WarmItem]:
         return self._run(self._warm_flow(images))
@@ -168,8 +169,9 @@ class AsyncClient(BaseClient):
         """See ``Client.hand_off``."""
         return await self._run(self._encode_flow(images, "handoff", modality))
 
-    async def lookup(self, hashes: Sequence[str]) -> list[LookupItem]:
-        return await self._run(self._lookup_flow(hashes))
+    async def lookup(self, hashes: Sequence[str], *, modality: str = "image") -> list[LookupItem]:
+        """Which tier holds each hash, as an ``"image"`` or a ``"video"`` item."""
+        return await self._run(self._lookup_flow(hashes, modality))
 
     async def warm(self, images: Sequence[ImageInput]) -> list[WarmItem]:
         return await self._run(self._warm_flow(images))

@@ -46,7 +46,9 @@ def build(op: str, payload: Any) -> Any:
     if op == "handoff":
         return pb.EncodeRequest(items=[_item(item) for item in payload], return_kind=pb.RETURN_METADATA)
     if op == "lookup":
-        return pb.LookupRequest(hashes=list(payload))
+        modality, hashes = payload
+        kind = pb.MODALITY_VIDEO if modality == VIDEO else pb.MODALITY_IMAGE
+        return pb.LookupRequest(hashes=list(hashes), modality=kind)
     if op == "tokens":
         kind, entries = payload
         if kind == "sizes":

@@ -66,7 +66,9 @@ def build(base_url: str, op: str, payload: Any, *, response: str, api_key: str |
         handoff = {"items": [_item(item) for item in payload], "return": "metadata"}
         return HttpRequest("POST", base + "/v1/encode", handoff, {**headers, "Accept": "application/json"})
     if op == "lookup":
-        return HttpRequest("POST", base + "/v1/lookup", {"hashes": list(payload)}, headers)
+        modality, hashes = payload  # "modality" only for a video, so an image's body is what it always was
+        lookup = {"hashes": list(hashes), **({"modality": modality} if modality == VIDEO else {})}
+        return HttpRequest("POST", base + "/v1/lookup", lookup, headers)
     if op == "tokens":
         kind, entries = payload
         body: dict[str, Any] = (

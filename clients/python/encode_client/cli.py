@@ -24,6 +24,7 @@ from typing import TypeVar
 from encode_client._client import AsyncClient, Client
 from encode_client._errors import MissingExtra, ReplicaUnavailable, ServerError
 from encode_client._images import VIDEO_SUFFIXES, ImageInput, Video, mm_hash
+from encode_client._types import LookupItem
 from encode_client.safetensors import WireTensor, dump_safetensors
 
 __all__ = ["EXIT_CODES", "IMAGE_SUFFIXES", "VIDEO_SUFFIXES", "main"]
@@ -84,8 +85,10 @@ def _parser() -> argparse.ArgumentParser:
     enc.add_argument("-o", "--output", required=True,
                      help="OUT.safetensors: tensor i per file; metadata: model, fingerprint, items")
     enc.add_argument("--video", action="store_true", help=video_help)
-    command("lookup", "which tier holds each image or video, by file or by mm_hash (mixed)").add_argument(
-        "items", nargs="+", metavar="FILE_OR_HASH")
+    look = command("lookup", "which tier holds each image or video, by file or by mm_hash (mixed)")
+    look.add_argument("items", nargs="+", metavar="FILE_OR_HASH")
+    look.add_argument("--video", action="store_true",
+                      help="look every item up as a video (default: a file by suffix, a hash as an image)")
     tok = command("tokens", "token count and grid per image or video (a video's from its header), without encoding")
     tok.add_argument("files", nargs="+")
     tok.add_argument("--video", action="store_true", help=video_help)
@@ -186,9 +189,18 @@ def _cmd_encode(args: argparse.Namespace, client: Client, given: Arguments) -> i
 
 
 def _cmd_lookup(args: argparse.Namespace, client: Client, given: Arguments) -> int:
+    """One lookup per modality: a file's bytes as a video are another entry than as an image."""
     items = given.each(args.items, _hash_of)
-    for (item, _), found in zip(items, client.lookup([h for _, h in items]) if items else [], strict=True):
-        print(f"{found.hash}  {'cached' if found.cached else 'missing'}  {found.tier or '-'}  {item}")
+    video = [args.video or (not _HASH.match(item) and Path(item).suffix.lower() in VIDEO_SUFFIXES)
+             for item, _ in items]
+    found: dict[int, LookupItem] = {}
+    for modality in (False, True):
+        these = [i for i, v in enumerate(video) if v is modality]
+        if these:
+            answers = client.lookup([items[i][1] for i in these], modality="video" if modality else "image")
+            found.update(zip(these, answers, strict=True))
+    for i, (item, _) in enumerate(items):
+        print(f"{found[i].hash}  {'cached' if found[i].cached else 'missing'}  {found[i].tier or '-'}  {item}")
     return given.code()
 
 

@@ -87,7 +87,7 @@ from encode_client._images import mm_hash
 from encode_client._types import Result
 from encode_client.epd_tensor import DTYPES as TENSOR_DTYPES
 from encode_client.epd_tensor import tensor_string
-from encode_client.keys import embeds_identifier, epd_identifier
+from encode_client.keys import embeds_identifier, epd_identifier, own_identifier
 
 __all__ = [
     "EMBEDS_PARTS",
@@ -342,7 +342,9 @@ def _identifier(part: MediaPart, result: Result) -> str:
         )
     own = mm_hash(part.data)
     try:
-        return epd_identifier(result.key, own) if result.key is not None else own
+        if result.key is None:
+            return own_identifier(own, part.modality)
+        return epd_identifier(result.key, own, part.modality)
     except ValueError as exc:
         raise EPDError(f"encode-server's answer does not name this {part.modality}: {exc}", part.where) from None
 

@@ -1,8 +1,8 @@
 """Embeddings fetched from encode-server by hash: where a prefill worker goes when the shared tier
 has no valid value for an item (evicted, expired, corrupt, Redis down) while an E still holds it.
 
-``EncoderFetcher.fetch_many(identifiers)`` asks encode-server for each identifier's image by its
-``mm_hash`` alone (``POST /v1/encode``, hash-only items, ``Accept: application/vnd.safetensors``:
+``EncoderFetcher.fetch_many(identifiers)`` asks encode-server for each identifier's item by its
+``mm_hash`` and modality alone (``POST /v1/encode``, hash-only items, ``Accept: application/vnd.safetensors``:
 the binary answer, no base64), so no image bytes move and the server answers from its local tier
 or its own view of Redis, or says ``miss``. Replicas are tried in the client's rendezvous order for
 the hash (``encode_client.rank_replicas``: the replica the proxy handed the image to first, then
@@ -14,10 +14,11 @@ value, so the caller validates both alike: a :class:`~encode_client.store.Stored
 :class:`~encode_client.store.CorruptValue` (an answer of another fingerprint, for another hash, or
 whose tensor disagrees with its own description), or None (no replica holds it, or none answered).
 
-Tenants: an identifier ``t:{tenant_digest}:{mm_hash}`` names a tenant's entry, which encode-server
-serves only to that tenant's key. ``api_keys`` (encode-server's ``TENANT:KEY`` list) gives the
-fetcher a key per tenant; an identifier of a tenant without a key is never asked for (None), and
-plain identifiers go with ``api_key`` (or a key of the list without a tenant). Never imports torch.
+Tenants: an identifier ``t:{tenant_digest}:{mm_hash}`` (``t:{tenant_digest}:video:{mm_hash}`` for
+a video) names a tenant's entry, which encode-server serves only to that tenant's key. ``api_keys``
+(encode-server's ``TENANT:KEY`` list) gives the fetcher a key per tenant; an identifier of a tenant
+without a key is never asked for (None), and plain identifiers go with ``api_key`` (or a key of the
+list without a tenant). Never imports torch.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import httpx
 
 from encode_client._base import rank_replicas
 from encode_client._callers import Callers
-from encode_client.keys import identifier_key, tenant_digest
+from encode_client.keys import StoredIdentifier, identifier_key, parse_identifier, tenant_digest
 from encode_client.safetensors import SafetensorsError, load_safetensors
 from encode_client.store import VALUE_DTYPES, CorruptValue, StoredEmbedding
 
@@ -42,12 +43,12 @@ _SAFETENSORS = "application/vnd.safetensors"
 Outcome = StoredEmbedding | CorruptValue | None
 
 
-def _split(identifier: str) -> tuple[str | None, str]:
-    """(tenant_digest or None, mm_hash) of a stored-image identifier."""
-    if identifier.startswith("t:"):
-        _, digest, mm_hash = identifier.split(":")
-        return digest, mm_hash
-    return None, identifier
+def _split(identifier: str) -> StoredIdentifier:
+    """The parts of a stored item's identifier (the connector asks only for those)."""
+    parts = parse_identifier(identifier)
+    if parts is None:
+        raise ValueError(f"{identifier!r} names no stored item")
+    return parts
 
 
 def parse_fetch_answer(blob: bytes, keys: Sequence[str], hashes: Sequence[str], fingerprint: str) -> list[Outcome]:
@@ -144,7 +145,7 @@ class EncoderFetcher:
         # identifier -> (API key, replicas still to ask, in order)
         todo: dict[str, tuple[str | None, list[str]]] = {}
         for identifier in identifiers:
-            digest, mm_hash = _split(identifier)
+            digest, _, mm_hash = _split(identifier)
             allowed, key = self._key_for(digest)
             if not allowed:
                 self.counts["no_key"] += 1
@@ -179,12 +180,16 @@ class EncoderFetcher:
 
     def _ask(self, replica: str, key: str | None, identifiers: list[str], deadline: float) -> dict[str, Outcome] | None:
         """One hash-only request to ``replica``; None when it did not answer usefully."""
-        hashes = [_split(i)[1] for i in identifiers]
+        parts = [_split(i) for i in identifiers]
+        hashes = [p.mm_hash for p in parts]
         keys = [identifier_key(self.fingerprint, i, prefix=self.prefix) or i for i in identifiers]
         headers = {"Accept": _SAFETENSORS}
         if key:
             headers["Authorization"] = f"Bearer {key}"
-        body: dict[str, Any] = {"items": [{"hash": h} for h in hashes]}
+        # "modality" only for a video, so an image's item is what it always was (as the client sends it)
+        body: dict[str, Any] = {
+            "items": [{"hash": p.mm_hash, **({"modality": p.modality} if p.modality != "image" else {})} for p in parts]
+        }
         self.counts["requests"] += 1
         try:
             timeout = max(0.001, deadline - time.monotonic())

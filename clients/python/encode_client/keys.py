@@ -1,9 +1,9 @@
 """Store keys, and the identifiers the EPD path gives vLLM for them, built from their parts.
 
-A prefill worker's EC connector is asked for an image by an identifier alone: it rebuilds the key
-the server wrote, ``{prefix}:v1:{fingerprint}:{mm_hash}``, or with tenant isolation
-``{prefix}:v1:{fingerprint}:t:{tenant_digest}:{mm_hash}`` (DESIGN.md section 1). The layout is the
-server's; a test checks this copy against it, because the client never imports the server.
+A prefill worker's EC connector is asked for an item by an identifier alone: it rebuilds the key
+the server wrote, ``{prefix}:v1:{fingerprint}:{identifier}`` (DESIGN.md section 1; docs/cache.md).
+The layout is the server's; a test checks this copy against it, because the client never imports
+the server.
 
 Identifiers (what vLLM sees as an item's ``uuid``; docs/vllm.md, "Threat model"): the tail of the
 store key after the fingerprint, so that the key is always ``{prefix}:v1:{fingerprint}:{identifier}``:
@@ -12,6 +12,8 @@ store key after the fingerprint, so that the key is always ``{prefix}:v1:{finger
 - ``t:{tenant_digest}:{mm_hash}``: an image stored for a tenant. Two tenants sending one image get
   two identifiers, so they never share an entry of vLLM's encoder, processor or prefix cache, and
   the connector reads each from its own tenant's key;
+- ``video:{mm_hash}`` (``t:{tenant_digest}:video:{mm_hash}`` for a tenant): a video. One file's
+  bytes sent as a video are another entry than as an image, in the store and in vLLM's caches;
 - ``e:{digest}``: a client's own embedding that a trusted caller may send (``--trust-client-embeds``),
   named by the content hash of its payload. It is never a store key: the connector never looks it
   up, and it can never equal an image's identifier (another shape, and BLAKE3 in its key-derivation
@@ -24,17 +26,31 @@ from __future__ import annotations
 
 import json
 import re
+from typing import NamedTuple
 
 from blake3 import blake3
 
-__all__ = ["KEY_VERSION", "embeds_identifier", "epd_identifier", "identifier_key", "store_key", "tenant_digest"]
+__all__ = [
+    "KEY_VERSION",
+    "StoredIdentifier",
+    "embeds_identifier",
+    "epd_identifier",
+    "identifier_key",
+    "own_identifier",
+    "parse_identifier",
+    "store_key",
+    "tenant_digest",
+]
 
 KEY_VERSION = "v1"
+IMAGE = "image"
+# The modalities a key names by a segment of their own (an image's key has none: as it always was).
+_KEYED_MODALITIES = ("video",)
 _TENANT_DOMAIN = "encode-server/tenant/v1"
 # BLAKE3's derive_key mode: a context string, globally unique and fixed (the BLAKE3 paper's rule).
 _EMBEDS_CONTEXT = "encode-server 2025-12 EPD client embeddings identifier v1"
 _LOWER_HEX64 = re.compile(r"[0-9a-f]{64}")
-_STORED_IDENTIFIER = re.compile(r"(?:t:[0-9a-f]{64}:)?[0-9a-f]{64}")
+_STORED_IDENTIFIER = re.compile(r"(?:t:(?P<tenant>[0-9a-f]{64}):)?(?:(?P<modality>video):)?(?P<mm_hash>[0-9a-f]{64})")
 
 
 def _framed_str(value: str) -> bytes:
@@ -60,25 +76,58 @@ def tenant_digest(tenant: str) -> str:
     return blake3(framed).hexdigest()
 
 
-def store_key(fingerprint: str, mm_hash: str, *, prefix: str = "encode", tenant: str | None = None) -> str:
-    """The Redis key under which the server stores ``mm_hash``'s embedding for ``fingerprint``."""
+def own_identifier(mm_hash: str, modality: str = IMAGE, tenant_digest: str | None = None) -> str:
+    """The identifier of ``mm_hash`` as a ``modality`` item (with a tenant's digest, a tenant's)."""
+    tail = mm_hash if modality == IMAGE else f"{modality}:{mm_hash}"
+    return tail if tenant_digest is None else f"t:{tenant_digest}:{tail}"
+
+
+def store_key(
+    fingerprint: str, mm_hash: str, *, prefix: str = "encode", tenant: str | None = None, modality: str = IMAGE
+) -> str:
+    """The Redis key under which the server stores ``mm_hash``'s embedding, as a ``modality`` item,
+    for ``fingerprint``."""
     _check_hex("fingerprint", fingerprint)
     _check_hex("mm_hash", mm_hash)
     _check_prefix(prefix)
-    if tenant is None:
-        return f"{prefix}:{KEY_VERSION}:{fingerprint}:{mm_hash}"
-    return f"{prefix}:{KEY_VERSION}:{fingerprint}:t:{tenant_digest(tenant)}:{mm_hash}"
+    if modality != IMAGE and modality not in _KEYED_MODALITIES:
+        raise ValueError(f"modality must be one of {', '.join((IMAGE, *_KEYED_MODALITIES))}, got {modality!r}")
+    digest = tenant_digest(tenant) if tenant is not None else None
+    return f"{prefix}:{KEY_VERSION}:{fingerprint}:{own_identifier(mm_hash, modality, digest)}"
 
 
-def epd_identifier(key: str, mm_hash: str) -> str:
-    """The identifier vLLM gets for the image ``mm_hash`` that the server stored under ``key``.
+class StoredIdentifier(NamedTuple):
+    """The parts of a stored item's identifier."""
 
-    ``key`` is the hand-off's answer; it is read from the right (the server's rule: the last segment
-    is the ``mm_hash``, the one two before it is ``t`` exactly when a tenant is present) and must be
-    a well-formed key of exactly this image. Raises ``ValueError`` otherwise."""
+    tenant: str | None  # the tenant's digest (the key's segment), None without tenant isolation
+    modality: str
+    mm_hash: str
+
+
+def parse_identifier(identifier: object) -> StoredIdentifier | None:
+    """The parts of an identifier that names a stored item, or None for any other (an ``e:``
+    identifier, vLLM's own digest-shaped one is a plain image's and parses as such)."""
+    match = _STORED_IDENTIFIER.fullmatch(identifier) if isinstance(identifier, str) else None
+    if match is None:
+        return None
+    return StoredIdentifier(match["tenant"], match["modality"] or IMAGE, match["mm_hash"])
+
+
+def epd_identifier(key: str, mm_hash: str, modality: str = IMAGE) -> str:
+    """The identifier vLLM gets for the ``modality`` item ``mm_hash`` that the server stored under ``key``.
+
+    ``key`` is the hand-off's answer, ``{prefix}:v1:{fingerprint}:{identifier}``, read from the
+    right (the server's rule: the last segment is the ``mm_hash``; before it, a modality's name for
+    any item but an image; two before those, ``t`` exactly when a tenant is present). It must be a
+    well-formed key of exactly this item, as this modality. Raises ``ValueError`` otherwise."""
     _check_hex("mm_hash", mm_hash)
     parts = key.split(":") if isinstance(key, str) else []
-    identifier = f"t:{parts[-2]}:{mm_hash}" if len(parts) >= 6 and parts[-3] == "t" else mm_hash
+    keyed = parts[-2] if len(parts) >= 5 and parts[-2] in _KEYED_MODALITIES else IMAGE
+    if keyed != modality:
+        raise ValueError(f"{key!r} is the key of {keyed} {mm_hash}, not of a {modality}")
+    rest = len(parts) - (2 if modality != IMAGE else 1)  # the segments ahead of the modality/mm_hash
+    digest = parts[rest - 1] if rest >= 5 and parts[rest - 2] == "t" else None
+    identifier = own_identifier(mm_hash, modality, digest)
     head, _, fingerprint = key[: -len(identifier) - 1].rpartition(":") if parts else ("", "", "")
     prefix, _, version = head.rpartition(":")
     if (
@@ -88,12 +137,12 @@ def epd_identifier(key: str, mm_hash: str) -> str:
         or version != KEY_VERSION
         or not prefix
     ):
-        raise ValueError(f"{key!r} is not a store key of image {mm_hash}")
+        raise ValueError(f"{key!r} is not a store key of item {mm_hash}")
     return identifier
 
 
 def identifier_key(fingerprint: str, identifier: str, *, prefix: str = "encode") -> str | None:
-    """The store key that ``identifier`` names, or None for one that names no stored image (an
+    """The store key that ``identifier`` names, or None for one that names no stored item (an
     ``e:`` identifier, anything malformed). vLLM's own identifier for an item that has no ``uuid``
     is a 64-hex digest too: its key holds nothing (vLLM hashes a tagged, length-framed stream, and
     no image file that the server accepts begins like one), so it is a miss."""

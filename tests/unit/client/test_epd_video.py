@@ -31,10 +31,11 @@ def video(url: Any = VIDEO_URL, **extra: Any) -> dict[str, Any]:
     return {"type": "video_url", "video_url": {"url": url, **extra}}
 
 
-def result(data: bytes, meta: dict[str, Any], tenant: str | None = None) -> Result:
+def result(data: bytes, meta: dict[str, Any], tenant: str | None = None, modality: str = "video") -> Result:
     """What encode-server's hand-off answers for ``data`` (its store key included)."""
     h = mm_hash(data)
-    return Result(0, h, "encoded", None, 8, (), None, meta=meta, key=cache_key(FP, h, prefix="encode", tenant=tenant))
+    key = cache_key(FP, h, prefix="encode", tenant=tenant, modality=modality)
+    return Result(0, h, "encoded", None, 8, (), None, meta=meta, key=key)
 
 
 def test_video_parts_are_planned_beside_images_in_request_order() -> None:
@@ -93,11 +94,11 @@ def test_a_video_becomes_video_embeds_with_exactly_the_declared_fields_and_its_i
                    video(detail="x", fps=30), {"type": "text", "text": "what happens?"})
     plan = check_chat_request(request)
     check_contract(plan, QWEN3)
-    out = apply_results(request, plan, [result(PNG, IMAGE_META), result(MP4, VIDEO_META)], QWEN3)
+    out = apply_results(request, plan, [result(PNG, IMAGE_META, modality="image"), result(MP4, VIDEO_META)], QWEN3)
     assert out["messages"][0]["content"] == [
         {"type": "image_embeds", "image_embeds": {"image_grid_thw": [1, 4, 4]}, "uuid": mm_hash(PNG)},
         {"type": "video_embeds", "video_embeds": {"video_grid_thw": [2, 4, 4], "timestamps": [0.25, 1.25]},
-         "uuid": mm_hash(MP4)},
+         "uuid": f"video:{mm_hash(MP4)}"},
         {"type": "text", "text": "what happens?"},
     ]
     assert request["messages"][0]["content"][1] == video(detail="x", fps=30), "the caller's body is not changed"
@@ -107,7 +108,7 @@ def test_a_video_becomes_video_embeds_with_exactly_the_declared_fields_and_its_i
 def test_a_tenants_video_is_named_by_its_tenants_key() -> None:
     plan = check_chat_request(body(video()))
     out = apply_results(body(video()), plan, [result(MP4, VIDEO_META, tenant="acme")], QWEN3)
-    assert out["messages"][0]["content"][0]["uuid"] == f"t:{tenant_digest('acme')}:{mm_hash(MP4)}"
+    assert out["messages"][0]["content"][0]["uuid"] == f"t:{tenant_digest('acme')}:video:{mm_hash(MP4)}"
 
 
 def test_an_answer_that_does_not_fit_the_video_is_refused_naming_the_part() -> None:
@@ -119,6 +120,9 @@ def test_an_answer_that_does_not_fit_the_video_is_refused_naming_the_part() -> N
     other = result(PNG, VIDEO_META)  # the key of another file
     with pytest.raises(EPDError, match="does not name this video"):
         apply_results(body(video()), plan, [other], QWEN3)
+    as_image = result(MP4, VIDEO_META, modality="image")  # this file's key, but as an image's
+    with pytest.raises(EPDError, match=r"does not name this video.*not of a video"):
+        apply_results(body(video()), plan, [as_image], QWEN3)
     with pytest.raises(EPDError, match="holds no embedding for video"):
         apply_results(body(video()), plan, [Result(0, mm_hash(MP4), "miss", None, None, (), None)], QWEN3)
 
@@ -158,7 +162,7 @@ def test_a_tensor_field_goes_as_a_tensor_string_built_from_the_meta_only_when_th
     plan = check_chat_request(body(video(second_per_grid_ts=9.0)))
     meta = {"video_grid_thw": [2, 4, 4], "second_per_grid_ts": 1.25, "frames": 5}
     part = apply_results(body(video()), plan, [result(MP4, meta)], QWEN25)["messages"][0]["content"][0]
-    assert set(part) == {"type", "video_embeds", "uuid"} and part["uuid"] == mm_hash(MP4)
+    assert set(part) == {"type", "video_embeds", "uuid"} and part["uuid"] == f"video:{mm_hash(MP4)}"
     assert set(part["video_embeds"]) == {"video_grid_thw", "second_per_grid_ts"}
     assert part["video_embeds"]["video_grid_thw"] == [2, 4, 4]
     loaded = np.load(io.BytesIO(base64.b64decode(part["video_embeds"]["second_per_grid_ts"])))

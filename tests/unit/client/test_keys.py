@@ -3,19 +3,66 @@
 from __future__ import annotations
 
 import pytest
-from encode_client.keys import store_key, tenant_digest
+from encode_client.keys import (
+    StoredIdentifier,
+    epd_identifier,
+    identifier_key,
+    parse_identifier,
+    store_key,
+    tenant_digest,
+)
 
-from encode_server.core.hashing import cache_key
+from encode_server.core.hashing import CacheKey, cache_key
 from encode_server.core.hashing import tenant_digest as server_tenant_digest
+from encode_server.core.types import MODALITIES
 
 FP = "ab" * 32
 H = "0123456789abcdef" * 4
 
 
+@pytest.mark.parametrize("modality", MODALITIES)
 @pytest.mark.parametrize("tenant", [None, "acme", "a:b", "ténant ünïcode", "x" * 300])
-@pytest.mark.parametrize("prefix", ["encode", "prod:encode"])
-def test_store_key_equals_the_servers_cache_key(tenant: str | None, prefix: str) -> None:
-    assert store_key(FP, H, prefix=prefix, tenant=tenant) == cache_key(FP, H, prefix=prefix, tenant=tenant)
+@pytest.mark.parametrize("prefix", ["encode", "prod:encode", "video", "t"])
+def test_store_key_equals_the_servers_cache_key(tenant: str | None, prefix: str, modality: str) -> None:
+    key = cache_key(FP, H, prefix=prefix, tenant=tenant, modality=modality)
+    assert store_key(FP, H, prefix=prefix, tenant=tenant, modality=modality) == key
+
+
+@pytest.mark.parametrize("modality", MODALITIES)
+@pytest.mark.parametrize("tenant", [None, "acme", "a:b"])
+@pytest.mark.parametrize("prefix", ["encode", "prod:encode", "video", "t", "x:t"])
+def test_the_identifier_read_from_a_servers_key_is_the_servers_and_names_the_key_back(
+    tenant: str | None, prefix: str, modality: str
+) -> None:
+    key = CacheKey(FP, H, prefix, tenant, modality)
+    identifier = epd_identifier(key.text, H, modality)
+    assert identifier == key.identifier
+    assert identifier_key(FP, identifier, prefix=prefix) == key.text
+    digest = server_tenant_digest(tenant) if tenant is not None else None
+    assert parse_identifier(identifier) == StoredIdentifier(digest, modality, H)
+
+
+def test_a_video_and_an_image_of_the_same_bytes_get_two_identifiers() -> None:
+    image, video = (epd_identifier(cache_key(FP, H, modality=m), H, m) for m in ("image", "video"))
+    assert image == H and video == f"video:{H}"
+    for key, modality in ((cache_key(FP, H, modality="video"), "image"), (cache_key(FP, H), "video")):
+        with pytest.raises(ValueError, match=f"not of a {modality}"):  # the other modality's key
+            epd_identifier(key, H, modality)
+
+
+@pytest.mark.parametrize(
+    "key",
+    [f"encode:v1:{FP}:audio:{H}", f"encode:v1:{FP}:video:video:{H}", f"encode:v1:{FP}:{H}:video", f"video:{H}"],
+)
+def test_a_key_with_an_unknown_or_misplaced_modality_is_refused(key: str) -> None:
+    with pytest.raises(ValueError):
+        epd_identifier(key, H)
+
+
+@pytest.mark.parametrize("identifier", [f"audio:{H}", f"video:{H[:-1]}", f"video:t:{FP}:{H}", "e:" + H, f"VIDEO:{H}"])
+def test_an_identifier_that_names_no_stored_item_parses_to_none(identifier: str) -> None:
+    assert parse_identifier(identifier) is None
+    assert identifier_key(FP, identifier) is None
 
 
 def test_tenant_digest_equals_the_servers() -> None:

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from encode_server.core.errors import BadInput
 from encode_server.core.hashing import (
     FINGERPRINT_VERSION,
+    CacheKey,
     cache_key,
     fingerprint,
     frame,
@@ -451,3 +452,34 @@ def test_cache_key_refuses_bad_prefixes(prefix: str) -> None:
 def test_cache_key_refuses_empty_tenant() -> None:
     with pytest.raises(ValueError):
         cache_key(FP, H, tenant="")
+
+
+# -- modality in the key ----------------------------------------------------------------------------
+
+
+def test_a_video_key_names_its_modality_and_an_image_key_is_unchanged() -> None:
+    assert cache_key(FP, H, modality="image") == f"encode:v1:{FP}:{H}"  # as before modalities were keyed
+    assert cache_key(FP, H, modality="video") == f"encode:v1:{FP}:video:{H}"
+    tenant = tenant_digest("acme")
+    assert cache_key(FP, H, tenant="acme", modality="video") == f"encode:v1:{FP}:t:{tenant}:video:{H}"
+
+
+@pytest.mark.parametrize("tenant", [None, "acme", "video", "t"])
+def test_one_files_bytes_as_a_video_never_address_its_image_entry(tenant: str | None) -> None:
+    image, video = CacheKey(FP, H, tenant=tenant), CacheKey(FP, H, tenant=tenant, modality="video")
+    assert image != video and image.text != video.text and hash(image) != hash(video)
+    assert image.identifier == image.text.removeprefix(f"encode:v1:{FP}:")
+    assert video.identifier == video.text.removeprefix(f"encode:v1:{FP}:")
+    assert video.identifier.endswith(f"video:{H}") and not image.identifier.endswith(f"video:{H}")
+
+
+def test_a_prefix_named_like_a_modality_reads_unambiguously() -> None:
+    # Read from the right, the segment before the mm_hash is "video" only in a video's key.
+    assert cache_key(FP, H, prefix="video").split(":")[-2] == FP
+    assert cache_key(FP, H, prefix="video", modality="video").split(":")[-2] == "video"
+
+
+@pytest.mark.parametrize("modality", ["", "Video", "audio", "images"])
+def test_cache_key_refuses_an_unknown_modality(modality: str) -> None:
+    with pytest.raises(ValueError, match="modality"):
+        cache_key(FP, H, modality=modality)

@@ -80,10 +80,12 @@ class EncodeResponse(_message.Message):
     def __init__(self, model: _Optional[str] = ..., fingerprint: _Optional[str] = ..., items: _Optional[_Iterable[_Union[EncodeItem, _Mapping]]] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("hashes",)
+    __slots__ = ("hashes", "modality")
     HASHES_FIELD_NUMBER: _ClassVar[int]
+    MODALITY_FIELD_NUMBER: _ClassVar[int]
     hashes: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, hashes: _Optional[_Iterable[str]] = ...) -> None: ...
+    modality: Modality
+    def __init__(self, hashes: _Optional[_Iterable[str]] = ..., modality: _Optional[_Union[Modality, str]] = ...) -> None: ...
 
 class LookupItem(_message.Message):
     __slots__ = ("hash", "cached", "tier")

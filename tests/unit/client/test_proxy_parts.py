@@ -1,11 +1,16 @@
-"""The proxy's pure parts: choosing an upstream (least outstanding requests, marks that expire)
-and telling a request vLLM failed before answering from one it answered."""
+"""The proxy's pure parts: choosing an upstream (least outstanding requests, marks that expire),
+telling a request vLLM failed before answering from one it answered, and reading an answer only as
+far as that."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import AsyncIterator, Callable
 
+import httpx
 import pytest
+from encode_client._proxy_forward import HeadBroken, read_head
 from encode_client._upstreams import Upstreams
 from encode_client._vllm_failure import StreamGate, is_generation_error
 
@@ -113,3 +118,42 @@ def test_a_stream_that_says_nothing_decisive_is_released_past_the_limit_or_at_it
     short = StreamGate()
     short.feed(ROLE)
     assert short.finish() == ROLE and not short.failed
+
+
+# -- reading an answer's head, apart from the forward's retries (``_proxy_forward.read_head``) --
+
+
+def _answer(status: int, content_type: str, *chunks: bytes, broken: bool = False) -> httpx.Response:
+    async def stream() -> AsyncIterator[bytes]:
+        for chunk in chunks:
+            yield chunk
+        if broken:
+            raise httpx.ReadError("reset")
+
+    return httpx.Response(status, headers={"content-type": content_type}, content=stream())
+
+
+async def _read(answer: httpx.Response) -> tuple[bytes, bytes, bool]:
+    head = await read_head(answer)
+    return head.prefix, b"".join([chunk async for chunk in head.rest]), head.failed
+
+
+@pytest.mark.parametrize(("answer", "read"), [
+    (lambda: _answer(200, "text/event-stream", ROLE, b"data: " + GENERIC.encode() + b"\n\n", b"data: [DONE]\n\n"),
+     (b"", b"data: [DONE]\n\n", True)),
+    (lambda: _answer(200, "text/event-stream", ROLE, TOKEN, b"data: [DONE]\n\n"),
+     (ROLE + TOKEN, b"data: [DONE]\n\n", False)),
+    (lambda: _answer(500, "application/json", GENERIC.encode()), (GENERIC.encode(), b"", True)),
+    (lambda: _answer(500, "application/json", b'{"error": {"type": "BadRequestError"}}'),
+     (b'{"error": {"type": "BadRequestError"}}', b"", False)),
+    (lambda: _answer(200, "application/json", b'{"choices": []}'), (b"", b'{"choices": []}', False)),
+], ids=["stream-failed", "stream-content", "500-generic", "500-other", "200-unread"])
+def test_an_answers_head_says_whether_vllm_failed_the_request_and_keeps_every_byte(
+    answer: Callable[[], httpx.Response], read: tuple[bytes, bytes, bool]
+) -> None:
+    assert asyncio.run(_read(answer())) == read
+
+
+def test_a_stream_that_breaks_before_its_first_event_is_a_broken_head() -> None:
+    with pytest.raises(HeadBroken):
+        asyncio.run(_read(_answer(200, "text/event-stream", ROLE, broken=True)))

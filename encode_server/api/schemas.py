@@ -94,7 +94,9 @@ class TokenCountOut(BaseModel):
     num_tokens: int
     width: int = Field(..., description="width after EXIF orientation, as the encoder sees it")
     height: int
-    meta: dict[str, Any] = Field(default_factory=dict, description='e.g. "image_grid_thw"')
+    meta: dict[str, Any] = Field(
+        default_factory=dict, description="what the family's processor says of the item (its grid, ...)"
+    )
 
 
 class TokensResponseOut(BaseModel):

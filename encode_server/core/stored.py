@@ -8,7 +8,7 @@ header) and ``__metadata__`` of str -> str:
     mm_hash      BLAKE3 of the image file
     dtype        "float32" | "bfloat16" | "float16"
     shape        JSON list, e.g. "[99,128]"
-    meta         JSON object, e.g. '{"image_grid_thw":[1,18,22]}'
+    meta         JSON object: what the family's processor says of the item (its grid, ...)
 
 The format is written and validated by :mod:`encode_client.store` (``dump_value``,
 ``parse_value``), so a prefill worker reading Redis and this server accept exactly the same

@@ -46,7 +46,7 @@ class EncodedTensor:
 
 @dataclass(frozen=True)
 class Embedding:
-    """A cached embedding with the per-image meta the client needs (e.g. ``image_grid_thw``)."""
+    """A cached embedding with the per-item meta the client needs (the family's grid, ...)."""
 
     tensor: EncodedTensor
     meta: dict[str, Any] = field(default_factory=dict)

@@ -321,3 +321,25 @@ def test_connector_settings_are_checked_at_start(extra: dict[str, Any], words: s
 
     with pytest.raises(ValueError, match=words):
         ConnectorSettings.from_extra(extra)
+
+
+def test_local_input_is_told_by_what_an_items_fields_hold_not_their_names() -> None:
+    """Pixels and embeddings are arrays of two or more dimensions (or lists of them); what sizes or
+    places an item (a grid, a patch count, a temporal scale) is a scalar or a vector. So an item with
+    only those is pixel-free whatever its field names, and one with a pixel array is not."""
+    from types import SimpleNamespace
+
+    import torch
+    from encode_client.vllm_connector import _has_local_input
+
+    def feature(**fields: Any) -> Any:
+        return SimpleNamespace(data={k: SimpleNamespace(data=v) for k, v in fields.items()})
+
+    grid, seconds = torch.tensor([2, 4, 4]), torch.tensor(1.25)
+    assert not _has_local_input(feature(video_grid_thw=grid, second_per_grid_ts=seconds), {"video_grid_thw"})
+    assert not _has_local_input(feature(any_name=grid, another=seconds, stamps=[0.5, 1.5]), set())
+    assert not _has_local_input(SimpleNamespace(data=None), set())
+    for pixels in (torch.zeros(16, 1176), torch.zeros(3, 336, 336), [torch.zeros(3, 28, 28)]):
+        assert _has_local_input(feature(image_grid_thw=grid, whatever=pixels), {"image_grid_thw"})
+    # a declared metadata key never counts, whatever it holds
+    assert not _has_local_input(feature(image_grid_thw=torch.zeros(1, 3)), {"image_grid_thw"})

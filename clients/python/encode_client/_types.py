@@ -38,7 +38,8 @@ def to_torch(raw: bytes, dtype: str, shape: Sequence[int]) -> torch.Tensor:
 @dataclass(frozen=True)
 class Result:
     """One item's embedding, an image's or a video's (``status`` "hit" or "encoded"; "miss"
-    carries no tensor). A video's ``meta`` has ``video_grid_thw`` and ``timestamps``.
+    carries no tensor). ``meta`` is what the family's processor says of the item (its grid, a
+video's timestamps: ``GET /v1/model`` names the keys).
 
     ``model`` and ``fingerprint`` are those of the replica that answered (``GET /v1/model``)."""
 

@@ -1,5 +1,5 @@
 """A number or a 1-D list of numbers as the base64 tensor string vLLM's chat parser loads for an
-embeddings part's key (``{"video_embeds": {"second_per_grid_ts": "<this>"}}``), without torch.
+embeddings part's key (``{"video_embeds": {"<a contract's tensor field>": "<this>"}}``), without torch.
 
 vLLM 0.32's OpenAI server takes a JSON array in an embeddings dict only for the keys its model's
 parser declares (``placeholder_metadata_fields``); a string value it decodes as base64 and loads

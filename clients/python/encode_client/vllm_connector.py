@@ -3,7 +3,8 @@
 A vLLM prefill worker started with this connector as an EC consumer runs no vision tower for an
 image that encode-server has already encoded: vLLM asks for each image by its identifier (the
 request's ``uuid`` for the image, which the EPD path sets to the identifier of the image's store
-key: its ``mm_hash``, or ``t:{tenant_digest}:{mm_hash}`` for a tenant, see ``encode_client.keys``),
+key: its ``mm_hash``, ``video:{mm_hash}`` for a video, with ``t:{tenant_digest}:`` before it for a
+tenant, see ``encode_client.keys``),
 and the connector reads the embedding from the key the server wrote,
 ``{prefix}:v1:{fingerprint}:{identifier}``; an identifier of any other shape is never looked up::
 
@@ -187,19 +188,25 @@ def _fetch_model(encoder_urls: list[str], api_key: str | None, timeout: float) -
     raise ConnectionError(f"no encode-server answered GET /v1/model: {last!r}")
 
 
-# Per-item fields that place an item's rows in the prompt without being its pixels or embeddings:
-# Qwen2.5-VL's second_per_grid_ts (its M-RoPE temporal scale). vLLM's parser does not declare it as
-# placeholder metadata, but its processor's field config takes it, so a pixel-free item carries it.
-_POSITION_FIELDS = frozenset({"second_per_grid_ts"})
+def _is_rows(value: object) -> bool:
+    """Whether ``value`` holds pixels or embeddings: an array of two or more dimensions (an image's
+    channels and pixels, a patch sequence, rows of an embedding, a spectrogram), or a list of them.
+    What sizes or places an item (a grid, a patch count, a temporal scale, timestamps) is a scalar
+    or a vector."""
+    if isinstance(value, (list, tuple)):
+        return any(_is_rows(v) for v in value)
+    return getattr(value, "ndim", 0) >= 2
 
 
 def _has_local_input(feature: MultiModalFeatureSpec, metadata_fields: set[str]) -> bool:
-    """Whether the request carries this item's pixels (or embeddings), not only its metadata."""
+    """Whether the request carries this item's pixels (or embeddings), not only what sizes and
+    places it: told by what its fields hold, not by their names, so no family's field names live
+    here (a pixel-free item carries vLLM's declared metadata and any field the family's contract
+    sends beside it as a tensor: ``GET /v1/model``'s ``epd.tensors``)."""
     data = feature.data
     if data is None:
         return False
-    return any(getattr(elem, "data", None) is not None for key, elem in data.items()
-               if key not in metadata_fields and key not in _POSITION_FIELDS)
+    return any(_is_rows(getattr(elem, "data", None)) for key, elem in data.items() if key not in metadata_fields)
 
 
 class EncodeServerECConnector(ECConnectorBase):

@@ -2,7 +2,9 @@
 
 HTTP and gRPC both call ``EncodeService``; neither holds any logic of its own beyond parsing and
 mapping errors. The service owns the single-flight table: one encode per cache key at a time,
-however many requests (or items of one request) want it.
+however many requests (or items of one request) want it. What it lets in and charges for is
+``admission.py``'s (the ``--max-queue`` bound, the request-memory charge, a video's limits); what
+``GET /v1/model`` publishes about it is ``api/model.py``'s.
 """
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ class PreparedItem:
     inputs: dict[str, torch.Tensor]
     num_tokens: int  # N, the rows of this image's embedding
     cost_tokens: int  # patch tokens through the vision tower (budgeted by --max-batch-tokens)
-    meta: dict[str, Any] = field(default_factory=dict)  # JSON-able, e.g. {"image_grid_thw": [1, 8, 12]}
+    meta: dict[str, Any] = field(default_factory=dict)  # JSON-able: what the LLM needs beside the rows (a grid)
     # Batched preprocessing: the image as it waits for its batch (encoded bytes, or pixels decoded
     # on the CPU), decoded and preprocessed by ``forward``; ``inputs`` is then empty.
     pending: Any = None
@@ -69,7 +69,7 @@ class VideoPlan:
     """How one video becomes rows, decided from its header alone (``/v1/tokens``, the memory charge).
 
     ``indices``: the frames to decode, in order; ``size``: (height, width) each is resized to;
-    ``num_tokens``/``cost_tokens``/``meta`` as for an image (``meta`` e.g. ``video_grid_thw``);
+    ``num_tokens``/``cost_tokens``/``meta`` as for an image (``meta``: the family's, e.g. the video's grid);
     ``nbytes``: the peak host memory of decoding and preprocessing it, which the request-memory
     budget charges before a frame is decoded (the family knows its copies: no default)."""
 

@@ -39,8 +39,8 @@ class Epd:
     ``tensors`` (per modality, field -> dtype) names the metadata vLLM's processor takes as a
     tensor but its parser does not declare: vLLM's chat parser refuses a JSON array for such a key
     but loads a string as a serialised tensor, so the proxy sends each as one, in the dtype vLLM's
-    own processor gives it (Qwen2.5-VL's ``second_per_grid_ts``: float32). Sent when the item's
-    ``meta`` has the key (Qwen2-VL's has none), never required.
+    own processor gives it (Qwen2.5-VL's seconds per temporal group: float32, in ``qwen.py``). Sent
+    when the item's ``meta`` has the key (Qwen2-VL's has none), never required.
     """
 
     mode: Literal["pixel_free", "pixels_uuid"]

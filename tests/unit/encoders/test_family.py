@@ -100,3 +100,13 @@ def test_the_meta_a_family_checks_is_meta_its_encoder_emits_and_its_processor_ma
     assert checked <= set(meta) & made, (name, checked, meta, made)
     if name in ("qwen2_vl", "qwen3_vl", "glm4v", "siglip2"):  # the grids of dynamic resolution
         assert checked, name
+
+
+@pytest.mark.parametrize("name", sorted(f.name for f in FAMILIES))
+def test_an_encoders_kind_is_a_model_type_of_its_family(name: str, request: pytest.FixtureRequest) -> None:
+    """``EncoderInfo.kind`` (in the fingerprint and ``GET /v1/model``) comes from the one registry."""
+    from tests.tiny.records import RECORDS
+
+    encoder = load_encoder(str(request.getfixturevalue(f"{RECORDS[name].kind}_dir")), device="cpu")
+    assert encoder.family is not None and encoder.family.name == name
+    assert encoder.info.kind in encoder.family.model_types, (name, encoder.info.kind)

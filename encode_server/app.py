@@ -48,6 +48,7 @@ from encode_server.encoders.threads import MAX_AUTO_WORKERS, CoreShare, forward_
 from encode_server.malloc import release_free_memory
 from encode_server.metrics import Metrics
 from encode_server.service import EncodeService, serving_fingerprint
+from encode_server.warmup import WarmupFailed
 
 __all__ = [
     "DrainingServer", "EncodeServer", "EncoderLoader", "StartFailed", "build_service", "file_exporter",
@@ -165,6 +166,8 @@ class EncodeServer:
             exporter=file_exporter(s, encoder),
         )
         await service.start()
+        if service.warmup is not None:
+            log.info("%s", service.warmup.line())
         info = encoder.info
         log.info(
             "model %s loaded and warm in %.2f s: kind=%s device=%s dtype=%s (%s) fingerprint=%s",
@@ -185,8 +188,11 @@ class EncodeServer:
             return
         exc = loading.exception()
         # A bad checkpoint or model id is a reason, not a bug: one line; anything else, its traceback.
-        expected = isinstance(exc, (OSError, ValueError))
-        log.error("model failed to load: %s; shutting down", exc, exc_info=None if expected else exc)
+        if isinstance(exc, WarmupFailed):  # a worst case this server cannot hold: its figures, one line
+            log.error("%s; shutting down", exc)
+        else:
+            expected = isinstance(exc, (OSError, ValueError))
+            log.error("model failed to load: %s; shutting down", exc, exc_info=None if expected else exc)
         self.runtime.load_error = exc
         self.exit_code = 1
         self.http.should_exit = True

@@ -86,7 +86,10 @@ class Settings:
     max_wait_ms: float = _opt(
         5.0, "an idle model starts at once; it waits at most this long (ms) only for images still being decoded"
     )
-    max_queue: int = _opt(1024, "most images pending encode before 503 overloaded (with Retry-After)")
+    max_queue: int = _opt(
+        1024, "most items (images, videos) pending encode before 503 overloaded (with Retry-After); a video split "
+        "into parts is one item"
+    )
     max_request_bytes: int = _opt(
         64 * 1024 * 1024, "largest request body, multipart part or gRPC message in bytes (413 payload_too_large)"
     )
@@ -122,6 +125,11 @@ class Settings:
         60.0, "per-request timeout in seconds (504 timeout past it); the encode itself goes on and is cached"
     )
     preprocess_workers: int = _opt(0, "threads that decode and preprocess images (0: one per CPU core it may use)")
+    warmup: str = _opt(
+        "worst", "before it is ready: 'worst' runs the largest image the limits allow (a full batch of it) and, for "
+        "a video family, the longest video, and publishes the peak memory in GET /v1/model (a server that cannot "
+        "hold them does not start); 'quick' runs one small image", choices=("worst", "quick"),
+    )
     log_level: str = _opt("info", "log level", choices=("debug", "info", "warning", "error"))
     log_format: str = _opt("text", "log lines as text, or one JSON object per line", choices=("text", "json"))
     header_timeout: float = _opt(

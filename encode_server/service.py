@@ -10,17 +10,13 @@ however many requests (or items of one request) want it. What it lets in and cha
 from __future__ import annotations
 
 import asyncio
-import functools
-import io
 import logging
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, cast
-
-from PIL import Image
 
 from encode_server.admission import MemoryCharge, QueueBound, plan_video
 from encode_server.cache.base import SharedTier
@@ -53,6 +49,7 @@ from encode_server.core.types import (
 from encode_server.encoders.base import EncoderInfo, PreparedItem, VisionEncoder
 from encode_server.imaging import oriented_size
 from encode_server.metrics import Metrics
+from encode_server.warmup import WarmupReport, warm_up
 
 __all__ = ["EncodeService", "LookupResult", "TokenCount", "model_fingerprint", "serving_fingerprint"]
 
@@ -155,6 +152,7 @@ class EncodeService:
         # Admission (admission.py): --max-queue in items, and the request-memory budget (the
         # runtime's) charged with what decoding an item holds, before it is decoded.
         self.queue = QueueBound(settings.max_queue, metrics)
+        self.warmup: WarmupReport | None = None  # what ``start`` ran, and the peak memory it took
         self.memory = MemoryCharge(budget, metrics, max_pixels=settings.max_image_pixels)
         metrics.queue_depth.set_function(lambda: self.queue.pending)
         info = encoder.info
@@ -171,19 +169,21 @@ class EncodeService:
     # -- lifecycle -----------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Start the batcher (and the shared tier's background work) and run one warm-up forward
-        pass: readiness waits for it."""
+        """Start the batcher (and the shared tier's background work) and run the warm-up
+        (``warmup.py``: the family's worst case, its peak memory in ``self.warmup``): readiness
+        waits for it. Raises ``WarmupFailed`` for a worst case this server cannot hold."""
         self.batcher.start()
         if self.shared is not None:
             await self.shared.start()
-        buffer = io.BytesIO()
-        Image.new("RGB", (64, 64), (127, 127, 127)).save(buffer, format="JPEG")  # the path a JPEG takes
         loop = asyncio.get_running_loop()
+
         # The encoder's own ``prepare``, not ``_prepare``: a warm-up is no request's preprocessing
-        # (its metric counts requests' images) and holds no request's budget.
-        prepare = functools.partial(self.encoder.prepare, buffer.getvalue(), max_pixels=self.settings.max_image_pixels)
-        prepared = await loop.run_in_executor(self._preprocess_pool, prepare)
-        await self.batcher.submit(prepared, prepared.cost_tokens)
+        # (its metric counts requests' items) and holds no request's budget.
+        async def run(work: Callable[[], Any]) -> Any:
+            return await loop.run_in_executor(self._preprocess_pool, work)
+
+        budget = self.memory.budget.capacity if self.memory.budget is not None else None
+        self.warmup = await warm_up(self.encoder, self.settings, self.batcher.submit, run, budget=budget)
 
     async def close(self) -> None:
         await self.batcher.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -55,17 +56,28 @@ def _command(python: str | None, port: int, args: tuple[str, ...]) -> list[str]:
 
 
 def _env(env: dict[str, str] | None) -> dict[str, str]:
-    return {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **(env or {})}
+    """Offline, and the quick warm-up unless the test asks for another (``env`` or ``--warmup``):
+    the worst case is what tests/integration/test_warmup.py runs, and it costs seconds per start."""
+    return {"ENCODE_SERVER_WARMUP": "quick", **os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+            **(env or {})}
 
 
-def run_server_to_exit(*args: str, port: int | None = None, timeout: float = 60.0) -> tuple[int | None, str]:
+def run_server_to_exit(
+    *args: str, port: int | None = None, timeout: float = 60.0, address_space: int | None = None
+) -> tuple[int | None, str]:
     """Run a server that should not start (or should stop by itself): its exit code, or None
     when it was still running after ``timeout`` s (then it is stopped), and its output. A free
-    gRPC port unless ``args`` pick one, as ``start_server``."""
+    gRPC port unless ``args`` pick one, as ``start_server``. ``address_space``: the process's
+    ``RLIMIT_AS`` in bytes, so that an allocation above it fails at once on any machine."""
     if "--grpc-port" not in args:
         args = (*args, "--grpc-port", str(free_port()))
     cmd = _command(None, port or free_port(), args)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_env(None))
+
+    def limit() -> None:
+        if address_space is not None:
+            resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space))
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_env(None), preexec_fn=limit)
     try:
         out, _ = proc.communicate(timeout=timeout)
         return proc.returncode, out.decode(errors="replace")

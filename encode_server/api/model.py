@@ -47,6 +47,7 @@ def describe_model(service: EncodeService) -> dict[str, Any]:
             "max_image_pixels": s.max_image_pixels,
             "request_timeout": s.request_timeout,
         },
+        "warmup": service.warmup.describe() if service.warmup is not None else None,
         "cache": {
             "local_bytes": service.local.lru.capacity_bytes,
             "prefix": s.cache_prefix,

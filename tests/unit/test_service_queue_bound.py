@@ -24,7 +24,8 @@ from tests.videos import make_video
 # 16 frames at 4 fps, sampled at 2 fps: 8 frames, 4 temporal groups of 16 cost tokens (64 in all);
 # with --max-batch-tokens 16 the built-in model encodes it as 4 parts, twice --max-queue.
 VIDEO_ROWS, PARTS, MAX_QUEUE = 16, 4, 2
-SETTINGS = Settings(cache_mb=16, max_queue=MAX_QUEUE, max_batch_tokens=16, max_batch_size=1, max_wait_ms=0)
+SETTINGS = Settings(cache_mb=16, max_queue=MAX_QUEUE, max_batch_tokens=16, max_batch_size=1, max_wait_ms=0,
+                    warmup="quick")
 
 
 @pytest.fixture(scope="module")

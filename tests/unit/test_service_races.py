@@ -69,7 +69,7 @@ def test_an_encode_that_finishes_during_the_redis_read_is_a_local_hit(encoder) -
 
     async def scenario() -> None:
         tier = HeldTier(held=1)
-        service = await _started(make_service(encoder, Settings(cache_mb=16), Metrics(), shared=tier))
+        service = await _started(make_service(encoder, Settings(cache_mb=16, warmup="quick"), Metrics(), shared=tier))
         try:
             # A hash-only request misses locally and waits on the (held) Redis read...
             waiting = asyncio.create_task(service.encode([RequestItem(0, mm_hash=mm_hash(image))]))
@@ -93,7 +93,7 @@ def test_the_first_bad_item_is_named_whatever_the_order_encodes_fail(encoder) ->
     bad = [b"not an image at all", b"\x89PNG\r\n\x1a\n truncated"]
 
     async def scenario() -> None:
-        service = await _started(make_service(encoder, Settings(cache_mb=16), Metrics()))
+        service = await _started(make_service(encoder, Settings(cache_mb=16, warmup="quick"), Metrics()))
         try:
             items = [RequestItem(0, data=good[0]), RequestItem(1, data=good[1]), RequestItem(2, data=bad[1]),
                      RequestItem(3, data=good[2]), RequestItem(4, data=bad[0])]
@@ -120,7 +120,7 @@ def test_metadata_return_hands_every_resolved_item_to_the_shared_tier(encoder) -
 
     async def scenario() -> None:
         tier = HeldTier(held=0)
-        service = await _started(make_service(encoder, Settings(cache_mb=16), Metrics(), shared=tier))
+        service = await _started(make_service(encoder, Settings(cache_mb=16, warmup="quick"), Metrics(), shared=tier))
         try:
             await service.encode([RequestItem(0, data=images[0])])  # local now; maybe not in Redis yet
             tier.written.clear()

@@ -339,7 +339,7 @@ def test_local_input_is_told_by_what_an_items_fields_hold_not_their_names() -> N
     assert not _has_local_input(feature(video_grid_thw=grid, second_per_grid_ts=seconds), {"video_grid_thw"})
     assert not _has_local_input(feature(any_name=grid, another=seconds, stamps=[0.5, 1.5]), set())
     assert not _has_local_input(SimpleNamespace(data=None), set())
-    for pixels in (torch.zeros(16, 1176), torch.zeros(3, 336, 336), [torch.zeros(3, 28, 28)]):
-        assert _has_local_input(feature(image_grid_thw=grid, whatever=pixels), {"image_grid_thw"})
+    for array in (torch.zeros(16, 1176), torch.zeros(3, 336, 336), [torch.zeros(3, 28, 28)]):
+        assert _has_local_input(feature(image_grid_thw=grid, whatever=array), {"image_grid_thw"})
     # a declared metadata key never counts, whatever it holds
     assert not _has_local_input(feature(image_grid_thw=torch.zeros(1, 3)), {"image_grid_thw"})

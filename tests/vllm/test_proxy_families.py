@@ -191,7 +191,8 @@ def _zeros_under_the_keys(stack: Stack, body: dict[str, Any], media: list[bytes]
         embeddings = [r.numpy() for r in client.encode(media)]  # a video is told by its bytes
     for result, embedding in zip(results, embeddings, strict=True):
         zeros = stored_value(np.zeros_like(embedding), fingerprint, result.hash, result.meta)
-        store.set(store_key(fingerprint, result.hash, prefix=stack.prefix), zeros)
+        assert result.key == store_key(fingerprint, result.hash, prefix=stack.prefix, modality=kind)
+        store.set(result.key, zeros)  # the key the hand-off wrote
     poisoned = answer_text(post_chat(stack.consumer["url"], rewritten))
     assert poisoned != plain, "zeros under the keys did not change the answer: vLLM did not read the store"
 

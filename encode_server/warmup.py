@@ -1,0 +1,230 @@
+"""The warm-up: the served family's worst case through the real path, before the server is ready.
+
+vLLM profiles each model with its largest dummy inputs before it takes a request, so that the
+memory a large input needs is known (and found missing) at start, not at a user's first large
+image. The warm-up does the same with what this server's limits allow (``--warmup worst``, the
+default):
+
+- **the worst image**: ``--max-image-pixels`` pixels, at the aspect ratio (of a few) the family
+  gives the most rows for (``count_tokens``, no model run), as a JPEG through the family's own
+  ``prepare``; then as many copies as one forward pass takes (``--max-batch-size``, within
+  ``--max-batch-tokens``), submitted together so that the batcher makes one full pass of them;
+- **the longest video**, where the family takes video: ``--max-video-seconds`` (fewer where
+  ``--max-video-frames`` or ``--max-video-decoded-frames`` allow less), at the largest frame size
+  whose decoded frames fit the request-memory budget (``VideoPlan.nbytes``, the figure admission
+  charges) and ``--max-image-pixels``; frames made, preprocessed, split and encoded as a request's.
+
+The peak memory over all of it (``encoders.memory``) is logged and published in ``GET /v1/model``
+(``warmup``). A worst case that fails (out of memory on the device or the host, an input the
+processor refuses) is :class:`WarmupFailed`: the server does not become ready, and says why in one
+line. ``--warmup quick`` runs one 64x64 JPEG instead (a quick start; the peak is then unknown until
+traffic brings it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import math
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from PIL import Image
+
+from encode_server.config import Settings
+from encode_server.core.types import VIDEO, EncodedTensor, VideoInfo
+from encode_server.encoders.base import PreparedItem, VideoPlan, VisionEncoder
+from encode_server.encoders.memory import MemoryPeak, PeakMemory
+
+__all__ = ["WARMUP_MODES", "WarmupCase", "WarmupFailed", "WarmupReport", "warm_up", "worst_image_size"]
+
+WARMUP_MODES = ("worst", "quick")
+# Aspect ratios (width : height) tried for the worst image: rows grow with the area for most
+# families, but tiling and any-resolution families give more at some shapes than at others.
+_ASPECTS = ((1, 1), (4, 3), (3, 4), (16, 9), (9, 16), (2, 1), (1, 2), (4, 1), (1, 4))
+_JPEG_MAX_SIDE = 65_500
+_HEADER_FPS = 30.0  # a camera's rate, for the worst video's header (no frame is decoded)
+_MIN_SIDE = 32
+
+T = TypeVar("T")
+Submit = Callable[[PreparedItem, int], Awaitable[EncodedTensor]]
+Run = Callable[[Callable[[], T]], Awaitable[T]]
+
+
+class WarmupFailed(RuntimeError):
+    """The worst case failed: the message is the one line the server logs before it stops."""
+
+
+@dataclass(frozen=True)
+class WarmupCase:
+    """One input the warm-up ran: ``items`` of it in one pass (an image), or its ``parts`` (a video)."""
+
+    modality: str
+    width: int
+    height: int
+    num_tokens: int
+    cost_tokens: int
+    items: int = 1
+    frames: int = 0
+    seconds: float = 0.0
+    parts: int = 1
+
+    def describe(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"modality": self.modality, "width": self.width, "height": self.height,
+                               "num_tokens": self.num_tokens, "cost_tokens": self.cost_tokens}
+        if self.modality == VIDEO:
+            out.update(frames=self.frames, seconds=round(self.seconds, 3), parts=self.parts)
+        else:
+            out["items"] = self.items
+        return out
+
+    def __str__(self) -> str:
+        if self.modality == VIDEO:
+            return (f"a {self.seconds:g} s video of {self.frames} frames at {self.width}x{self.height}, "
+                    f"{self.num_tokens} rows in {self.parts} parts")
+        return f"{self.items} image(s) of {self.width}x{self.height}, {self.num_tokens} rows each, in one pass"
+
+
+@dataclass(frozen=True)
+class WarmupReport:
+    mode: str
+    cases: tuple[WarmupCase, ...]
+    peak: MemoryPeak
+    seconds: float
+
+    def describe(self) -> dict[str, Any]:
+        """The JSON form ``GET /v1/model`` publishes (``warmup``)."""
+        return {
+            "mode": self.mode,
+            "seconds": round(self.seconds, 3),
+            "cases": [c.describe() for c in self.cases],
+            "peak_device_bytes": self.peak.device_bytes,
+            "peak_host_bytes": self.peak.host_bytes,
+            "peak_host_since_start": self.peak.host_since_start,
+        }
+
+    def line(self) -> str:
+        peaks = []
+        if self.peak.device_bytes is not None:
+            peaks.append(f"device {self.peak.device_bytes / 2**20:.0f} MiB")
+        if self.peak.host_bytes is not None:
+            since = " (since start)" if self.peak.host_since_start else ""
+            peaks.append(f"host {self.peak.host_bytes / 2**20:.0f} MiB{since}")
+        cases = "; ".join(str(c) for c in self.cases)
+        return f"warm-up ({self.mode}) in {self.seconds:.2f} s: {cases}; peak memory: {', '.join(peaks) or 'unknown'}"
+
+
+def worst_image_size(encoder: VisionEncoder, max_pixels: int) -> tuple[int, int]:
+    """The size within ``max_pixels`` (of a few aspect ratios) the family gives the most rows for;
+    the square where they tie."""
+    best: tuple[int, tuple[int, int]] | None = None
+    for w_ratio, h_ratio in _ASPECTS:
+        width = max(_MIN_SIDE, math.isqrt(max_pixels * w_ratio // h_ratio))
+        height = max(_MIN_SIDE, max_pixels // width)
+        try:
+            rows, _ = encoder.count_tokens(width, height)
+        except ValueError:  # a shape the processor refuses (an extreme aspect ratio)
+            continue
+        if best is None or rows > best[0]:
+            best = (rows, (width, height))
+    if best is None:
+        side = max(_MIN_SIDE, math.isqrt(max_pixels))
+        return side, side
+    return best[1]
+
+
+def _image_file(width: int, height: int) -> bytes:
+    """A mid-grey image of this size, as a JPEG (the path most uploads take), or a PNG above JPEG's
+    largest side."""
+    buffer = io.BytesIO()
+    image = Image.new("RGB", (width, height), (127, 127, 127))
+    if max(width, height) <= _JPEG_MAX_SIDE:
+        image.save(buffer, format="JPEG", quality=50)
+    else:
+        image.save(buffer, format="PNG", compress_level=1)
+    return buffer.getvalue()
+
+
+def _video_plan(encoder: VisionEncoder, settings: Settings, budget: int | None) -> tuple[VideoInfo, VideoPlan]:
+    """The longest video the limits allow, at the largest frame size admission would take."""
+    s = settings
+    seconds = min(s.max_video_seconds, s.max_video_frames / s.video_fps, s.max_video_decoded_frames / _HEADER_FPS)
+    side = max(_MIN_SIDE, math.isqrt(s.max_image_pixels))
+    while True:
+        info = VideoInfo(side, side, max(1, int(seconds * _HEADER_FPS)), _HEADER_FPS, "h264")
+        plan = encoder.plan_video(info, s.video_fps)
+        too_many = len(plan.indices) > s.max_video_frames or max(plan.indices) + 1 > s.max_video_decoded_frames
+        if too_many and seconds > 1.0:
+            seconds *= 0.9
+        elif budget is not None and plan.nbytes > budget and side > _MIN_SIDE:
+            side = max(_MIN_SIDE, int(side * 0.9))
+        else:
+            return info, plan
+
+
+async def _worst_image(encoder: VisionEncoder, settings: Settings, submit: Submit, run: Run[Any]) -> WarmupCase:
+    width, height = worst_image_size(encoder, settings.max_image_pixels)
+    data = await run(lambda: _image_file(width, height))
+    prepared: PreparedItem = await run(lambda: encoder.prepare(data, max_pixels=settings.max_image_pixels))
+    cost = max(1, prepared.cost_tokens)
+    items = max(1, min(settings.max_batch_size, settings.max_batch_tokens // cost))
+    await asyncio.gather(*(submit(prepared, prepared.cost_tokens) for _ in range(items)))
+    return WarmupCase("image", width, height, prepared.num_tokens, prepared.cost_tokens, items=items)
+
+
+async def _longest_video(
+    encoder: VisionEncoder, settings: Settings, submit: Submit, run: Run[Any], budget: int | None
+) -> WarmupCase:
+    import numpy as np
+
+    info, plan = await run(lambda: _video_plan(encoder, settings, budget))
+
+    def prepare() -> PreparedItem:
+        frames = np.full((len(plan.indices), info.height, info.width, 3), 127, dtype=np.uint8)
+        return encoder.preprocess_video(frames, plan)
+
+    prepared = await run(prepare)
+    parts = encoder.split(prepared, settings.max_batch_tokens)
+    await asyncio.gather(*(submit(p, p.cost_tokens) for p in parts))
+    return WarmupCase(VIDEO, info.width, info.height, prepared.num_tokens, prepared.cost_tokens,
+                      frames=len(plan.indices), seconds=info.duration, parts=len(parts))
+
+
+async def _quick(encoder: VisionEncoder, settings: Settings, submit: Submit, run: Run[Any]) -> WarmupCase:
+    data = _image_file(64, 64)
+    prepared: PreparedItem = await run(lambda: encoder.prepare(data, max_pixels=settings.max_image_pixels))
+    await submit(prepared, prepared.cost_tokens)
+    return WarmupCase("image", 64, 64, prepared.num_tokens, prepared.cost_tokens)
+
+
+async def warm_up(
+    encoder: VisionEncoder, settings: Settings, submit: Submit, run: Run[Any], *, budget: int | None
+) -> WarmupReport:
+    """Run the warm-up ``settings.warmup`` names (module docstring) through ``submit`` (the
+    batcher's) and ``run`` (the preprocessing threads'). Raises :class:`WarmupFailed`."""
+    mode = settings.warmup
+    started = time.perf_counter()
+    cases: list[WarmupCase] = []
+    step = "the 64x64 image" if mode == "quick" else "the worst image"
+    try:
+        with PeakMemory(encoder.info.device) as peak:
+            if mode == "quick":
+                cases.append(await _quick(encoder, settings, submit, run))
+            else:
+                cases.append(await _worst_image(encoder, settings, submit, run))
+                family = encoder.family
+                if family is not None and VIDEO in family.modalities:
+                    step = "the longest video"
+                    cases.append(await _longest_video(encoder, settings, submit, run, budget))
+    except (MemoryError, RuntimeError, ValueError) as exc:  # torch's OutOfMemoryError is a RuntimeError
+        limits = (f"--max-image-pixels {settings.max_image_pixels}, --max-batch-size {settings.max_batch_size}, "
+                  f"--max-batch-tokens {settings.max_batch_tokens}")
+        done = f" (after {'; '.join(str(c) for c in cases)})" if cases else ""
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise WarmupFailed(
+            f"the warm-up's worst case failed at {step}{done}: {type(exc).__name__}: {first}; this server cannot "
+            f"hold what its limits admit ({limits}): lower them, or give it more memory"
+        ) from None
+    return WarmupReport(mode, tuple(cases), peak.result, time.perf_counter() - started)

@@ -141,7 +141,7 @@ def run(clips: Sequence[Clip], repeats: int, log_dir: Path) -> dict[str, Any]:
             miss_s, item = _post(server, data, f"video/{CONTAINERS[clip.codec]}")
             after = _metric_sums(server)
             assert item["status"] == "encoded", item["status"]
-            hit_s, hit = _post(server, {"hash": item["hash"]})
+            hit_s, hit = _post(server, {"hash": item["hash"], "modality": "video"})
             assert hit["status"] == "hit", hit["status"]
             grid = item["meta"]["video_grid_thw"]
             stages = _in_process(encoder, data, FPS, repeats)

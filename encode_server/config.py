@@ -105,6 +105,12 @@ class Settings:
     max_image_pixels: int = _opt(
         40_000_000, "largest image (width x height), read from its header before decoding (413 image_too_large)"
     )
+    trust_request_mm_kwargs: bool = _opt(
+        False, "take per-request processor settings (mm_processor_kwargs: the keys GET /v1/model's "
+        "mm_processor_kwargs lists, e.g. Qwen's max_pixels), as vLLM's flag of this name does; off: a request "
+        "carrying them is refused (400 settings_disabled). Settings other than the defaults key their own cache "
+        "entries; min_pixels/max_pixels are capped by --max-image-pixels"
+    )
     video_fps: float = _opt(
         2.0, "frames sampled per second of video, as vLLM's video loader samples them (its default: 2; set it to "
         "what vLLM's --media-io-kwargs '{\"video\": {\"fps\": N}}' says); part of the fingerprint"

@@ -13,7 +13,7 @@ import asyncio
 import logging
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, cast
@@ -35,6 +35,9 @@ from encode_server.core.errors import (
     Unavailable,
 )
 from encode_server.core.hashing import CacheKey, fingerprint, mm_hash, parse_mm_hash
+from encode_server.core.settings import describe as describe_settings
+from encode_server.core.settings import digest as settings_digest
+from encode_server.core.settings import resolve as resolve_settings
 from encode_server.core.types import (
     ENCODER,
     IMAGE,
@@ -117,6 +120,7 @@ class _Identified:
     key: CacheKey
     data: bytes | None
     modality: str = "image"
+    settings: dict[str, Any] | None = None  # effective; None: the server's defaults
 
 
 class EncodeService:
@@ -144,6 +148,11 @@ class EncodeService:
         family = encoder.family
         self.takes_video = family is not None and VIDEO in family.modalities
         self.fingerprint = serving_fingerprint(encoder, settings)
+        # Per-request processor settings (core/settings.py): the family's keys, the checkpoint's
+        # defaults for them, and the server limits that cap them.
+        self.declared_settings = family.settings if family is not None else ()
+        self.setting_defaults = encoder.setting_defaults() if self.declared_settings else {}
+        self.setting_limits = {"max_image_pixels": float(settings.max_image_pixels)}
         self.local = local
         self.batcher = batcher
         self._preprocess_pool = ThreadPoolExecutor(
@@ -197,10 +206,39 @@ class EncodeService:
         if self.exporter is not None:
             self.exporter.close()
 
-    def key_for(self, h: str, tenant: str | None = None, modality: str = IMAGE) -> CacheKey:
+    def key_for(
+        self, h: str, tenant: str | None = None, modality: str = IMAGE, settings: Mapping[str, Any] | None = None
+    ) -> CacheKey:
         """The cache key of ``h`` as a ``modality`` item; with a ``tenant`` (tenant isolation) a key no
-        other tenant shares. A file's bytes sent as a video never address their image's entry."""
-        return CacheKey(self.fingerprint, h, self.settings.cache_prefix, tenant, modality)
+        other tenant shares. A file's bytes sent as a video never address their image's entry, nor
+        an item preprocessed under other (effective) ``settings`` another's."""
+        digest = settings_digest(settings) if settings is not None else None
+        return CacheKey(self.fingerprint, h, self.settings.cache_prefix, tenant, modality, digest)
+
+    def effective_settings(
+        self, given: Mapping[str, Any] | None, modality: str = IMAGE, index: int | None = None
+    ) -> dict[str, Any] | None:
+        """What an item's ``mm_processor_kwargs`` resolve to (``core.settings.resolve``; None: the
+        defaults). Refused unless the operator turned them on, as vLLM refuses them: they change
+        what one item costs. Errors name the ``index`` when there is one."""
+        if not given:
+            return None
+        try:
+            if not self.settings.trust_request_mm_kwargs:
+                raise BadInput(
+                    "per-request mm_processor_kwargs are off on this server (start it with "
+                    "--trust-request-mm-kwargs to take them)", type="settings_disabled",
+                )
+            return resolve_settings(self.declared_settings, self.setting_defaults, given, self.setting_limits,
+                                    modality)
+        except EncodeServerError as exc:
+            raise (exc.with_index(index) if index is not None else exc) from None
+
+    def describe_settings(self) -> dict[str, Any]:
+        """What ``GET /v1/model`` publishes under ``mm_processor_kwargs``: whether they are taken,
+        and each key with its (capped) bounds and default, for the proxy to check a chat against."""
+        return {"enabled": self.settings.trust_request_mm_kwargs,
+                "keys": describe_settings(self.declared_settings, self.setting_defaults, self.setting_limits)}
 
     # -- use cases -----------------------------------------------------------------------------
 
@@ -254,16 +292,23 @@ class EncodeService:
                 self.local.unpin(key)
 
     async def lookup(
-        self, hashes: Sequence[object], *, tenant: str | None = None, modality: str = IMAGE
+        self,
+        hashes: Sequence[object],
+        *,
+        tenant: str | None = None,
+        modality: str = IMAGE,
+        settings: Mapping[str, Any] | None = None,
     ) -> list[LookupResult]:
-        """Which tier holds each hash (as a ``modality`` item), without moving bytes or changing recency."""
+        """Which tier holds each hash (as a ``modality`` item, under ``settings``: the request's
+        ``mm_processor_kwargs``), without moving bytes or changing recency."""
+        effective = self.effective_settings(settings, modality)
         parsed = []
         for index, raw in enumerate(hashes):
             try:
                 parsed.append(parse_mm_hash(raw))
             except EncodeServerError as exc:
                 raise exc.with_index(index) from None
-        keys = [self.key_for(h, tenant, modality) for h in parsed]
+        keys = [self.key_for(h, tenant, modality, effective) for h in parsed]
         tiers: list[str | None] = ["local" if key in self.local else None for key in keys]
         rest = [i for i, tier in enumerate(tiers) if tier is None]
         if rest and self.shared is not None:
@@ -274,18 +319,24 @@ class EncodeService:
         return [LookupResult(h, tier is not None, tier) for h, tier in zip(parsed, tiers, strict=True)]
 
     async def tokens(
-        self, *, items: Sequence[RequestItem] = (), sizes: Sequence[Sequence[object]] = ()
+        self,
+        *,
+        items: Sequence[RequestItem] = (),
+        sizes: Sequence[Sequence[object]] = (),
+        settings: Mapping[str, Any] | None = None,
     ) -> list[TokenCount]:
         """Token count and grid per image without running the encoder (routers, KV budgeting).
 
         From uploads (size read from the header, EXIF orientation applied as the encode path
         does) or from ``sizes`` of ``(width, height)``; exactly one of the two. Hash-only items
-        have no size to read and are refused. The same limits as an encode apply.
+        have no size to read and are refused. The same limits as an encode apply. ``settings``:
+        the ``mm_processor_kwargs`` of every size (an upload carries its own).
         """
         if bool(items) == bool(sizes):
             raise InvalidRequest("give either image uploads or sizes, not both and not neither")
         if sizes:
-            return [self._count(i, *self._size(i, raw)) for i, raw in enumerate(sizes)]
+            return [self._count(i, *self._size(i, raw), self.effective_settings(settings, IMAGE, i))
+                    for i, raw in enumerate(sizes)]
         for item in items:
             if item.data is None:
                 raise InvalidRequest("a token count needs the image bytes (or use sizes)", index=item.index)
@@ -302,8 +353,9 @@ class EncodeService:
                 info, plan = plan_video(self.encoder, self.settings, item.data or b"", item.index)
                 counts.append(TokenCount(item.index, info.width, info.height, plan.num_tokens, plan.meta))
             else:
-                counts.append(self._count(item.index, *oriented_size(item.data or b"", max_pixels=limit,
-                                                                     index=item.index)))
+                effective = self.effective_settings(item.settings, IMAGE, item.index)
+                size = oriented_size(item.data or b"", max_pixels=limit, index=item.index)
+                counts.append(self._count(item.index, *size, effective))
         return counts
 
     def _size(self, index: int, raw: Sequence[object]) -> tuple[int, int]:
@@ -318,9 +370,12 @@ class EncodeService:
             )
         return width, height
 
-    def _count(self, index: int, width: int, height: int) -> TokenCount:
+    def _count(self, index: int, width: int, height: int, settings: Mapping[str, Any] | None = None) -> TokenCount:
         try:
-            num_tokens, meta = self.encoder.count_tokens(width, height)
+            if settings is None:
+                num_tokens, meta = self.encoder.count_tokens(width, height)
+            else:
+                num_tokens, meta = self.encoder.count_tokens_with(width, height, settings)
         except ValueError as exc:  # e.g. an aspect ratio the processor refuses, as in _prepare
             raise BadInput(f"image cannot be preprocessed: {exc}", type="unsupported_image", index=index) from exc
         return TokenCount(index, width, height, num_tokens, meta)
@@ -356,7 +411,9 @@ class EncodeService:
             if item.modality == VIDEO and not self.takes_video:
                 raise BadInput(f"{self.encoder.info.kind} takes images only, not videos", type="unsupported_modality",
                                index=item.index)
-            out.append(_Identified(item.index, h, self.key_for(h, tenant, item.modality), item.data, item.modality))
+            effective = self.effective_settings(item.settings, item.modality, item.index)
+            key = self.key_for(h, tenant, item.modality, effective)
+            out.append(_Identified(item.index, h, key, item.data, item.modality, effective))
         return out
 
     def _lookup_local(self, idents: list[_Identified], pinned: list[CacheKey]) -> dict[CacheKey, Resolved]:
@@ -445,7 +502,7 @@ class EncodeService:
             # the batch of the images decoding beside it, and never waits for images not coming.
             with self.batcher.arriving():
                 prepared = await loop.run_in_executor(
-                    self._preprocess_pool, self._prepare, ident.data, ident.index, ident.modality
+                    self._preprocess_pool, self._prepare, ident.data, ident.index, ident.modality, ident.settings
                 )
             # A long video goes in runs of whole temporal groups, each its own forward pass, so other
             # requests' items are batched between them instead of waiting behind one long pass.
@@ -470,13 +527,16 @@ class EncodeService:
             self._inflight.pop(key, None)
             self.queue.release()
 
-    def _prepare(self, data: bytes, index: int, modality: str = "image") -> PreparedItem:
-        if modality == VIDEO:
+    def _prepare(
+        self, data: bytes, index: int, modality: str = "image", settings: Mapping[str, Any] | None = None
+    ) -> PreparedItem:
+        if modality == VIDEO:  # no video setting is declared yet: ``effective_settings`` refused any
             return self._prepare_video(data, index)
         started = time.perf_counter()
         with self.memory.pixels(data, index) as charge:
             try:
-                prepared = self.encoder.prepare(data, max_pixels=self.settings.max_image_pixels, index=index)
+                prepared = self.encoder.prepare(data, max_pixels=self.settings.max_image_pixels, index=index,
+                                                settings=settings)
             except ValueError as exc:  # e.g. an aspect ratio the processor refuses
                 raise BadInput(f"image cannot be preprocessed: {exc}", type="unsupported_image", index=index) from exc
             if prepared.pending is not None and prepared.held_bytes:

@@ -26,7 +26,7 @@ from starlette.requests import Request
 from starlette.types import Message
 
 from encode_server.api.budget import body_hold
-from encode_server.api.frontdoor import check_count, request_item
+from encode_server.api.frontdoor import check_count, item_settings, request_item
 from encode_server.api.schemas import EncodeItemIn, EncodeRequestIn, LookupRequestIn, TokensRequestIn
 from encode_server.core.budget import Hold
 from encode_server.core.errors import BadInput, InvalidRequest, TooLarge, UnsupportedMediaType
@@ -34,6 +34,7 @@ from encode_server.core.types import IMAGE, VIDEO, RequestItem, Return
 
 __all__ = [
     "EncodeBody",
+    "LookupBody",
     "TokensBody",
     "media_type",
     "parse_encode_body",
@@ -55,10 +56,19 @@ class EncodeBody:
 
 @dataclass(frozen=True)
 class TokensBody:
-    """Uploads or sizes (exactly one is non-empty once the service has checked it)."""
+    """Uploads or sizes (exactly one is non-empty once the service has checked it); ``settings``:
+    the request's ``mm_processor_kwargs``, the sizes' (each upload carries its own)."""
 
     items: list[RequestItem]
     sizes: list[list[int]]
+    settings: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class LookupBody:
+    hashes: list[str]
+    modality: str
+    settings: dict[str, Any] | None = None
 
 
 def media_type(request: Request) -> str:
@@ -184,15 +194,17 @@ def _json_items(body: bytes, max_items: int, hold: Hold | None = None) -> Encode
         except ValidationError as exc:
             raise _validation_error(exc) from None
         del obj
-        return EncodeBody(_decode_items(parsed.items, hold), Return(parsed.return_))
+        return EncodeBody(_decode_items(parsed.items, hold, parsed.mm_processor_kwargs), Return(parsed.return_))
 
 
-def _decode_items(parsed: list[EncodeItemIn], hold: Hold | None = None) -> list[RequestItem]:
+def _decode_items(
+    parsed: list[EncodeItemIn], hold: Hold | None = None, settings: dict[str, Any] | None = None
+) -> list[RequestItem]:
     items = []
     for index, item in enumerate(parsed):
         data = decode_base64(item.data, index, hold) if item.data is not None else None
         modality = item.modality or (VIDEO if (item.data or "")[:11].lower() == "data:video/" else IMAGE)
-        items.append(request_item(index, item.hash, data, modality))
+        items.append(request_item(index, item.hash, data, modality, item_settings(settings, item.mm_processor_kwargs)))
     return items
 
 
@@ -268,15 +280,16 @@ async def _parse_encode_body(request: Request, *, max_items: int, max_bytes: int
     return EncodeBody([RequestItem(index=0, data=body, modality=_modality(kind))], Return.EMBEDDINGS)
 
 
-async def parse_lookup_body(request: Request, *, max_hashes: int, max_bytes: int) -> tuple[list[str], str]:
-    """``{"hashes": [...], "modality": "image"|"video"}``: the hashes and what they are."""
+async def parse_lookup_body(request: Request, *, max_hashes: int, max_bytes: int) -> LookupBody:
+    """``{"hashes": [...], "modality": "image"|"video", "mm_processor_kwargs": {...}}``: the hashes,
+    what they are and under which settings."""
     if media_type(request) != "application/json":
         raise UnsupportedMediaType("/v1/lookup takes application/json")
     obj = _load_json(await read_body(request, max_bytes))
     _check_count(obj, "hashes", max_hashes)
     try:
         parsed = LookupRequestIn.model_validate(obj)
-        return parsed.hashes, parsed.modality
+        return LookupBody(parsed.hashes, parsed.modality, parsed.mm_processor_kwargs)
     except ValidationError as exc:
         raise _validation_error(exc) from None
 
@@ -295,6 +308,6 @@ async def parse_tokens_body(request: Request, *, max_items: int, max_sizes: int,
             parsed = TokensRequestIn.model_validate(obj)
         except ValidationError as exc:
             raise _validation_error(exc) from None
-        items = _decode_items(parsed.items or [], hold)
+        items = _decode_items(parsed.items or [], hold, parsed.mm_processor_kwargs)
     _settle(hold, items)
-    return TokensBody(items, parsed.sizes or [])
+    return TokensBody(items, parsed.sizes or [], parsed.mm_processor_kwargs)

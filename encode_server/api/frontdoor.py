@@ -34,6 +34,7 @@ __all__ = [
     "cancelled_by_stop",
     "check_count",
     "item_fields",
+    "item_settings",
     "new_request_id",
     "record_request",
     "request_item",
@@ -60,13 +61,27 @@ def check_count(count: int, limit: int, what: str = "items") -> None:
         raise InvalidRequest(f"{what}: at least one is required")
 
 
-def request_item(index: int, mm_hash: str | None, data: bytes | None, modality: str = IMAGE) -> RequestItem:
-    """One item: its bytes, its hash, or both (the service checks that they agree); an image or a video."""
+def request_item(
+    index: int,
+    mm_hash: str | None,
+    data: bytes | None,
+    modality: str = IMAGE,
+    settings: dict[str, Any] | None = None,
+) -> RequestItem:
+    """One item: its bytes, its hash, or both (the service checks that they agree); an image or a
+    video; with the processor settings the request gave it (the service checks them)."""
     if mm_hash is None and data is None:
         raise InvalidRequest("an item needs 'data', 'hash' or both", index=index)
     if modality not in MODALITIES:
         raise InvalidRequest(f"modality must be one of {', '.join(MODALITIES)}, not {modality!r}", index=index)
-    return RequestItem(index=index, mm_hash=mm_hash, data=data, modality=modality)
+    return RequestItem(index=index, mm_hash=mm_hash, data=data, modality=modality, settings=settings or None)
+
+
+def item_settings(request: dict[str, Any] | None, item: dict[str, Any] | None) -> dict[str, Any] | None:
+    """An item's settings: the request's ``mm_processor_kwargs`` (its default for every item) with
+    the item's own over them, key by key; None when neither gives any."""
+    merged = {**(request or {}), **(item or {})}
+    return merged or None
 
 
 # -- a stop at once ------------------------------------------------------------------------------

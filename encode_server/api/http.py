@@ -161,8 +161,8 @@ class HttpApi:
         s = self.runtime.settings
         tenant = self._tenant(request)
         service = self.runtime.require_service()
-        hashes, modality = await parse_lookup_body(request, max_hashes=s.max_light_items, max_bytes=s.max_request_bytes)
-        found = await service.lookup(hashes, tenant=tenant, modality=modality)
+        body = await parse_lookup_body(request, max_hashes=s.max_light_items, max_bytes=s.max_request_bytes)
+        found = await service.lookup(body.hashes, tenant=tenant, modality=body.modality, settings=body.settings)
         record = _record(request)
         record.items, record.hits = len(found), sum(f.cached for f in found)
         return JSONResponse({"items": [{"hash": f.mm_hash, "cached": f.cached, "tier": f.tier} for f in found]})
@@ -175,7 +175,7 @@ class HttpApi:
         body = await parse_tokens_body(
             request, max_items=s.max_items, max_sizes=s.max_light_items, max_bytes=s.max_request_bytes
         )
-        counts = await service.tokens(items=body.items, sizes=body.sizes)
+        counts = await service.tokens(items=body.items, sizes=body.sizes, settings=body.settings)
         _record(request).items = len(counts)
         items = [
             {"index": c.index, "num_tokens": c.num_tokens, "width": c.width, "height": c.height, "meta": c.meta}

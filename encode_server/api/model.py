@@ -35,6 +35,7 @@ def describe_model(service: EncodeService) -> dict[str, Any]:
         "weights_digest": info.weights_digest,
         "meaningless": info.meaningless,
         "preprocessing": info.preprocessing,
+        "mm_processor_kwargs": service.describe_settings(),
         "batching": {
             "max_batch_size": s.max_batch_size,
             "max_batch_tokens": s.max_batch_tokens,

@@ -22,6 +22,13 @@ __all__ = [
 ]
 
 
+_SETTINGS_DOC = (
+    "per-request processor settings in vLLM's names (the keys GET /v1/model's mm_processor_kwargs lists, e.g. "
+    '{"max_pixels": 12544}); taken only with --trust-request-mm-kwargs'
+)
+SettingsIn = dict[str, Any] | None
+
+
 class EncodeItemIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -30,6 +37,7 @@ class EncodeItemIn(BaseModel):
     modality: Literal["image", "video"] | None = Field(
         None, description="image (default) or video (one item, all its frames); a data:video/ URL implies video"
     )
+    mm_processor_kwargs: SettingsIn = Field(None, description=_SETTINGS_DOC + "; over the request's, key by key")
 
 
 class EncodeRequestIn(BaseModel):
@@ -37,6 +45,7 @@ class EncodeRequestIn(BaseModel):
 
     items: list[EncodeItemIn] = Field(..., min_length=1)
     return_: Literal["embeddings", "metadata"] = Field("embeddings", alias="return")
+    mm_processor_kwargs: SettingsIn = Field(None, description=_SETTINGS_DOC + "; every item's default")
 
 
 class ItemOut(BaseModel):
@@ -65,6 +74,7 @@ class LookupRequestIn(BaseModel):
     modality: Literal["image", "video"] = Field(
         "image", description="what the hashes are: a file's bytes as a video are another entry than as an image"
     )
+    mm_processor_kwargs: SettingsIn = Field(None, description=_SETTINGS_DOC + ": the entries under these settings")
 
 
 class LookupItemOut(BaseModel):
@@ -87,6 +97,7 @@ class TokensRequestIn(BaseModel):
 
     items: list[EncodeItemIn] | None = Field(None, min_length=1)
     sizes: list[Size] | None = Field(None, min_length=1)
+    mm_processor_kwargs: SettingsIn = Field(None, description=_SETTINGS_DOC + "; every item's and size's default")
 
 
 class TokenCountOut(BaseModel):

@@ -7,7 +7,9 @@ HTTP.
     EncodeServerError
     ├── BadInput                 400  invalid_json, invalid_base64, invalid_hash, hash_mismatch,
     │                                 invalid_image, unsupported_image, invalid_video,
-    │                                 unsupported_modality (a video for a model that takes images only)
+    │                                 unsupported_modality (a video for a model that takes images only),
+    │                                 invalid_setting (an mm_processor_kwargs key, type or value refused),
+    │                                 settings_disabled (mm_processor_kwargs without --trust-request-mm-kwargs)
     ├── InvalidRequest           422  invalid_request (body does not match the schema)
     ├── TooLarge                 413  payload_too_large, image_too_large, video_too_large, too_many_items,
     │                                 value_too_large (metadata hand-off: above --redis-max-value-mb)
@@ -66,7 +68,8 @@ class BadInput(EncodeServerError):
     type = "invalid_image"
     types = (
         "invalid_image", "invalid_json", "invalid_base64", "invalid_hash",
-        "hash_mismatch", "unsupported_image", "invalid_video", "unsupported_modality",
+        "hash_mismatch", "unsupported_image", "invalid_video", "unsupported_modality", "invalid_setting",
+        "settings_disabled",
     )
 
 

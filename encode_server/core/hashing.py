@@ -9,12 +9,17 @@ Three digests, all full 256-bit BLAKE3 in lowercase hex (64 characters), never t
 - the tenant part of a cache key: of the tenant id, so that no tenant id can forge another's key.
 
 The cache key joins them: ``{prefix}:v1:{fingerprint}:{mm_hash}`` for an image, with
-``:t:{tenant_digest}`` after the fingerprint under tenant isolation and ``:{modality}`` before the
-``mm_hash`` for any other modality (``...:video:{mm_hash}``), so that one file's bytes sent as a
-video never address the entry they have as an image. Read from the right, a key is unambiguous: the
-last segment is the ``mm_hash``; the one before it is a modality's name or 64 hex digits (a tenant
-digest or the fingerprint), never both; and the segment two before the ``mm_hash`` (or the modality)
-is ``t`` exactly when a tenant is present (a fingerprint is 64 hex characters, never ``t``).
+``:t:{tenant_digest}`` after the fingerprint under tenant isolation, ``:p:{settings_digest}`` after
+that for an item preprocessed with per-request settings other than the server's defaults
+(``core/settings.py``), and ``:{modality}`` before the ``mm_hash`` for any other modality
+(``...:video:{mm_hash}``), so that one file's bytes sent as a video never address the entry they
+have as an image, nor one preprocessed otherwise. Read from the right, a key is unambiguous: the
+last segment is the ``mm_hash``; the one before it is a modality's name or 64 hex digits (a
+settings digest, a tenant digest or the fingerprint), never both; the segment two before the
+``mm_hash`` (or the modality) is ``p`` exactly when settings are present, and the segment two
+before that digest (or, without settings, the same place) is ``t`` exactly when a tenant is present
+(a fingerprint is 64 hex characters, never ``t`` or ``p``; the version segment ``v1`` sits between
+the prefix and the fingerprint, so a prefix ending in ``:t`` or ``:p`` is never read as a marker).
 """
 
 from __future__ import annotations
@@ -196,10 +201,12 @@ class CacheKey:
     digits (use :func:`parse_mm_hash` on client input: an uppercase hash would silently address a
     different key); ``prefix`` is non-empty printable text without whitespace (operator config; it
     may contain ``:``, as in ``prod:encode``); ``tenant``, when set, is a non-empty tenant id.
-    ``modality`` is one of ``MODALITIES``. ``str(key)`` is the store key, computed once:
-    ``{prefix}:v1:{fingerprint}:{identifier}`` (module docstring), where ``identifier`` is what the
-    EPD path hands vLLM as the item's ``uuid``: ``{mm_hash}`` for an image, ``t:{tenant_digest}:``
-    before it with a tenant, ``{modality}:`` before the ``mm_hash`` for a video. An image's key is
+    ``modality`` is one of ``MODALITIES``; ``settings``, when set, is the 64-hex digest of the
+    item's effective processor settings (``core.settings.digest``; None: the server's defaults).
+    ``str(key)`` is the store key, computed once: ``{prefix}:v1:{fingerprint}:{identifier}``
+    (module docstring), where ``identifier`` is what the EPD path hands vLLM as the item's
+    ``uuid``: ``{mm_hash}`` for an image, ``t:{tenant_digest}:`` before it with a tenant, then
+    ``p:{settings}:`` with settings, ``{modality}:`` before the ``mm_hash`` for a video. An image's key is
     what it was before modalities were keyed. Two keys are equal exactly when their store keys are,
     so a tier never splits a string apart again.
     """
@@ -209,6 +216,7 @@ class CacheKey:
     prefix: str = "encode"
     tenant: str | None = None
     modality: str = IMAGE
+    settings: str | None = None
     text: str = field(init=False, repr=False)
     identifier: str = field(init=False, repr=False)
 
@@ -224,6 +232,10 @@ class CacheKey:
         if modality not in MODALITIES:
             raise ValueError(f"modality must be one of {', '.join(MODALITIES)}, got {modality!r}")
         identifier = mm_hash if modality == IMAGE else f"{modality}:{mm_hash}"
+        if self.settings is not None:
+            if not isinstance(self.settings, str) or _LOWER_HEX64.fullmatch(self.settings) is None:
+                raise ValueError(f"settings must be a digest of 64 lowercase hex digits, got {self.settings!r}")
+            identifier = f"p:{self.settings}:{identifier}"
         if tenant is not None:
             identifier = f"t:{tenant_digest(tenant)}:{identifier}"
         object.__setattr__(self, "identifier", identifier)
@@ -240,7 +252,13 @@ class CacheKey:
 
 
 def cache_key(
-    fingerprint: str, mm_hash: str, *, prefix: str = "encode", tenant: str | None = None, modality: str = IMAGE
+    fingerprint: str,
+    mm_hash: str,
+    *,
+    prefix: str = "encode",
+    tenant: str | None = None,
+    modality: str = IMAGE,
+    settings: str | None = None,
 ) -> str:
     """The store key of one embedding: ``str(CacheKey(...))`` (see :class:`CacheKey`)."""
-    return CacheKey(fingerprint, mm_hash, prefix, tenant, modality).text
+    return CacheKey(fingerprint, mm_hash, prefix, tenant, modality, settings).text

@@ -63,12 +63,15 @@ class Embedding:
 @dataclass(frozen=True)
 class RequestItem:
     """One item of a request: file bytes, a hash, or both (then they must agree). ``modality``
-    says how the bytes are read: one image, or one video (one item, one ``mm_hash``, as in vLLM)."""
+    says how the bytes are read: one image, or one video (one item, one ``mm_hash``, as in vLLM).
+    ``settings``: the per-request processor settings (``mm_processor_kwargs``) as the request gave
+    them for this item (its own over the request's), unchecked: the service resolves them."""
 
     index: int
     mm_hash: str | None = None
     data: bytes | None = None
     modality: str = IMAGE
+    settings: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ whole batch on the device first.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,11 +99,16 @@ class VisionEncoder(ABC):
     def preprocess(self, image: Image.Image) -> PreparedItem:
         """An RGB image (EXIF orientation already applied) to inputs, its token count and meta."""
 
-    def prepare(self, data: bytes, *, max_pixels: int, index: int | None = None) -> PreparedItem:
+    def prepare(
+        self, data: bytes, *, max_pixels: int, index: int | None = None, settings: Mapping[str, Any] | None = None
+    ) -> PreparedItem:
         """Image bytes to a ``PreparedItem``: decoded (Pillow) and preprocessed here, unless the
-        encoder preprocesses batches on its device. Raises ``BadInput``/``TooLarge`` for bad bytes,
-        ``ValueError`` for an image the processor refuses."""
-        return self.preprocess(decode_image(data, max_pixels=max_pixels, index=index))
+        encoder preprocesses batches on its device. ``settings``: the item's effective per-request
+        settings (``core.settings.resolve``: every key the family declares, checked), None for the
+        server's defaults. Raises ``BadInput``/``TooLarge`` for bad bytes, ``ValueError`` for an
+        image the processor refuses."""
+        image = decode_image(data, max_pixels=max_pixels, index=index)
+        return self.preprocess(image) if settings is None else self.preprocess_with(image, settings)
 
     @abstractmethod
     def forward(self, batch: Sequence[PreparedItem]) -> list[EncodedTensor | EncodeServerError]:
@@ -113,6 +118,21 @@ class VisionEncoder(ABC):
     @abstractmethod
     def count_tokens(self, width: int, height: int) -> tuple[int, dict[str, Any]]:
         """(N, meta) for an image of this size, without running the model."""
+
+    # -- per-request settings: a family that declares ``Family.settings`` overrides these --------
+
+    def setting_defaults(self) -> dict[str, Any]:
+        """The value of each declared setting when a request gives none: the checkpoint's own
+        processor config, so that a request restating it keeps the default cache key."""
+        return {}
+
+    def preprocess_with(self, image: Image.Image, settings: Mapping[str, Any]) -> PreparedItem:
+        """``preprocess`` under the effective ``settings`` (every declared key, checked)."""
+        raise NotImplementedError(f"{type(self).__name__} takes no per-request settings")
+
+    def count_tokens_with(self, width: int, height: int, settings: Mapping[str, Any]) -> tuple[int, dict[str, Any]]:
+        """``count_tokens`` under the effective ``settings``."""
+        raise NotImplementedError(f"{type(self).__name__} takes no per-request settings")
 
     # -- video: a family that takes videos (``"video" in family.modalities``) overrides these --
 

@@ -19,6 +19,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from encode_server.core.settings import Setting
+
 __all__ = ["EPD_MODES", "TENSOR_DTYPES", "Epd", "Family", "by_model_type"]
 
 EPD_MODES = ("pixel_free", "pixels_uuid")
@@ -72,6 +74,9 @@ class Family:
 
     ``load(files, config, processor, spec)`` returns the family's ``VisionEncoder``; ``epd`` is None
     for a family no vLLM prefill consumes through the EPD path (yet, or ever: a retrieval tower).
+    ``settings``: the keys of vLLM's per-request ``mm_processor_kwargs`` this family's encoder
+    applies (its ``setting_defaults``, ``preprocess_with`` and ``count_tokens_with``), in vLLM's
+    names; a request naming any other key is refused, never silently preprocessed the default way.
     """
 
     name: str
@@ -79,10 +84,13 @@ class Family:
     load: Callable[..., Any]
     modalities: tuple[str, ...] = ("image",)
     epd: Epd | None = None
+    settings: tuple[Setting, ...] = ()
 
     def describe(self) -> dict[str, Any]:
+        settings = {s.name: {"type": s.kind, "modalities": list(s.modalities), "meaning": s.meaning}
+                    for s in self.settings}
         return {"name": self.name, "modalities": list(self.modalities),
-                "epd": self.epd.describe() if self.epd else None}
+                "epd": self.epd.describe() if self.epd else None, "settings": settings}
 
 
 def by_model_type(families: Sequence[Family]) -> dict[str, Family]:

@@ -262,9 +262,13 @@ class HFEncoder(VisionEncoder):
     def cost_of(self, num_tokens: int, meta: dict[str, Any]) -> int:
         """The patch tokens an image of this count and meta costs through the tower."""
 
-    def prepare(self, data: bytes, *, max_pixels: int, index: int | None = None) -> PreparedItem:
-        if self.batched is None:
-            return super().prepare(data, max_pixels=max_pixels, index=index)
+    def prepare(
+        self, data: bytes, *, max_pixels: int, index: int | None = None, settings: Mapping[str, Any] | None = None
+    ) -> PreparedItem:
+        # An item with its own settings takes the CPU path: the batched pipeline preprocesses a
+        # whole batch under one processor config (the server's), which is not this item's.
+        if self.batched is None or settings is not None:
+            return super().prepare(data, max_pixels=max_pixels, index=index, settings=settings)
         pending, width, height = self.batched.prepare(data, max_pixels=max_pixels, index=index)
         num_tokens, meta = self.count_tokens(width, height)
         cost = self.cost_of(num_tokens, meta)

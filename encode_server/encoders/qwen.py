@@ -30,7 +30,7 @@ tokens equal vLLM's on the file; without, only when the sampling gives exactly 1
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -41,6 +41,7 @@ from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTra
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
 
+from encode_server.core.settings import Setting
 from encode_server.core.types import VideoInfo
 
 from .base import EncodedTensor, PreparedItem, VideoPlan
@@ -50,8 +51,8 @@ from .loading import CheckpointFiles, Layout, empty_module, load_vision_weights
 from .qwen_video import VideoConfig, frames_nbytes, prepare_video, split_groups, video_grid
 
 __all__ = [
-    "FAMILY", "LAYOUTS", "VIDEO_DEFAULTS", "PatchLinear", "QwenVisionEncoder", "as_patch_linear", "attach_video",
-    "load_qwen", "load_vision_tower", "video_frame_size", "vision_model_class",
+    "FAMILY", "LAYOUTS", "PIXEL_SETTINGS", "VIDEO_DEFAULTS", "PatchLinear", "QwenVisionEncoder", "as_patch_linear",
+    "attach_video", "load_qwen", "load_vision_tower", "video_frame_size", "vision_model_class",
 ]
 
 OUTPUTS = ("hidden", "merged")  # "hidden" is accepted as the default and means "merged"
@@ -170,7 +171,24 @@ class QwenVisionEncoder(HFEncoder):
         return self.module(pixel_values, grid_thw=grid_thw).pooler_output
 
     def preprocess(self, image: Image.Image) -> PreparedItem:
-        inputs = self._process(image)
+        return self._prepared(self._process(image))
+
+    def setting_defaults(self) -> dict[str, Any]:
+        """The image processor's pixel range, as vLLM reads it (``size``'s edges are its
+        ``min_pixels``/``max_pixels``: ``Qwen2VLProcessingInfo._get_vision_size``)."""
+        size = self.processor.size
+        return {"min_pixels": int(size["shortest_edge"]), "max_pixels": int(size["longest_edge"])}
+
+    def preprocess_with(self, image: Image.Image, settings: Mapping[str, Any]) -> PreparedItem:
+        """The processor called as vLLM calls it with ``mm_processor_kwargs`` (``min_pixels`` and
+        ``max_pixels`` completed into ``size``: ``_complete_mm_processor_size_aliases``)."""
+        size = {"shortest_edge": settings["min_pixels"], "longest_edge": settings["max_pixels"]}
+        return self._prepared(dict(self.processor(images=image, size=size, return_tensors="pt")))
+
+    def count_tokens_with(self, width: int, height: int, settings: Mapping[str, Any]) -> tuple[int, dict[str, Any]]:
+        return self._count(width, height, settings["min_pixels"], settings["max_pixels"])
+
+    def _prepared(self, inputs: dict[str, torch.Tensor]) -> PreparedItem:
         grid = [int(x) for x in inputs["image_grid_thw"][0]]
         patches = grid[0] * grid[1] * grid[2]
         return PreparedItem(
@@ -182,14 +200,13 @@ class QwenVisionEncoder(HFEncoder):
 
     def count_tokens(self, width: int, height: int) -> tuple[int, dict[str, Any]]:
         """The processor's own resize rule (``smart_resize`` within its min/max pixels), not the model."""
+        size = self.processor.size
+        return self._count(width, height, size["shortest_edge"], size["longest_edge"])
+
+    def _count(self, width: int, height: int, min_pixels: int, max_pixels: int) -> tuple[int, dict[str, Any]]:
         if self.processor.do_resize:
-            size = self.processor.size
             height, width = smart_resize(
-                height,
-                width,
-                factor=self.patch_size * self.merge_size,
-                min_pixels=size["shortest_edge"],
-                max_pixels=size["longest_edge"],
+                height, width, factor=self.patch_size * self.merge_size, min_pixels=min_pixels, max_pixels=max_pixels
             )
         grid = [1, height // self.patch_size, width // self.patch_size]
         return grid[1] * grid[2] // self.merge_size**2, {"image_grid_thw": grid}
@@ -287,6 +304,17 @@ def attach_video(encoder: QwenVisionEncoder, saved: dict[str, Any] | None, defau
 # processor takes (field config) and M-RoPE scales a video's time by: meta carries it, and the
 # proxy sends it as a tensor string (vLLM's chat parser refuses it as a JSON array), float32 as
 # vLLM's processor computes it from a file. Qwen2-VL's meta has none.
+# vLLM's per-request keys for a Qwen2-VL / Qwen2.5-VL image (its HF processor's ``size`` edges;
+# ``qwen2_vl.py``'s ``_get_vision_size``), bounded by --max-image-pixels: no request asks the tower
+# for more than the largest image the server admits. A video's sampling (fps, num_frames) is not
+# taken per request yet: the server's --video-fps.
+PIXEL_SETTINGS = (
+    Setting("min_pixels", "int", "the fewest pixels an image is resized to (smart_resize's lower bound)",
+            minimum=1, cap="max_image_pixels"),
+    Setting("max_pixels", "int", "the most pixels an image is resized to (smart_resize's upper bound): "
+            "fewer tokens per image", minimum=1, cap="max_image_pixels"),
+)
+
 FAMILY = Family(
     name="qwen2_vl",
     model_types=tuple(_VISION_MODELS),
@@ -298,4 +326,5 @@ FAMILY = Family(
         vllm_model="qwen2_vl.py, qwen2_5_vl.py",
         tensors={"video": {"second_per_grid_ts": "float32"}},
     ),
+    settings=PIXEL_SETTINGS,
 )

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -46,7 +46,9 @@ class HoldingEncoder(VisionEncoder):
     def count_tokens(self, width: int, height: int) -> tuple[int, dict[str, Any]]:
         return self.inner.count_tokens(width, height)
 
-    def prepare(self, data: bytes, *, max_pixels: int, index: int | None = None) -> PreparedItem:
+    def prepare(
+        self, data: bytes, *, max_pixels: int, index: int | None = None, settings: Mapping[str, Any] | None = None
+    ) -> PreparedItem:
         header = read_header(data, max_pixels=max_pixels, index=index)
         prepared = self.inner.prepare(data, max_pixels=max_pixels, index=index)
         prepared.pending = _Waiting(bytearray(3 * header.width * header.height))

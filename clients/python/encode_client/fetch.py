@@ -18,7 +18,10 @@ Tenants: an identifier ``t:{tenant_digest}:{mm_hash}`` (``t:{tenant_digest}:vide
 a video) names a tenant's entry, which encode-server serves only to that tenant's key. ``api_keys``
 (encode-server's ``TENANT:KEY`` list) gives the fetcher a key per tenant; an identifier of a tenant
 without a key is never asked for (None), and plain identifiers go with ``api_key`` (or a key of the
-list without a tenant). Never imports torch.
+list without a tenant). An identifier of an item preprocessed under per-request settings
+(``p:{settings_digest}:...``) is never asked for (None): a hash-only request names settings by their
+values, which the digest does not give back, and without them it would address the default entry.
+Never imports torch.
 """
 
 from __future__ import annotations
@@ -97,7 +100,7 @@ class EncoderFetcher:
 
     ``counts``: ``requests``, ``hit``, ``miss``, ``corrupt``, ``error`` (a replica that did not
     answer, or answered with an error status), ``no_key`` (a tenant's identifier without its key),
-    ``timeout`` (items left when the time was up)."""
+    ``settings`` (an identifier of per-request settings: never asked), ``timeout`` (items left when the time was up)."""
 
     def __init__(
         self,
@@ -145,7 +148,10 @@ class EncoderFetcher:
         # identifier -> (API key, replicas still to ask, in order)
         todo: dict[str, tuple[str | None, list[str]]] = {}
         for identifier in identifiers:
-            digest, _, mm_hash = _split(identifier)
+            digest, _, mm_hash, settings = _split(identifier)
+            if settings is not None:  # the server takes settings by value, never by digest: unaskable
+                self.counts["settings"] += 1
+                continue
             allowed, key = self._key_for(digest)
             if not allowed:
                 self.counts["no_key"] += 1

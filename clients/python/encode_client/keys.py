@@ -14,6 +14,10 @@ store key after the fingerprint, so that the key is always ``{prefix}:v1:{finger
   the connector reads each from its own tenant's key;
 - ``video:{mm_hash}`` (``t:{tenant_digest}:video:{mm_hash}`` for a tenant): a video. One file's
   bytes sent as a video are another entry than as an image, in the store and in vLLM's caches;
+- ``p:{settings_digest}:`` ahead of the modality (after a tenant's part): an item preprocessed with
+  per-request settings (``mm_processor_kwargs``) other than the server's defaults, named by the
+  server's digest of the effective settings. One image under two settings is two entries, in the
+  store and in vLLM's caches; under the defaults it has the identifier it always had;
 - ``e:{digest}``: a client's own embedding that a trusted caller may send (``--trust-client-embeds``),
   named by the content hash of its payload. It is never a store key: the connector never looks it
   up, and it can never equal an image's identifier (another shape, and BLAKE3 in its key-derivation
@@ -50,7 +54,10 @@ _TENANT_DOMAIN = "encode-server/tenant/v1"
 # BLAKE3's derive_key mode: a context string, globally unique and fixed (the BLAKE3 paper's rule).
 _EMBEDS_CONTEXT = "encode-server 2025-12 EPD client embeddings identifier v1"
 _LOWER_HEX64 = re.compile(r"[0-9a-f]{64}")
-_STORED_IDENTIFIER = re.compile(r"(?:t:(?P<tenant>[0-9a-f]{64}):)?(?:(?P<modality>video):)?(?P<mm_hash>[0-9a-f]{64})")
+_STORED_IDENTIFIER = re.compile(
+    r"(?:t:(?P<tenant>[0-9a-f]{64}):)?(?:p:(?P<settings>[0-9a-f]{64}):)?(?:(?P<modality>video):)?"
+    r"(?P<mm_hash>[0-9a-f]{64})"
+)
 
 
 def _framed_str(value: str) -> bytes:
@@ -76,24 +83,37 @@ def tenant_digest(tenant: str) -> str:
     return blake3(framed).hexdigest()
 
 
-def own_identifier(mm_hash: str, modality: str = IMAGE, tenant_digest: str | None = None) -> str:
-    """The identifier of ``mm_hash`` as a ``modality`` item (with a tenant's digest, a tenant's)."""
+def own_identifier(
+    mm_hash: str, modality: str = IMAGE, tenant_digest: str | None = None, settings: str | None = None
+) -> str:
+    """The identifier of ``mm_hash`` as a ``modality`` item (with a tenant's digest, a tenant's;
+    with a settings digest, preprocessed under those settings)."""
     tail = mm_hash if modality == IMAGE else f"{modality}:{mm_hash}"
+    if settings is not None:
+        tail = f"p:{settings}:{tail}"
     return tail if tenant_digest is None else f"t:{tenant_digest}:{tail}"
 
 
 def store_key(
-    fingerprint: str, mm_hash: str, *, prefix: str = "encode", tenant: str | None = None, modality: str = IMAGE
+    fingerprint: str,
+    mm_hash: str,
+    *,
+    prefix: str = "encode",
+    tenant: str | None = None,
+    modality: str = IMAGE,
+    settings: str | None = None,
 ) -> str:
     """The Redis key under which the server stores ``mm_hash``'s embedding, as a ``modality`` item,
-    for ``fingerprint``."""
+    for ``fingerprint`` (``settings``: the digest of non-default processor settings)."""
     _check_hex("fingerprint", fingerprint)
     _check_hex("mm_hash", mm_hash)
+    if settings is not None:
+        _check_hex("settings", settings)
     _check_prefix(prefix)
     if modality != IMAGE and modality not in _KEYED_MODALITIES:
         raise ValueError(f"modality must be one of {', '.join((IMAGE, *_KEYED_MODALITIES))}, got {modality!r}")
     digest = tenant_digest(tenant) if tenant is not None else None
-    return f"{prefix}:{KEY_VERSION}:{fingerprint}:{own_identifier(mm_hash, modality, digest)}"
+    return f"{prefix}:{KEY_VERSION}:{fingerprint}:{own_identifier(mm_hash, modality, digest, settings)}"
 
 
 class StoredIdentifier(NamedTuple):
@@ -102,6 +122,7 @@ class StoredIdentifier(NamedTuple):
     tenant: str | None  # the tenant's digest (the key's segment), None without tenant isolation
     modality: str
     mm_hash: str
+    settings: str | None = None  # the settings digest, None under the server's defaults
 
 
 def parse_identifier(identifier: object) -> StoredIdentifier | None:
@@ -110,7 +131,7 @@ def parse_identifier(identifier: object) -> StoredIdentifier | None:
     match = _STORED_IDENTIFIER.fullmatch(identifier) if isinstance(identifier, str) else None
     if match is None:
         return None
-    return StoredIdentifier(match["tenant"], match["modality"] or IMAGE, match["mm_hash"])
+    return StoredIdentifier(match["tenant"], match["modality"] or IMAGE, match["mm_hash"], match["settings"])
 
 
 def epd_identifier(key: str, mm_hash: str, modality: str = IMAGE) -> str:
@@ -118,16 +139,19 @@ def epd_identifier(key: str, mm_hash: str, modality: str = IMAGE) -> str:
 
     ``key`` is the hand-off's answer, ``{prefix}:v1:{fingerprint}:{identifier}``, read from the
     right (the server's rule: the last segment is the ``mm_hash``; before it, a modality's name for
-    any item but an image; two before those, ``t`` exactly when a tenant is present). It must be a
-    well-formed key of exactly this item, as this modality. Raises ``ValueError`` otherwise."""
+    any item but an image; two before those, ``p`` exactly when settings are present; two before
+    those (or the same place without settings), ``t`` exactly when a tenant is present). It must be
+    a well-formed key of exactly this item, as this modality. Raises ``ValueError`` otherwise."""
     _check_hex("mm_hash", mm_hash)
     parts = key.split(":") if isinstance(key, str) else []
     keyed = parts[-2] if len(parts) >= 5 and parts[-2] in _KEYED_MODALITIES else IMAGE
     if keyed != modality:
         raise ValueError(f"{key!r} is the key of {keyed} {mm_hash}, not of a {modality}")
     rest = len(parts) - (2 if modality != IMAGE else 1)  # the segments ahead of the modality/mm_hash
+    settings = parts[rest - 1] if rest >= 5 and parts[rest - 2] == "p" else None
+    rest -= 2 if settings is not None else 0
     digest = parts[rest - 1] if rest >= 5 and parts[rest - 2] == "t" else None
-    identifier = own_identifier(mm_hash, modality, digest)
+    identifier = own_identifier(mm_hash, modality, digest, settings)
     head, _, fingerprint = key[: -len(identifier) - 1].rpartition(":") if parts else ("", "", "")
     prefix, _, version = head.rpartition(":")
     if (

@@ -79,3 +79,27 @@ def test_bad_parts_are_refused(fingerprint: str, mm_hash: str, prefix: str) -> N
         store_key(fingerprint, mm_hash, prefix=prefix)
     with pytest.raises(ValueError):
         tenant_digest("")
+
+
+S = "5e" * 32  # a settings digest
+
+
+@pytest.mark.parametrize("modality", MODALITIES)
+@pytest.mark.parametrize("tenant", [None, "acme", "a:b"])
+@pytest.mark.parametrize("prefix", ["encode", "p", "x:p", "t", "x:t:p"])
+def test_a_settings_key_is_the_servers_and_its_identifier_reads_back_from_the_right(
+    tenant: str | None, prefix: str, modality: str
+) -> None:
+    key = CacheKey(FP, H, prefix, tenant, modality, S)
+    assert store_key(FP, H, prefix=prefix, tenant=tenant, modality=modality, settings=S) == key.text
+    identifier = epd_identifier(key.text, H, modality)
+    assert identifier == key.identifier
+    assert identifier_key(FP, identifier, prefix=prefix) == key.text
+    digest = server_tenant_digest(tenant) if tenant is not None else None
+    assert parse_identifier(identifier) == StoredIdentifier(digest, modality, H, S)
+
+
+def test_one_image_under_other_settings_gets_another_identifier_and_the_defaults_keep_todays() -> None:
+    plain, tuned = (epd_identifier(cache_key(FP, H, settings=s), H) for s in (None, S))
+    assert plain == H and tuned == f"p:{S}:{H}"
+    assert parse_identifier(plain) == StoredIdentifier(None, "image", H, None)

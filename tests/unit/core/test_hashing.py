@@ -483,3 +483,26 @@ def test_a_prefix_named_like_a_modality_reads_unambiguously() -> None:
 def test_cache_key_refuses_an_unknown_modality(modality: str) -> None:
     with pytest.raises(ValueError, match="modality"):
         cache_key(FP, H, modality=modality)
+
+
+_SETTINGS = "5e" * 32
+
+
+def test_a_settings_digest_goes_after_the_tenant_and_before_the_modality() -> None:
+    tenant = tenant_digest("acme")
+    key = CacheKey(FP, H, "encode", "acme", "video", _SETTINGS)
+    assert key.text == f"encode:v1:{FP}:t:{tenant}:p:{_SETTINGS}:video:{H}"
+    assert key.identifier == f"t:{tenant}:p:{_SETTINGS}:video:{H}"
+
+
+def test_one_image_under_two_settings_never_shares_a_key_and_the_defaults_keep_todays() -> None:
+    plain = CacheKey(FP, H)
+    assert plain.text == f"encode:v1:{FP}:{H}"
+    assert CacheKey(FP, H, settings=_SETTINGS) != plain
+    assert CacheKey(FP, H, settings=_SETTINGS) != CacheKey(FP, H, settings="6f" * 32)
+
+
+@pytest.mark.parametrize("settings", ["", "5E" * 32, "5e" * 31, "p"])
+def test_cache_key_refuses_a_settings_part_that_is_not_a_digest(settings: str) -> None:
+    with pytest.raises(ValueError, match="settings"):
+        CacheKey(FP, H, settings=settings)

@@ -11,7 +11,7 @@ from PIL import Image
 from encode_server.core.types import VideoInfo
 from encode_server.encoders import FAMILIES, SUPPORTED_MODEL_TYPES, Epd, Family, load_encoder
 from encode_server.encoders.family import by_model_type
-from encode_server.encoders.qwen import load_qwen
+from encode_server.encoders.qwen import PIXEL_SETTINGS, load_qwen
 
 
 def test_every_model_type_has_exactly_one_family() -> None:
@@ -62,6 +62,8 @@ def test_the_builtin_model_is_a_qwen_family_model() -> None:
         "name": "qwen2_vl", "modalities": ["image", "video"],
         "epd": {"mode": "pixel_free", "fields": {"image": ["image_grid_thw"], "video": ["video_grid_thw"]},
                 "tensors": {"video": {"second_per_grid_ts": "float32"}}, "vllm_model": "qwen2_vl.py, qwen2_5_vl.py"},
+        "settings": {name: {"type": "int", "modalities": ["image"], "meaning": setting.meaning}
+                     for name, setting in (("min_pixels", PIXEL_SETTINGS[0]), ("max_pixels", PIXEL_SETTINGS[1]))},
     }
     # It takes what it says: a video plans from its header (the settings transformers builds a
     # Qwen2-VL video processor from when there is only the image processor's).
@@ -110,3 +112,24 @@ def test_an_encoders_kind_is_a_model_type_of_its_family(name: str, request: pyte
     encoder = load_encoder(str(request.getfixturevalue(f"{RECORDS[name].kind}_dir")), device="cpu")
     assert encoder.family is not None and encoder.family.name == name
     assert encoder.info.kind in encoder.family.model_types, (name, encoder.info.kind)
+
+
+@pytest.mark.parametrize("name", sorted(f.name for f in FAMILIES if f.settings))
+def test_a_family_that_declares_settings_applies_each_as_its_processor_does(
+    name: str, request: pytest.FixtureRequest, image: Image.Image
+) -> None:
+    """A declared key has a default from the checkpoint, and under another value the encoder's
+    rows and meta are its processor's called with that value (``preprocess_with`` and
+    ``count_tokens_with`` agree with each other and differ from the defaults')."""
+    from tests.tiny.records import RECORDS
+
+    encoder = load_encoder(str(request.getfixturevalue(f"{RECORDS[name].kind}_dir")), device="cpu")
+    assert encoder.family is not None
+    defaults = encoder.setting_defaults()
+    assert set(defaults) == {s.name for s in encoder.family.settings}, name
+    assert encoder.count_tokens_with(*image.size, defaults) == encoder.count_tokens(*image.size)
+    fewer = {**defaults, "max_pixels": 56 * 56} if "max_pixels" in defaults else defaults
+    prepared = encoder.preprocess_with(image.convert("RGB"), fewer)
+    counted = encoder.count_tokens_with(*image.size, fewer)
+    assert (prepared.num_tokens, prepared.meta) == counted, name
+    assert counted != encoder.count_tokens(*image.size), name

@@ -1,0 +1,128 @@
+"""Per-request processor settings (vLLM's ``mm_processor_kwargs``): declared, checked, digested.
+
+A family declares the keys its processor takes per request (``Setting``: vLLM's name, its type,
+its bounds and what it means for that family); the encoder says their defaults (the checkpoint's
+processor config); the server caps the bounds with its own limits (``--max-image-pixels``), so a
+request can never ask for more work than the warm-up's worst case.
+
+``resolve`` turns what a request gave into the *effective* settings: every declared key, the
+request's value where it gave one, the default elsewhere. Two spellings of one setting (another
+key order, a default written out) resolve alike, so they share a cache entry; settings equal to
+the defaults resolve to ``None``, so a request without settings and one that restates the defaults
+keep today's cache keys (no entry is invalidated by turning the feature on). ``digest`` names
+effective settings in a cache key, framed as the fingerprint is (``hashing.frame``).
+
+Invariants: ``resolve`` never returns a value outside its key's (capped) bounds, never a key the
+family did not declare, and raises ``BadInput`` (type ``invalid_setting``) naming the key for
+anything else; the caller attributes it to an item.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import blake3
+
+from encode_server.core.errors import BadInput
+from encode_server.core.hashing import frame
+
+__all__ = ["SETTINGS_DOMAIN", "Setting", "describe", "digest", "resolve"]
+
+SETTINGS_DOMAIN = "encode-server/mm-processor-kwargs/v1"
+_TYPES: dict[str, tuple[type, ...]] = {"int": (int,), "float": (int, float), "bool": (bool,)}
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One key a family's processor takes per request, named as vLLM's ``mm_processor_kwargs`` names it.
+
+    ``kind``: ``int``, ``float`` or ``bool`` (a JSON ``true`` is never an int, nor ``1`` a bool);
+    ``minimum``/``maximum``: the bounds of a number, inclusive (``maximum`` None: only the server's
+    ``cap`` bounds it); ``cap``: the server limit that bounds it too (``max_image_pixels``), by name,
+    so the family module needs no settings object; ``modalities``: the items it applies to."""
+
+    name: str
+    kind: str
+    meaning: str
+    minimum: float | None = None
+    maximum: float | None = None
+    cap: str | None = None
+    modalities: tuple[str, ...] = ("image",)
+
+    def __post_init__(self) -> None:
+        if self.kind not in _TYPES:
+            raise ValueError(f"a setting's kind is one of {sorted(_TYPES)}, not {self.kind!r}")
+
+    def bounds(self, limits: Mapping[str, float]) -> tuple[float | None, float | None]:
+        """(minimum, maximum) with the server's cap applied."""
+        top = self.maximum
+        if self.cap is not None:
+            cap = limits[self.cap]
+            top = cap if top is None else min(top, cap)
+        return self.minimum, top
+
+    def check(self, value: object, limits: Mapping[str, float]) -> Any:
+        """``value`` if it is of this key's type and within its bounds; ``BadInput`` naming the key."""
+        ok = isinstance(value, _TYPES[self.kind]) and (self.kind == "bool" or not isinstance(value, bool))
+        if not ok:
+            wanted = {"int": "an integer", "float": "a number", "bool": "true or false"}[self.kind]
+            raise BadInput(f"mm_processor_kwargs.{self.name} must be {wanted}, got {type(value).__name__}",
+                           type="invalid_setting")
+        if self.kind == "bool":
+            return value
+        low, high = self.bounds(limits)
+        number = float(value)  # type: ignore[arg-type]
+        if number != number or (low is not None and number < low) or (high is not None and number > high):
+            ranges = [f"at least {low:g}"] if low is not None else []
+            ranges += [f"at most {high:g}" + (f" (--{self.cap.replace('_', '-')})" if self.cap else "")] \
+                if high is not None else []
+            raise BadInput(f"mm_processor_kwargs.{self.name} must be {' and '.join(ranges)}, got {value!r}",
+                           type="invalid_setting")
+        return float(value) if self.kind == "float" else value  # type: ignore[arg-type]
+
+
+def resolve(
+    declared: Sequence[Setting],
+    defaults: Mapping[str, Any],
+    given: Mapping[str, Any] | None,
+    limits: Mapping[str, float],
+    modality: str = "image",
+) -> dict[str, Any] | None:
+    """The effective settings for one item (module docstring), or None when they are the defaults.
+
+    ``given`` is what the request sent (None or empty: nothing). A key the family does not declare,
+    or declares for another modality, a wrong type or a value out of bounds is ``BadInput``."""
+    if not given:
+        return None
+    if not isinstance(given, Mapping):
+        raise BadInput(f"mm_processor_kwargs must be an object, got {type(given).__name__}", type="invalid_setting")
+    by_name = {s.name: s for s in declared}
+    effective = {s.name: defaults[s.name] for s in declared if modality in s.modalities}
+    for name, value in given.items():
+        setting = by_name.get(name)
+        if setting is None:
+            known = ", ".join(by_name) or "none"
+            raise BadInput(f"mm_processor_kwargs.{name} is not a setting of this model's family (its keys: {known})",
+                           type="invalid_setting")
+        if modality not in setting.modalities:
+            raise BadInput(f"mm_processor_kwargs.{name} does not apply to a {modality}", type="invalid_setting")
+        effective[name] = setting.check(value, limits)
+    return None if effective == {k: defaults[k] for k in effective} else effective
+
+
+def digest(effective: Mapping[str, Any]) -> str:
+    """The cache key's name for ``effective`` settings: BLAKE3 of their framed form (order-free:
+    ``frame`` sorts a mapping's keys), domain-separated from every other digest."""
+    return blake3.blake3(frame(SETTINGS_DOMAIN, dict(effective))).hexdigest()
+
+
+def describe(declared: Sequence[Setting], defaults: Mapping[str, Any], limits: Mapping[str, float]) -> dict[str, Any]:
+    """The JSON form ``GET /v1/model`` publishes: per key its type, bounds (capped), default, meaning."""
+    out: dict[str, Any] = {}
+    for s in declared:
+        low, high = s.bounds(limits)
+        out[s.name] = {"type": s.kind, "minimum": low, "maximum": high, "default": defaults.get(s.name),
+                       "modalities": list(s.modalities), "meaning": s.meaning}
+    return out

@@ -1,0 +1,91 @@
+"""Per-request processor settings (``mm_processor_kwargs``) over real HTTP: off by default with a
+400 naming the flag; on, their own entries, the same count from /v1/tokens as the rows of an
+encode, bad keys refused naming the item, and GET /v1/model publishing the keys."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.calls import b64, encode, h
+from tests.images import image_bytes
+from tests.server import ServerProcess, start_server
+
+IMAGE = image_bytes("PNG", 280, 280, seed=33)
+FEWER = {"max_pixels": 12544}
+
+
+@pytest.fixture(scope="module")
+def trusting_server(server_logs: Path) -> Iterator[ServerProcess]:
+    server = start_server("--trust-request-mm-kwargs", "--max-image-pixels", str(2048 * 2048), "--cache-mb", "16",
+                          log_dir=server_logs)
+    yield server
+    assert server.stop() == 0, server.log()
+
+
+def _error(r: httpx.Response) -> tuple[int, str, int | None, str]:
+    error = r.json()["error"]
+    return r.status_code, error["type"], error["index"], error["message"]
+
+
+def test_settings_on_a_server_without_the_flag_are_a_400_naming_it(builtin_server: ServerProcess) -> None:
+    r = encode(builtin_server, [{"data": b64(IMAGE)}], mm_processor_kwargs=FEWER)
+    status, kind, index, message = _error(r)
+    assert (status, kind, index) == (400, "settings_disabled", 0) and "--trust-request-mm-kwargs" in message
+    model = httpx.get(builtin_server.url + "/v1/model", timeout=10).json()
+    assert model["mm_processor_kwargs"]["enabled"] is False
+
+
+def test_the_model_publishes_its_familys_keys_with_the_servers_caps(trusting_server: ServerProcess) -> None:
+    published = httpx.get(trusting_server.url + "/v1/model", timeout=10).json()["mm_processor_kwargs"]
+    assert published["enabled"] is True
+    assert set(published["keys"]) == {"min_pixels", "max_pixels"}
+    assert published["keys"]["max_pixels"]["maximum"] == 2048 * 2048
+    assert published["keys"]["max_pixels"]["default"] == 448 * 448  # the built-in processor's
+
+
+def test_request_and_item_settings_key_their_own_entries_and_tokens_count_their_rows(
+    trusting_server: ServerProcess,
+) -> None:
+    plain = encode(trusting_server, [{"data": b64(IMAGE)}]).json()["items"][0]
+    fewer = encode(trusting_server, [{"data": b64(IMAGE)}], mm_processor_kwargs=FEWER).json()["items"][0]
+    assert fewer["status"] == "encoded" and fewer["num_tokens"] < plain["num_tokens"]
+    # The item's own setting over the request's; the same setting by hash alone is a hit.
+    items = [{"hash": h(IMAGE), "mm_processor_kwargs": FEWER}, {"hash": h(IMAGE)}]
+    both = encode(trusting_server, items, mm_processor_kwargs={"max_pixels": 448 * 448}).json()["items"]
+    assert [i["status"] for i in both] == ["hit", "hit"]
+    assert (both[0]["embedding"], both[1]["embedding"]) == (fewer["embedding"], plain["embedding"])
+    tokens = httpx.post(trusting_server.url + "/v1/tokens", json={"sizes": [[280, 280]], "mm_processor_kwargs": FEWER},
+                        timeout=30).json()["items"][0]
+    assert (tokens["num_tokens"], tokens["meta"]) == (fewer["num_tokens"], fewer["meta"])
+    found = httpx.post(trusting_server.url + "/v1/lookup", json={"hashes": [h(IMAGE)], "mm_processor_kwargs": FEWER},
+                       timeout=30).json()["items"][0]
+    assert found["cached"] is True
+    unseen = httpx.post(trusting_server.url + "/v1/lookup",
+                        json={"hashes": [h(IMAGE)], "mm_processor_kwargs": {"max_pixels": 12545}}, timeout=30)
+    assert unseen.json()["items"][0]["cached"] is False
+
+
+@pytest.mark.parametrize(
+    ("settings", "words"),
+    [({"max_pixel": 9}, "mm_processor_kwargs.max_pixel is not a setting"),
+     ({"max_pixels": "9"}, "max_pixels must be an integer"),
+     ({"min_pixels": 2048 * 2048 + 1}, "--max-image-pixels")],
+)
+def test_a_bad_setting_is_a_400_naming_the_key_and_the_item(
+    trusting_server: ServerProcess, settings: dict[str, object], words: str
+) -> None:
+    r = encode(trusting_server, [{"data": b64(IMAGE)}, {"data": b64(IMAGE), "mm_processor_kwargs": settings}])
+    status, kind, index, message = _error(r)
+    assert (status, kind, index) == (400, "invalid_setting", 1) and words in message, message
+    r = httpx.post(trusting_server.url + "/v1/tokens", json={"sizes": [[9, 9], [280, 280]],
+                                                              "mm_processor_kwargs": settings}, timeout=30)
+    assert _error(r)[:3] == (400, "invalid_setting", 0)
+
+
+def test_settings_that_are_not_an_object_are_a_422_naming_the_item(trusting_server: ServerProcess) -> None:
+    r = encode(trusting_server, [{"data": b64(IMAGE), "mm_processor_kwargs": [1]}])
+    assert _error(r)[:3] == (422, "invalid_request", 0)

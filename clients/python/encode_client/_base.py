@@ -23,7 +23,7 @@ from __future__ import annotations
 import random
 import time
 from collections import deque
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -268,14 +268,30 @@ class BaseClient:
 
     # -- flows -----------------------------------------------------------------------------------
 
+    def _settings(self, settings: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
+        """A call's ``mm_processor_kwargs`` (None or empty: the server's defaults), refused for a
+        gRPC replica: the gRPC door takes none yet, and sending without them would answer the
+        defaults' embedding as if it were these settings'."""
+        if not settings:
+            return None
+        if any(r.startswith("grpc://") for r in self.replicas):
+            raise ValueError("mm_processor_kwargs go over HTTP only: the gRPC door takes none yet")
+        return settings
+
     def _encode_flow(
-        self, images: Sequence[ImageInput], op: str = "encode", modality: str | None = None
+        self,
+        images: Sequence[ImageInput],
+        op: str = "encode",
+        modality: str | None = None,
+        settings: Mapping[str, Any] | None = None,
     ) -> Flow[list[Result]]:
         """Hash locally; ask for every distinct hash without bytes (unless the upload mode says
         to send them at once); upload only the misses, once, to the replica that missed (its
         local tier then holds them). ``op="handoff"``: the same, with ``"return": "metadata"``
         (into the shared tier; metadata and store keys back). A video goes the same way, its
-        hash-only item marked as a video."""
+        hash-only item marked as a video. ``settings``: every item's ``mm_processor_kwargs``
+        (the server keys the entries under them)."""
+        settings = self._settings(settings)
         inputs = [media(i, modality) for i in images]
         hashes = [mm_hash(m.data) for m in inputs]
         unique = list(dict.fromkeys(hashes))
@@ -288,7 +304,8 @@ class BaseClient:
         else:
             self._counts["hash_first"] += len(unique)
             found = yield from self._rounds(
-                op, unique, lambda ix: [WireItem(unique[i], None, by_hash[unique[i]].modality) for i in ix],
+                op, unique,
+                lambda ix: [WireItem(unique[i], None, by_hash[unique[i]].modality, settings=settings) for i in ix],
                 self._by_count, lambda k: first[unique[k]],
             )
             for i in range(len(unique)):
@@ -298,7 +315,7 @@ class BaseClient:
         if missed:
             missed_blobs = [by_hash[h].data for h in missed]
             uploaded = yield from self._rounds(
-                op, missed, lambda ix: [_upload(missed[i], by_hash[missed[i]]) for i in ix],
+                op, missed, lambda ix: [_upload(missed[i], by_hash[missed[i]], settings) for i in ix],
                 self._by_bytes(missed_blobs), lambda k: first[missed[k]],
             )
             self._counts["bytes"] += sum(len(b) for b in missed_blobs)
@@ -309,13 +326,18 @@ class BaseClient:
         answers = {h: found[i] for i, h in enumerate(unique)}
         return [_reindex(answers[h], index) for index, h in enumerate(hashes)]
 
-    def _lookup_flow(self, hashes: Sequence[str], modality: str = IMAGE) -> Flow[list[LookupItem]]:
+    def _lookup_flow(
+        self, hashes: Sequence[str], modality: str = IMAGE, settings: Mapping[str, Any] | None = None
+    ) -> Flow[list[LookupItem]]:
         """Which tier holds each hash as a ``modality`` item (a file's bytes as a video are
-        another entry than as an image)."""
+        another entry than as an image), under ``settings``."""
         if modality not in (IMAGE, VIDEO):
             raise ValueError(f"modality must be {IMAGE!r} or {VIDEO!r}, not {modality!r}")
+        settings = self._settings(settings)
         keys = [h.lower() for h in hashes]
-        found = yield from self._rounds("lookup", keys, lambda ix: (modality, [keys[i] for i in ix]), self._by_count)
+        found = yield from self._rounds(
+            "lookup", keys, lambda ix: (modality, [keys[i] for i in ix], settings), self._by_count
+        )
         return [found[i] for i in range(len(keys))]
 
     def _warm_flow(self, images: Sequence[ImageInput]) -> Flow[list[WarmItem]]:
@@ -340,19 +362,25 @@ class BaseClient:
             for i, h in enumerate(hashes)
         ]
 
-    def _tokens_flow(self, images: Sequence[ImageInput], sizes: Sequence[tuple[int, int]]) -> Flow[list[TokenCount]]:
+    def _tokens_flow(
+        self,
+        images: Sequence[ImageInput],
+        sizes: Sequence[tuple[int, int]],
+        settings: Mapping[str, Any] | None = None,
+    ) -> Flow[list[TokenCount]]:
         if bool(images) == bool(sizes):
             raise ValueError("give either images or sizes")
+        settings = self._settings(settings)
         if sizes:
             keys = [f"{w}x{h}" for w, h in sizes]
             found = yield from self._rounds(
-                "tokens", keys, lambda ix: ("sizes", [sizes[i] for i in ix]), self._by_count
+                "tokens", keys, lambda ix: ("sizes", [sizes[i] for i in ix], settings), self._by_count
             )
         else:  # images, or videos counted from their header
             inputs = [media(i) for i in images]
             keys = [mm_hash(m.data) for m in inputs]
             found = yield from self._rounds(
-                "tokens", keys, lambda ix: ("items", [_upload(None, inputs[i]) for i in ix]),
+                "tokens", keys, lambda ix: ("items", [_upload(None, inputs[i], settings) for i in ix], None),
                 self._by_bytes([m.data for m in inputs]),
             )
         return [
@@ -375,8 +403,8 @@ def _in_callers_terms(exc: BaseException, indices: Sequence[int], caller_index: 
     return out
 
 
-def _upload(hash_: str | None, m: Media) -> WireItem:
-    return WireItem(hash_, m.data, m.modality, m.content_type)
+def _upload(hash_: str | None, m: Media, settings: Mapping[str, Any] | None = None) -> WireItem:
+    return WireItem(hash_, m.data, m.modality, m.content_type, settings)
 
 
 def _reindex(result: Result, index: int) -> Result:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
 import httpx
@@ -53,32 +53,49 @@ class Client(BaseClient):
         for channel in self._channels:
             channel.close()
 
-    def encode(self, images: Sequence[ImageInput]) -> list[Result]:
+    def encode(
+        self, images: Sequence[ImageInput], *, mm_processor_kwargs: Mapping[str, Any] | None = None
+    ) -> list[Result]:
         """Embeddings for ``images`` (paths, bytes, PIL images, or videos: a video file's path or
         bytes, detected by suffix or content, or wrapped in ``Video``), in order. Bytes travel only
-        for items that no replica tier holds, once per distinct file."""
-        return self._run(self._encode_flow(images))
+        for items that no replica tier holds, once per distinct file. ``mm_processor_kwargs``: the
+        processor settings of every item, in vLLM's names (a server started with
+        ``--trust-request-mm-kwargs``; HTTP replicas only)."""
+        return self._run(self._encode_flow(images, settings=mm_processor_kwargs))
 
-    def hand_off(self, images: Sequence[ImageInput], *, modality: str | None = None) -> list[Result]:
+    def hand_off(
+        self,
+        images: Sequence[ImageInput],
+        *,
+        modality: str | None = None,
+        mm_processor_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[Result]:
         """The EPD hand-off: make sure each image is in the server's shared tier (hash first,
         upload only the misses) and get its metadata and store ``key`` back, no embedding bytes.
         Needs a server with ``--redis-url`` (else ``ServerError`` 409 ``no_shared_tier``).
         ``modality``: ``"image"`` or ``"video"`` for every item, instead of telling each by its name
-        or first bytes (``Video`` wraps one)."""
-        return self._run(self._encode_flow(images, "handoff", modality))
+        or first bytes (``Video`` wraps one). ``mm_processor_kwargs``: as for ``encode``."""
+        return self._run(self._encode_flow(images, "handoff", modality, mm_processor_kwargs))
 
-    def lookup(self, hashes: Sequence[str], *, modality: str = "image") -> list[LookupItem]:
-        """Which tier holds each hash, as an ``"image"`` or a ``"video"`` item."""
-        return self._run(self._lookup_flow(hashes, modality))
+    def lookup(
+        self, hashes: Sequence[str], *, modality: str = "image", mm_processor_kwargs: Mapping[str, Any] | None = None
+    ) -> list[LookupItem]:
+        """Which tier holds each hash, as an ``"image"`` or a ``"video"`` item (under these settings)."""
+        return self._run(self._lookup_flow(hashes, modality, mm_processor_kwargs))
 
     def warm(self, images: Sequence[ImageInput]) -> list[WarmItem]:
         return self._run(self._warm_flow(images))
 
     def tokens(
-        self, images: Sequence[ImageInput] = (), *, sizes: Sequence[tuple[int, int]] = ()
+        self,
+        images: Sequence[ImageInput] = (),
+        *,
+        sizes: Sequence[tuple[int, int]] = (),
+        mm_processor_kwargs: Mapping[str, Any] | None = None,
     ) -> list[TokenCount]:
-        """Tokens per image or video (a video's from its container's header) or per image size."""
-        return self._run(self._tokens_flow(images, sizes))
+        """Tokens per image or video (a video's from its container's header) or per image size,
+        under ``mm_processor_kwargs`` (as for ``encode``)."""
+        return self._run(self._tokens_flow(images, sizes, mm_processor_kwargs))
 
     def model(self) -> dict[str, Any]:
         return self._run(self._model_flow())
@@ -161,25 +178,40 @@ class AsyncClient(BaseClient):
         for channel in self._channels:
             await channel.close()
 
-    async def encode(self, images: Sequence[ImageInput]) -> list[Result]:
+    async def encode(
+        self, images: Sequence[ImageInput], *, mm_processor_kwargs: Mapping[str, Any] | None = None
+    ) -> list[Result]:
         """See ``Client.encode``."""
-        return await self._run(self._encode_flow(images))
+        return await self._run(self._encode_flow(images, settings=mm_processor_kwargs))
 
-    async def hand_off(self, images: Sequence[ImageInput], *, modality: str | None = None) -> list[Result]:
+    async def hand_off(
+        self,
+        images: Sequence[ImageInput],
+        *,
+        modality: str | None = None,
+        mm_processor_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[Result]:
         """See ``Client.hand_off``."""
-        return await self._run(self._encode_flow(images, "handoff", modality))
+        return await self._run(self._encode_flow(images, "handoff", modality, mm_processor_kwargs))
 
-    async def lookup(self, hashes: Sequence[str], *, modality: str = "image") -> list[LookupItem]:
-        """Which tier holds each hash, as an ``"image"`` or a ``"video"`` item."""
-        return await self._run(self._lookup_flow(hashes, modality))
+    async def lookup(
+        self, hashes: Sequence[str], *, modality: str = "image", mm_processor_kwargs: Mapping[str, Any] | None = None
+    ) -> list[LookupItem]:
+        """Which tier holds each hash, as an ``"image"`` or a ``"video"`` item (under these settings)."""
+        return await self._run(self._lookup_flow(hashes, modality, mm_processor_kwargs))
 
     async def warm(self, images: Sequence[ImageInput]) -> list[WarmItem]:
         return await self._run(self._warm_flow(images))
 
     async def tokens(
-        self, images: Sequence[ImageInput] = (), *, sizes: Sequence[tuple[int, int]] = ()
+        self,
+        images: Sequence[ImageInput] = (),
+        *,
+        sizes: Sequence[tuple[int, int]] = (),
+        mm_processor_kwargs: Mapping[str, Any] | None = None,
     ) -> list[TokenCount]:
-        return await self._run(self._tokens_flow(images, sizes))
+        """See ``Client.tokens``."""
+        return await self._run(self._tokens_flow(images, sizes, mm_processor_kwargs))
 
     async def model(self) -> dict[str, Any]:
         return await self._run(self._model_flow())

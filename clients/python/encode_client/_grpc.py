@@ -46,11 +46,11 @@ def build(op: str, payload: Any) -> Any:
     if op == "handoff":
         return pb.EncodeRequest(items=[_item(item) for item in payload], return_kind=pb.RETURN_METADATA)
     if op == "lookup":
-        modality, hashes = payload
+        modality, hashes, _settings = payload  # none over gRPC: BaseClient refuses them first
         kind = pb.MODALITY_VIDEO if modality == VIDEO else pb.MODALITY_IMAGE
         return pb.LookupRequest(hashes=list(hashes), modality=kind)
     if op == "tokens":
-        kind, entries = payload
+        kind, entries, _settings = payload
         if kind == "sizes":
             return pb.TokensRequest(sizes=[pb.Size(width=w, height=h) for w, h in entries])
         return pb.TokensRequest(items=[_item(item) for item in entries])

@@ -31,16 +31,24 @@ class HttpRequest:
     files: list[tuple[str, tuple[str, bytes, str]]] | None = None
 
 
-def _item(item: WireItem) -> dict[str, str]:
-    """A JSON item; ``"modality"`` only for a video, so an image's item is what it always was."""
-    out = {}
+def _item(item: WireItem) -> dict[str, Any]:
+    """A JSON item; ``"modality"`` only for a video and ``"mm_processor_kwargs"`` only with
+    settings, so an image's item is what it always was."""
+    out: dict[str, Any] = {}
     if item.hash is not None:
         out["hash"] = item.hash
     if item.data is not None:
         out["data"] = base64.b64encode(item.data).decode("ascii")
     if item.modality == VIDEO:
         out["modality"] = VIDEO
+    if item.settings:
+        out["mm_processor_kwargs"] = dict(item.settings)
     return out
+
+
+def _with_settings(body: dict[str, Any], settings: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``body`` with the request's ``mm_processor_kwargs`` when there are any (else as it always was)."""
+    return {**body, "mm_processor_kwargs": dict(settings)} if settings else body
 
 
 def _upload(url: str, items: list[WireItem], headers: dict[str, str]) -> HttpRequest:
@@ -48,8 +56,8 @@ def _upload(url: str, items: list[WireItem], headers: dict[str, str]) -> HttpReq
     one file is the whole body, several are the files of a multipart body. A video's body or part
     is ``video/*``, which is how the server tells it from an image."""
     if len(items) == 1:
-        ((_, data, _, content_type),) = items
-        return HttpRequest("POST", url, headers={**headers, "Content-Type": content_type}, content=data)
+        (one,) = items
+        return HttpRequest("POST", url, headers={**headers, "Content-Type": one.content_type}, content=one.data)
     files = [("file", (f"{i}", item.data or b"", item.content_type)) for i, item in enumerate(items)]
     return HttpRequest("POST", url, headers=headers, files=files)
 
@@ -59,22 +67,24 @@ def build(base_url: str, op: str, payload: Any, *, response: str, api_key: str |
     base = base_url.rstrip("/")
     if op == "encode":
         headers["Accept"] = SAFETENSORS if response == "safetensors" else "application/json"
-        if payload and all(item.data is not None for item in payload):
+        # An upload body (raw or multipart) carries no settings: items with them go as JSON.
+        if payload and all(item.data is not None and not item.settings for item in payload):
             return _upload(base + "/v1/encode", list(payload), headers)
         return HttpRequest("POST", base + "/v1/encode", {"items": [_item(item) for item in payload]}, headers)
     if op == "handoff":  # the EPD hand-off: into the shared tier, metadata and keys back
         handoff = {"items": [_item(item) for item in payload], "return": "metadata"}
         return HttpRequest("POST", base + "/v1/encode", handoff, {**headers, "Accept": "application/json"})
     if op == "lookup":
-        modality, hashes = payload  # "modality" only for a video, so an image's body is what it always was
+        modality, hashes, settings = payload  # "modality" only for a video: an image's body is as it always was
         lookup = {"hashes": list(hashes), **({"modality": modality} if modality == VIDEO else {})}
-        return HttpRequest("POST", base + "/v1/lookup", lookup, headers)
+        return HttpRequest("POST", base + "/v1/lookup", _with_settings(lookup, settings), headers)
     if op == "tokens":
-        kind, entries = payload
+        kind, entries, settings = payload
         body: dict[str, Any] = (
             {"sizes": [list(s) for s in entries]} if kind == "sizes" else {"items": [_item(item) for item in entries]}
         )
-        return HttpRequest("POST", base + "/v1/tokens", body, headers)
+        return HttpRequest("POST", base + "/v1/tokens", _with_settings(body, settings if kind == "sizes" else None),
+                           headers)
     if op == "model":
         return HttpRequest("GET", base + "/v1/model", None, headers)
     raise ValueError(f"unknown operation {op!r}")

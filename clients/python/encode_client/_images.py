@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Union
 
@@ -59,12 +60,14 @@ class Media(NamedTuple):
 
 
 class WireItem(NamedTuple):
-    """One item of a call: its hash, its bytes (None: asked by hash only), and how they read."""
+    """One item of a call: its hash, its bytes (None: asked by hash only), how they read, and the
+    processor settings (``mm_processor_kwargs``) it is preprocessed under (None: the server's)."""
 
     hash: str | None
     data: bytes | None
     modality: str = IMAGE
     content_type: str = _UPLOAD_IMAGE
+    settings: Mapping[str, Any] | None = None
 
 
 def mm_hash(data: bytes) -> str:

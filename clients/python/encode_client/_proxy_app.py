@@ -239,6 +239,7 @@ class ProxyApp:
                     body, request.url.path, encoder=self.encoder_for(caller),
                     contract=lambda: self.contract(caller),  # read after the checks, with images or videos
                     tenant=caller.tenant if caller else None, trust_client_embeds=self.settings.trust_client_embeds,
+                    trust_request_mm_kwargs=self.settings.trust_request_mm_kwargs,
                 )
             except REWRITE_ERRORS as exc:
                 raise rewrite_refusal(exc) from None

@@ -43,10 +43,12 @@ async def prepare_body(
     contract: Callable[[], Awaitable[EpdContract]],
     tenant: str | None,
     trust_client_embeds: bool,
+    trust_request_mm_kwargs: bool = False,
 ) -> Prepared:
     """``raw``, a POST to ``path``, checked and rewritten: a chat's images and videos handed off
     (``epd``; ``contract`` is read after the checks, only for a request with media), the fields
-    that steer vLLM's caches refused, and ``cache_salt`` derived from ``tenant``."""
+    that steer vLLM's caches refused (``mm_processor_kwargs`` taken when trusted), and ``cache_salt``
+    derived from ``tenant``."""
     parsed: Any = json.loads(raw)
     if not isinstance(parsed, dict):
         raise EPDError("the body must be a JSON object")
@@ -54,13 +56,14 @@ async def prepare_body(
     seconds: float | None = None
     if path == CHAT:
         started = time.perf_counter()
-        plan = check_chat_request(parsed, trust_client_embeds=trust_client_embeds)
+        plan = check_chat_request(parsed, trust_client_embeds=trust_client_embeds,
+                                  trust_request_mm_kwargs=trust_request_mm_kwargs)
         rewritten, results = await rewrite_chat_plan_async(parsed, plan, encoder, contract=contract)
         if results:
             seconds = time.perf_counter() - started
         images, videos = len(plan.images), len(plan.videos)
     else:
-        check_request_fields(parsed)
+        check_request_fields(parsed, trust_request_mm_kwargs=trust_request_mm_kwargs)
         rewritten = dict(parsed)
     rewritten["cache_salt"] = cache_salt(tenant, parsed.get("cache_salt"))
     return Prepared(json.dumps(rewritten).encode(), images, videos, seconds)

@@ -17,6 +17,7 @@ class ProxySettings:
     api_keys: str | None = field(default=None, repr=False)
     vllm_api_key: str | None = field(default=None, repr=False)
     trust_client_embeds: bool = False
+    trust_request_mm_kwargs: bool = False  # take a chat's mm_processor_kwargs (checked, handed off with)
     timeout: float = 600.0  # the longest wait for vLLM's next byte
     connect_timeout: float = 5.0
     encoder_timeout: float = 60.0

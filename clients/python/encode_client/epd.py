@@ -56,11 +56,18 @@ an item (``check_chat_request``; each refusal is an ``EPDError`` naming the part
   trusted (``trust_client_embeds``): then each is named by the content hash of its payload,
   ``e:...``, never the client's ``uuid``, so it is served only to requests that send that payload;
 - a part without a string ``type`` is refused (vLLM guesses an untyped part's kind from its keys);
-- ``mm_processor_kwargs`` and ``media_io_kwargs`` are refused: encode-server preprocesses every
-  image under its fingerprint, so a per-request setting could not apply (folding them into the
-  identifier would name an embedding nobody computed); ``kv_transfer_params``
-  and ``ec_transfer_params`` are refused: they steer vLLM's transfer connectors, which only the
-  serving system may do.
+- ``mm_processor_kwargs`` is refused unless the rewrite trusts them (``trust_request_mm_kwargs``,
+  the proxy's ``--trust-request-mm-kwargs``, as vLLM's own flag of that name): then they must be the
+  served family's keys (``GET /v1/model``'s ``mm_processor_kwargs``: a server that takes them, each
+  key of the right type within its bounds), checked before anything is handed off; every item is
+  handed off under them, so encode-server preprocesses it so and names it by its bytes *and* the
+  settings (``p:{settings_digest}:`` in its identifier: ``encode_client.keys``). They stay in the
+  body for a ``pixels_uuid`` family (vLLM's processor sizes the placeholder from the pixels, so it
+  must see the same settings; vLLM must then be started with ``--trust-request-mm-kwargs`` too) and
+  are dropped for a ``pixel_free`` one (the metadata already carries the grid they gave).
+  ``media_io_kwargs`` is refused: no family's setting maps to it yet (a video's sampling is the
+  server's ``--video-fps``); ``kv_transfer_params`` and ``ec_transfer_params`` are refused: they
+  steer vLLM's transfer connectors, which only the serving system may do.
 
 Only ``data:`` URLs are accepted, for images and videos: fetching ``http(s)://`` URLs would make the
 proxy an open fetcher (SSRF), so such a part is refused with a clear error naming it.
@@ -93,6 +100,7 @@ __all__ = [
     "EMBEDS_PARTS",
     "IMAGE_PARTS",
     "REFUSED_FIELDS",
+    "SETTINGS_FIELD",
     "VIDEO_PARTS",
     "ChatPlan",
     "EPDError",
@@ -115,11 +123,12 @@ __all__ = [
 IMAGE_PARTS = frozenset({"image_url", "input_image"})
 VIDEO_PARTS = frozenset({"video_url"})
 EMBEDS_PARTS = frozenset({"image_embeds", "video_embeds", "audio_embeds"})
+SETTINGS_FIELD = "mm_processor_kwargs"
 REFUSED_FIELDS: dict[str, str] = {
-    "mm_processor_kwargs": "encode-server preprocesses every image and video under its fingerprint; a "
-    "per-request preprocessing setting cannot apply to it",
+    SETTINGS_FIELD: "per-request processor settings are off on this proxy (start it with --trust-request-mm-kwargs, "
+    "and encode-server with its flag of that name, to take them)",
     "media_io_kwargs": "encode-server decodes every image and video itself (and samples a video's frames under "
-    "its fingerprint); per-request media loading settings cannot apply to it",
+    "its --video-fps); no setting of the served family maps to per-request media loading settings",
     "kv_transfer_params": "it steers vLLM's KV transfer connector, which only the serving system may do",
     "ec_transfer_params": "it steers vLLM's encoder-cache connector, which only the serving system may do",
 }
@@ -151,6 +160,9 @@ class EpdContract:
     mode: str
     fields: Mapping[str, tuple[str, ...]]
     tensors: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    # GET /v1/model's mm_processor_kwargs: whether the server takes them, and each key's description
+    settings_enabled: bool = False
+    settings: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
     @classmethod
     def from_model(cls, model: Mapping[str, Any]) -> EpdContract:
@@ -176,11 +188,42 @@ class EpdContract:
             raise EpdContractError(
                 f"encode-server's EPD contract has tensor fields this client cannot write: {tensors}"
             )
+        published = model.get("mm_processor_kwargs")  # a server older than settings publishes none
+        published = published if isinstance(published, Mapping) else {}
+        keys = published.get("keys")
+        keys = keys if isinstance(keys, Mapping) else {}
         return cls(
             str(mode),
             {str(m): tuple(str(f) for f in names) for m, names in fields.items()},
             {str(m): {str(f): str(d) for f, d in named.items()} for m, named in tensors.items()},
+            published.get("enabled") is True,
+            {str(k): dict(v) for k, v in keys.items() if isinstance(v, Mapping)},
         )
+
+    def check_settings(self, settings: Mapping[str, Any], modalities: set[str]) -> None:
+        """Refuse ``settings`` the served family would refuse (the server checks again): a server
+        that takes none, an unknown key, one that does not apply to a modality the request sends,
+        a wrong type, a value out of bounds. Raises ``EPDError`` naming the key."""
+        if not self.settings_enabled:
+            raise EPDError("encode-server takes no per-request processor settings (start it with "
+                           "--trust-request-mm-kwargs)", SETTINGS_FIELD)
+        for name, value in settings.items():
+            where = f"{SETTINGS_FIELD}.{name}"
+            declared = self.settings.get(name)
+            if declared is None:
+                raise EPDError(f"not a setting of the served family (its keys: {', '.join(self.settings) or 'none'})",
+                               where)
+            if other := modalities - set(declared.get("modalities") or ()):
+                raise EPDError(f"does not apply to a {sorted(other)[0]}, and the request has one", where)
+            kind = declared.get("type")
+            ok = (isinstance(value, bool) if kind == "bool" else not isinstance(value, bool) and (
+                isinstance(value, int) if kind == "int" else isinstance(value, (int, float))))
+            if not ok:
+                raise EPDError(f"must be of type {kind}, got {type(value).__name__}", where)
+            low, high = declared.get("minimum"), declared.get("maximum")
+            if kind != "bool" and ((low is not None and value < low) or (high is not None and value > high)
+                                   or value != value):
+                raise EPDError(f"must be within [{low}, {high}], got {value!r}", where)
 
 
 @dataclass(frozen=True)
@@ -219,6 +262,7 @@ class ChatPlan:
     images: list[MediaPart]
     embeds: list[EmbedsPart]
     videos: list[MediaPart] = field(default_factory=list)
+    settings: Mapping[str, Any] | None = None  # the body's mm_processor_kwargs, when trusted and given
 
     @property
     def media(self) -> list[MediaPart]:
@@ -246,16 +290,25 @@ def _data_url_bytes(url: object, where: str, modality: str = "image") -> bytes:
         raise EPDError("the data: URL's payload is not valid base64", where) from None
 
 
-def check_request_fields(body: Mapping[str, Any]) -> None:
-    """Refuse the body fields in :data:`REFUSED_FIELDS` (set to anything but null or ``{}``)."""
+def check_request_fields(body: Mapping[str, Any], *, trust_request_mm_kwargs: bool = False) -> Mapping[str, Any] | None:
+    """Refuse the body fields in :data:`REFUSED_FIELDS` (set to anything but null or ``{}``), but
+    ``mm_processor_kwargs`` when trusted: then the settings it gives (an object), or None."""
     for name, why in REFUSED_FIELDS.items():
+        if name == SETTINGS_FIELD and trust_request_mm_kwargs:
+            continue
         if body.get(name) not in (None, {}):
             raise EPDError(f"refused: {why}", name)
+    settings = body.get(SETTINGS_FIELD) if trust_request_mm_kwargs else None
+    if settings is not None and not isinstance(settings, Mapping):
+        raise EPDError(f"must be an object, got {type(settings).__name__}", SETTINGS_FIELD)
+    return settings or None
 
 
-def check_chat_request(body: Mapping[str, Any], *, trust_client_embeds: bool = False) -> ChatPlan:
+def check_chat_request(
+    body: Mapping[str, Any], *, trust_client_embeds: bool = False, trust_request_mm_kwargs: bool = False
+) -> ChatPlan:
     """Check ``body`` against the rules of the module docstring; the parts the rewrite replaces."""
-    check_request_fields(body)
+    settings = check_request_fields(body, trust_request_mm_kwargs=trust_request_mm_kwargs)
     messages = body.get("messages")
     if not isinstance(messages, list):
         raise EPDError("messages must be a list")
@@ -299,13 +352,16 @@ def check_chat_request(body: Mapping[str, Any], *, trust_client_embeds: bool = F
                 video_url = part.get("video_url")
                 url = video_url.get("url") if isinstance(video_url, Mapping) else video_url
                 videos.append(MediaPart(m, p, _data_url_bytes(url, where, "video"), kind, str(url)))
-    return ChatPlan(images, embeds, videos)
+    return ChatPlan(images, embeds, videos, settings)
 
 
 def check_contract(plan: ChatPlan, contract: EpdContract) -> None:
     """Refuse a video the served family cannot take pixel-free (a ``pixels_uuid`` family, or no
     ``video`` fields in its contract): forwarding its frames would have a prefill worker run its
-    own tower on them (or fail, tower-free), outside encode-server's cache and bounds."""
+    own tower on them (or fail, tower-free), outside encode-server's cache and bounds. Refuse
+    settings the family would refuse (``EpdContract.check_settings``)."""
+    if plan.settings:
+        contract.check_settings(plan.settings, {part.modality for part in plan.media})
     for video in plan.videos:
         if contract.mode != "pixel_free" or not contract.fields.get("video"):
             why = (
@@ -383,6 +439,8 @@ def apply_results(
     for part, result in zip(plan.media, results, strict=True):
         assert contract is not None  # read whenever there are images or videos
         out["messages"][part.message]["content"][part.part] = _media_part(part, result, contract)
+    if plan.media and contract is not None and contract.mode == "pixel_free":
+        out.pop(SETTINGS_FIELD, None)  # vLLM's processor sees no pixels: the metadata carries their effect
     for e in plan.embeds:  # rebuilt from type and payload only: no other key of the client's goes on
         out["messages"][e.message]["content"][e.part] = {
             "type": e.type,
@@ -427,8 +485,11 @@ def _rewrite_flow(body: Mapping[str, Any], plan: ChatPlan, client: BaseClient, c
         raise TypeError(f"contract must be an EpdContract or a callable giving one, not {contract!r}")
     check_contract(plan, contract)
     named: list[MediaPart | None] = [None] if plan.images else []  # the images' call names no one part
-    jobs: list[Job] = [client._encode_flow([p.data for p in plan.images], "handoff", "image")] if plan.images else []
-    jobs += [client._encode_flow([v.data], "handoff", "video") for v in plan.videos]
+    settings = plan.settings
+    jobs: list[Job] = (
+        [client._encode_flow([p.data for p in plan.images], "handoff", "image", settings)] if plan.images else []
+    )
+    jobs += [client._encode_flow([v.data], "handoff", "video", settings) for v in plan.videos]
     outcomes = yield jobs
     results: list[Result] = []
     for video, outcome in zip([*named, *plan.videos], outcomes, strict=True):
@@ -496,10 +557,13 @@ def rewrite_chat_request(
     *,
     trust_client_embeds: bool = False,
     contract: EpdContract | Callable[[], EpdContract] | None = None,
+    trust_request_mm_kwargs: bool = False,
 ) -> tuple[dict[str, Any], list[Result]]:
     """``body`` with each image and video part rewritten in the served family's EPD mode (module
     docstring), named by its identifier; ``trust_client_embeds`` lets embeddings parts through,
-    re-keyed by content. ``contract``: the family's contract, or a callable giving it (the proxy's,
+    re-keyed by content; ``trust_request_mm_kwargs`` takes the body's ``mm_processor_kwargs``
+    (checked against the family's keys, every item handed off under them).
+    ``contract``: the family's contract, or a callable giving it (the proxy's,
     which reads it once), used only when the request has an image or a video; None: read from
     ``client.model()`` then. The results are the hand-off's, one per ``ChatPlan.media`` (images,
     then videos, each in request order).
@@ -511,7 +575,8 @@ def rewrite_chat_request(
     ``ReplicaUnavailable``) when encode-server refuses or does not answer: of several failed
     hand-offs, the first in ``ChatPlan.media`` order. ``body`` is not changed.
     """
-    plan = check_chat_request(body, trust_client_embeds=trust_client_embeds)
+    plan = check_chat_request(body, trust_client_embeds=trust_client_embeds,
+                              trust_request_mm_kwargs=trust_request_mm_kwargs)
     return rewrite_chat_plan(body, plan, client, contract=contract)
 
 
@@ -521,12 +586,14 @@ async def rewrite_chat_request_async(
     *,
     trust_client_embeds: bool = False,
     contract: ContractSource = None,
+    trust_request_mm_kwargs: bool = False,
 ) -> tuple[dict[str, Any], list[Result]]:
     """``rewrite_chat_request`` with an ``AsyncClient``, its hand-offs at once. A callable
     ``contract`` is called in the loop, after the request is checked and only when it has images or
     videos; it may be a coroutine function (the proxy's, which reads the contract from
     encode-server once)."""
-    plan = check_chat_request(body, trust_client_embeds=trust_client_embeds)
+    plan = check_chat_request(body, trust_client_embeds=trust_client_embeds,
+                              trust_request_mm_kwargs=trust_request_mm_kwargs)
     return await rewrite_chat_plan_async(body, plan, client, contract=contract)
 
 

@@ -124,6 +124,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="accept image/video/audio embeddings parts from callers, each named by the content hash of its "
         "payload (never the client's uuid); only for a proxy whose every caller is trusted",
     )
+    parser.add_argument(
+        "--trust-request-mm-kwargs", action="store_true",
+        help="take a chat's mm_processor_kwargs (e.g. Qwen's max_pixels), as vLLM's flag of this name does: checked "
+        "against the served family's keys, every image handed off under them (named by its bytes and the settings), "
+        "kept for vLLM where its processor sees the pixels; encode-server needs its own flag of this name",
+    )
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds vLLM may take for its next byte")
     parser.add_argument("--connect-timeout", type=float, default=5.0, help="seconds to connect to vLLM")
     parser.add_argument(
@@ -155,6 +161,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     options = {
         "api_key": args.api_key, "api_keys": args.api_keys, "vllm_api_key": args.vllm_api_key,
         "trust_client_embeds": args.trust_client_embeds, "timeout": args.timeout,
+        "trust_request_mm_kwargs": args.trust_request_mm_kwargs,
         "connect_timeout": args.connect_timeout, "encoder_timeout": args.encoder_timeout,
         "max_concurrency": args.max_concurrency, "max_connections": args.max_connections,
         "max_body_bytes": args.max_body_bytes, "retries": args.retries, "drain_seconds": args.drain_seconds,

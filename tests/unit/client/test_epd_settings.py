@@ -1,0 +1,94 @@
+"""A chat's ``mm_processor_kwargs`` through the EPD rewrite, without I/O: refused unless trusted
+(naming the flag), checked against the family's published keys before anything is handed off,
+every item handed off under them, and kept for vLLM only where its processor sees the pixels."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from encode_client._http import build
+from encode_client.epd import EpdContract, EPDError, check_chat_request
+
+from tests.unit.client.test_epd_flow import PNG_A, PNG_B, _run_async, _run_sync, _Script, chat, image
+
+KEYS = {"min_pixels": {"type": "int", "minimum": 1, "maximum": 1000, "modalities": ["image"]},
+        "max_pixels": {"type": "int", "minimum": 1, "maximum": 1000, "modalities": ["image"]}}
+PIXEL_FREE = EpdContract("pixel_free", {"image": ("image_grid_thw",)}, settings_enabled=True, settings=KEYS)
+PIXELS_UUID = EpdContract("pixels_uuid", {}, settings_enabled=True, settings=KEYS)
+FEWER = {"max_pixels": 500}
+
+
+def test_settings_are_refused_naming_the_proxys_flag_unless_it_trusts_them() -> None:
+    with pytest.raises(EPDError, match="--trust-request-mm-kwargs") as refused:
+        check_chat_request(chat(image(PNG_A)) | {"mm_processor_kwargs": FEWER})
+    assert refused.value.where == "mm_processor_kwargs"
+    plan = check_chat_request(chat(image(PNG_A)) | {"mm_processor_kwargs": FEWER}, trust_request_mm_kwargs=True)
+    assert plan.settings == FEWER
+    with pytest.raises(EPDError, match="must be an object"):
+        check_chat_request(chat(image(PNG_A)) | {"mm_processor_kwargs": [1]}, trust_request_mm_kwargs=True)
+    with pytest.raises(EPDError) as media:  # trusted or not: no family setting maps to it
+        check_chat_request(chat(image(PNG_A)) | {"media_io_kwargs": {"video": {"fps": 1}}},
+                           trust_request_mm_kwargs=True)
+    assert media.value.where == "media_io_kwargs"
+
+
+@pytest.mark.parametrize(
+    ("settings", "where", "words"),
+    [({"max_pixel": 5}, "mm_processor_kwargs.max_pixel", "not a setting"),
+     ({"max_pixels": "5"}, "mm_processor_kwargs.max_pixels", "of type int"),
+     ({"max_pixels": True}, "mm_processor_kwargs.max_pixels", "of type int"),
+     ({"max_pixels": 1001}, "mm_processor_kwargs.max_pixels", "within"),
+     ({"min_pixels": 0}, "mm_processor_kwargs.min_pixels", "within")],
+)
+def test_settings_the_family_would_refuse_are_refused_before_anything_is_handed_off(
+    settings: dict[str, Any], where: str, words: str
+) -> None:
+    script = _Script()
+    with pytest.raises(EPDError, match=words) as refused:
+        _run_sync(chat(image(PNG_A)) | {"mm_processor_kwargs": settings}, script, contract=PIXEL_FREE,
+                  trust_request_mm_kwargs=True)
+    assert refused.value.where == where
+    assert script.calls == []  # nothing moved
+
+
+def test_a_server_that_takes_no_settings_refuses_them_before_anything_is_handed_off() -> None:
+    script = _Script()
+    off = EpdContract("pixel_free", {"image": ("image_grid_thw",)}, settings=KEYS)
+    with pytest.raises(EPDError, match="encode-server takes no per-request"):
+        _run_sync(chat(image(PNG_A)) | {"mm_processor_kwargs": FEWER}, script, contract=off,
+                  trust_request_mm_kwargs=True)
+    assert script.calls == []
+
+
+@pytest.mark.parametrize("run", [_run_sync, _run_async], ids=["sync", "async"])
+@pytest.mark.parametrize(("contract", "kept"), [(PIXEL_FREE, False), (PIXELS_UUID, True)], ids=["pixel_free",
+                                                                                              "pixels_uuid"])
+def test_every_item_is_handed_off_under_the_settings_and_vllm_sees_them_only_with_the_pixels(
+    run: Any, contract: EpdContract, kept: bool
+) -> None:
+    script = _Script()
+    body = chat(image(PNG_A), image(PNG_B)) | {"mm_processor_kwargs": FEWER}
+    rewritten, results = run(body, script, contract=contract, trust_request_mm_kwargs=True)
+    assert len(results) == 2
+    handoffs = [call for call in script.calls if call.op == "handoff"]
+    assert handoffs and all(item.settings == FEWER for call in handoffs for item in call.payload)
+    assert ("mm_processor_kwargs" in rewritten) is kept
+    wire = build("http://e", "handoff", handoffs[0].payload, response="json", api_key=None)
+    assert all(item["mm_processor_kwargs"] == FEWER for item in wire.json["items"])
+
+
+def test_the_clients_wire_carries_settings_as_json_and_leaves_todays_bodies_alone() -> None:
+    from encode_client._images import WireItem
+
+    item = WireItem("ab" * 32, b"\x89PNG", settings=FEWER)
+    with_settings = build("http://e", "encode", [item], response="json", api_key=None)
+    assert with_settings.content is None and with_settings.json["items"][0]["mm_processor_kwargs"] == FEWER
+    plain = build("http://e", "encode", [item._replace(settings=None)], response="json", api_key=None)
+    assert plain.content == b"\x89PNG" and plain.json is None  # a raw upload, as always
+    lookup = build("http://e", "lookup", ("image", ["ab" * 32], FEWER), response="json", api_key=None)
+    assert lookup.json == {"hashes": ["ab" * 32], "mm_processor_kwargs": FEWER}
+    assert build("http://e", "lookup", ("image", ["ab" * 32], None), response="json", api_key=None).json == {
+        "hashes": ["ab" * 32]}
+    sizes = build("http://e", "tokens", ("sizes", [(9, 9)], FEWER), response="json", api_key=None)
+    assert sizes.json == {"sizes": [[9, 9]], "mm_processor_kwargs": FEWER}

@@ -12,7 +12,7 @@ PORT ?= $(or $(ENCODE_SERVER_PORT),8000)
 GRPC_PORT ?= $(or $(ENCODE_SERVER_GRPC_PORT),50051)
 
 .PHONY: install tools serve test test-quick test-container test-vllm vllm-env lint bench bench-tower-memory soak clean proto openapi \
-	docs test-docs gpu-wheels gpu-rehearsal
+	docs test-docs gpu-wheels gpu-rehearsal test-lane-server test-lane-vllm
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -55,17 +55,22 @@ tools:
 # and the start-up seconds of every process it started (tests/startups.py).
 DURATIONS ?= --durations=30
 
-# The vLLM environment (minutes on a fresh machine, mostly downloads) builds in the background
-# while the server's suite runs; the vLLM tests run once both are done.
-VLLM_BUILD_LOG := $(HOME)/.cache/encode-server/vllm-env-build.log
+# The whole suite, in two lanes side by side: one lane alone left about 40% of the two cores idle
+# (most of a suite's time is processes starting). The server's lane: ruff, the server's suite, the
+# container. vLLM's lane: its environment (minutes on a fresh machine, mostly downloads), the vLLM
+# suite, the GPU check rehearsed. Each lane takes ports of its own parity (tests/server.py), and
+# prints its output whole when it ends (make -O); `make test` fails when either lane does.
+test: install tools
+	@$(MAKE) --no-print-directory -j2 --output-sync=target test-lane-server test-lane-vllm
 
-test: install tools test-container gpu-wheels
-	@mkdir -p $(dir $(VLLM_BUILD_LOG)); scripts/vllm_env.sh >/dev/null 2>$(VLLM_BUILD_LOG) & build=$$!; \
-	$(BIN)/ruff check . && $(BIN)/python -m pytest -q $(DURATIONS) --ignore=tests/container; rc=$$?; \
-	if ! wait $$build; then cat $(VLLM_BUILD_LOG) >&2; echo "building the vLLM test environment failed" >&2; exit 1; fi; \
-	exit $$rc
-	$(MAKE) test-vllm
-	$(MAKE) gpu-rehearsal
+test-lane-server: install tools
+	$(BIN)/ruff check .
+	ENCODE_SERVER_TEST_LANE=0 $(BIN)/python -m pytest -q $(DURATIONS) --ignore=tests/container
+	@ENCODE_SERVER_TEST_LANE=0 $(MAKE) --no-print-directory test-container
+
+test-lane-vllm: install tools gpu-wheels
+	@ENCODE_SERVER_TEST_LANE=1 $(MAKE) --no-print-directory test-vllm
+	@ENCODE_SERVER_TEST_LANE=1 $(MAKE) --no-print-directory gpu-rehearsal
 
 # The quick tier, for working between full runs (about 2 minutes on the 2-core machine): ruff, the
 # unit, docs and deploy tests, and the integration tests of the two front doors and the limits

@@ -19,10 +19,21 @@ from tests import startups
 __all__ = ["ServerProcess", "free_port", "run_server_to_exit", "start_server"]
 
 
+# `make test` runs two lanes side by side (the server's suite and the vLLM suite, Makefile): each
+# takes only ports of its own parity, so that neither is handed a port the other has just picked
+# and not yet bound (a picked port is free only until its process binds it).
+LANE_ENV = "ENCODE_SERVER_TEST_LANE"
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port free now (of this lane's parity when ``ENCODE_SERVER_TEST_LANE`` is 0 or 1)."""
+    lane = os.environ.get(LANE_ENV)
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if lane not in ("0", "1") or port % 2 == int(lane):
+            return port
 
 
 @dataclass

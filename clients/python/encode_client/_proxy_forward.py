@@ -48,7 +48,7 @@ class Head:
 
 
 class HeadBroken(Exception):
-    """vLLM's stream broke before its first event."""
+    """vLLM's answer broke before its head was read (a stream's first event, a 500's body)."""
 
 
 async def read_head(answer: httpx.Response) -> Head:
@@ -68,8 +68,16 @@ async def read_head(answer: httpx.Response) -> Head:
             raise HeadBroken() from exc
         return Head(prefix, chunks, gate.failed)
     if answer.status_code == 500:
-        body = await answer.aread()
-        return Head(body, _nothing(), is_generation_error(500, body) and len(body) < _ERROR_BODY_LIMIT)
+        body = b""
+        try:
+            while len(body) < _ERROR_BODY_LIMIT:
+                try:
+                    body += await chunks.__anext__()
+                except StopAsyncIteration:
+                    return Head(body, _nothing(), is_generation_error(500, body))
+        except httpx.HTTPError as exc:  # the forward gives the upstream back and answers 502
+            raise HeadBroken() from exc
+        return Head(body, chunks)  # too long for vLLM's generic failure: relayed as it comes
     return Head(b"", chunks)
 
 
@@ -99,7 +107,8 @@ class Forwarder:
                 head = await read_head(answer) if retry else Head(b"", answer.aiter_raw())
             except HeadBroken:
                 await release()
-                raise Refused(502, "vLLM's stream broke before its first event", "upstream_unavailable") from None
+                raise Refused(502, "vLLM's answer broke before it could be read (a stream's first event, a 500's body)",
+                              "upstream_unavailable") from None
             if not head.failed:
                 response_headers = {k: v for k, v in answer.headers.items() if k.lower() not in HOP_BY_HOP}
                 relay = _relay(head.prefix, head.rest, path, self.metrics)

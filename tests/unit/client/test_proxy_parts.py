@@ -157,3 +157,13 @@ def test_an_answers_head_says_whether_vllm_failed_the_request_and_keeps_every_by
 def test_a_stream_that_breaks_before_its_first_event_is_a_broken_head() -> None:
     with pytest.raises(HeadBroken):
         asyncio.run(_read(_answer(200, "text/event-stream", ROLE, broken=True)))
+
+
+def test_a_500_whose_body_breaks_is_a_broken_head_and_a_long_one_is_relayed_whole() -> None:
+    """A broken 500 body is the forward's 502 (its upstream given back), not an unhandled error;
+    a 500 body over the limit is read no further than it and relayed, every byte, as not failed."""
+    with pytest.raises(HeadBroken):
+        asyncio.run(_read(_answer(500, "application/json", b'{"error": ', broken=True)))
+    chunk = b"x" * (1 << 19)
+    prefix, rest, failed = asyncio.run(_read(_answer(500, "application/json", chunk, chunk, chunk)))
+    assert (len(prefix), len(rest), failed) == (1 << 20, 1 << 19, False)

@@ -28,6 +28,7 @@ from encode_server.api.frontdoor import (
     cancelled_by_stop,
     check_count,
     item_fields,
+    item_settings,
     new_request_id,
     record_request,
     request_item,
@@ -107,13 +108,29 @@ def _modality(item: pb.Item | pb.LookupRequest, index: int | None) -> str:
     return modality
 
 
-def _items(raw: Sequence[pb.Item], *, max_items: int) -> list[RequestItem]:
-    """The same item rules as the HTTP body (``frontdoor``)."""
+def _settings(message: Any, index: int | None = None) -> dict[str, Any] | None:
+    """A message's ``mm_processor_kwargs_json`` (None: unset or empty): a JSON object, else 400
+    ``invalid_setting`` (naming the item, for an item's)."""
+    if not message.HasField("mm_processor_kwargs_json") or not message.mm_processor_kwargs_json:
+        return None
+    try:
+        parsed = json.loads(message.mm_processor_kwargs_json)
+    except ValueError as exc:
+        raise BadInput(f"mm_processor_kwargs_json is not valid JSON: {exc}", type="invalid_setting",
+                       index=index) from None
+    if not isinstance(parsed, dict):
+        raise BadInput(f"mm_processor_kwargs_json must be a JSON object, got {type(parsed).__name__}",
+                       type="invalid_setting", index=index)
+    return parsed
+
+
+def _items(raw: Sequence[pb.Item], *, max_items: int, settings: dict[str, Any] | None = None) -> list[RequestItem]:
+    """The same item rules as the HTTP body (``frontdoor``), each item's settings over the request's."""
     check_count(len(raw), max_items)
     return [
         request_item(
             index, item.hash if item.HasField("hash") else None, item.data if item.HasField("data") else None,
-            _modality(item, index),
+            _modality(item, index), item_settings(settings, _settings(item, index)),
         )
         for index, item in enumerate(raw)
     ]
@@ -224,7 +241,7 @@ class GrpcApi(pb_grpc.EncoderServicer):
     ) -> pb.EncodeResponse:
         s = self.runtime.settings
         self._check_size(request)
-        items = _items(request.items, max_items=s.max_items)
+        items = _items(request.items, max_items=s.max_items, settings=_settings(request))
         record.items = len(items)
         return_kind = Return.METADATA if request.return_kind == pb.RETURN_METADATA else Return.EMBEDDINGS
         results = await service.encode(items, return_kind=return_kind, tenant=tenant)
@@ -239,7 +256,8 @@ class GrpcApi(pb_grpc.EncoderServicer):
         self, service: EncodeService, request: pb.LookupRequest, record: RequestRecord, tenant: str | None
     ) -> pb.LookupResponse:
         check_count(len(request.hashes), self.runtime.settings.max_light_items, "hashes")
-        found = await service.lookup(list(request.hashes), tenant=tenant, modality=_modality(request, None))
+        found = await service.lookup(list(request.hashes), tenant=tenant, modality=_modality(request, None),
+                                     settings=_settings(request))
         record.items, record.hits = len(found), sum(f.cached for f in found)
         return pb.LookupResponse(
             items=[pb.LookupItem(hash=f.mm_hash, cached=f.cached, tier=f.tier) for f in found]
@@ -250,11 +268,12 @@ class GrpcApi(pb_grpc.EncoderServicer):
     ) -> pb.TokensResponse:
         s = self.runtime.settings
         self._check_size(request)
-        items = _items(request.items, max_items=s.max_items) if request.items else []
+        settings = _settings(request)
+        items = _items(request.items, max_items=s.max_items, settings=settings) if request.items else []
         if request.sizes:
             check_count(len(request.sizes), s.max_light_items, "sizes")
         sizes = [(int(size.width), int(size.height)) for size in request.sizes]
-        counts = await service.tokens(items=items, sizes=sizes)
+        counts = await service.tokens(items=items, sizes=sizes, settings=settings)
         record.items = len(counts)
         return pb.TokensResponse(
             model=service.encoder.info.model_id,

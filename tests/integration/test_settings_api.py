@@ -89,3 +89,40 @@ def test_a_bad_setting_is_a_400_naming_the_key_and_the_item(
 def test_settings_that_are_not_an_object_are_a_422_naming_the_item(trusting_server: ServerProcess) -> None:
     r = encode(trusting_server, [{"data": b64(IMAGE), "mm_processor_kwargs": [1]}])
     assert _error(r)[:3] == (422, "invalid_request", 0)
+
+
+@pytest.mark.parametrize("scheme", ["http", "grpc"])
+def test_the_python_client_sends_settings_over_either_door_and_gets_their_own_entries(
+    trusting_server: ServerProcess, scheme: str
+) -> None:
+    from encode_client import Client
+
+    url = trusting_server.url if scheme == "http" else f"grpc://{trusting_server.grpc_target}"
+    data = image_bytes("PNG", 280, 280, seed=40 + len(scheme))
+    with Client(url, response="json", timeout=30) as client:
+        plain, = client.encode([data])
+        fewer, = client.encode([data], mm_processor_kwargs=FEWER)
+        again, = client.encode([data], mm_processor_kwargs={"max_pixels": FEWER["max_pixels"], "min_pixels": 3136})
+        assert (plain.num_tokens, fewer.num_tokens) == (100, 16)
+        assert again.status == "hit" and again.data == fewer.data
+        counted, = client.tokens(sizes=[(280, 280)], mm_processor_kwargs=FEWER)
+        assert counted.num_tokens == 16
+        assert client.lookup([h(data)], mm_processor_kwargs=FEWER)[0].cached
+        assert not client.lookup([h(data)], mm_processor_kwargs={"max_pixels": 12545})[0].cached
+        with pytest.raises(Exception, match="invalid_setting"):
+            client.encode([data], mm_processor_kwargs={"max_pixel": 1})
+
+
+def test_grpc_settings_that_are_not_a_json_object_are_refused_naming_the_item(trusting_server: ServerProcess) -> None:
+    import grpc
+
+    from encode_server.api.proto.encode_server.v1 import encoder_pb2 as pb
+    from encode_server.api.proto.encode_server.v1 import encoder_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(trusting_server.grpc_target) as channel:
+        stub = pb_grpc.EncoderStub(channel)
+        item = pb.Item(data=IMAGE, mm_processor_kwargs_json="[1]")
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Encode(pb.EncodeRequest(items=[pb.Item(data=IMAGE), item]), timeout=30)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "must be a JSON object" in (refused.value.details() or "")

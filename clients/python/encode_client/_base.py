@@ -268,15 +268,13 @@ class BaseClient:
 
     # -- flows -----------------------------------------------------------------------------------
 
-    def _settings(self, settings: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
-        """A call's ``mm_processor_kwargs`` (None or empty: the server's defaults), refused for a
-        gRPC replica: the gRPC door takes none yet, and sending without them would answer the
-        defaults' embedding as if it were these settings'."""
-        if not settings:
-            return None
-        if any(r.startswith("grpc://") for r in self.replicas):
-            raise ValueError("mm_processor_kwargs go over HTTP only: the gRPC door takes none yet")
-        return settings
+    @staticmethod
+    def _settings(settings: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
+        """A call's ``mm_processor_kwargs`` (None or empty: the server's defaults, sent as no field,
+        so a call without them is the request it always was)."""
+        if settings is not None and not isinstance(settings, Mapping):
+            raise TypeError(f"mm_processor_kwargs must be a mapping, not {type(settings).__name__}")
+        return settings or None
 
     def _encode_flow(
         self,

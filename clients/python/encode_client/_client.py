@@ -60,7 +60,7 @@ class Client(BaseClient):
         bytes, detected by suffix or content, or wrapped in ``Video``), in order. Bytes travel only
         for items that no replica tier holds, once per distinct file. ``mm_processor_kwargs``: the
         processor settings of every item, in vLLM's names (a server started with
-        ``--trust-request-mm-kwargs``; HTTP replicas only)."""
+        ``--trust-request-mm-kwargs``)."""
         return self._run(self._encode_flow(images, settings=mm_processor_kwargs))
 
     def hand_off(

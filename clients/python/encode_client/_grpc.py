@@ -37,7 +37,10 @@ def _item(wire: WireItem) -> Any:
         item.data = wire.data
     if wire.modality == VIDEO:
         item.modality = pb.MODALITY_VIDEO
+    if wire.settings:
+        item.mm_processor_kwargs_json = json.dumps(dict(wire.settings))
     return item
+
 
 
 def build(op: str, payload: Any) -> Any:
@@ -46,13 +49,19 @@ def build(op: str, payload: Any) -> Any:
     if op == "handoff":
         return pb.EncodeRequest(items=[_item(item) for item in payload], return_kind=pb.RETURN_METADATA)
     if op == "lookup":
-        modality, hashes, _settings = payload  # none over gRPC: BaseClient refuses them first
+        modality, hashes, settings = payload
         kind = pb.MODALITY_VIDEO if modality == VIDEO else pb.MODALITY_IMAGE
-        return pb.LookupRequest(hashes=list(hashes), modality=kind)
+        lookup = pb.LookupRequest(hashes=list(hashes), modality=kind)
+        if settings:
+            lookup.mm_processor_kwargs_json = json.dumps(dict(settings))
+        return lookup
     if op == "tokens":
-        kind, entries, _settings = payload
+        kind, entries, settings = payload
         if kind == "sizes":
-            return pb.TokensRequest(sizes=[pb.Size(width=w, height=h) for w, h in entries])
+            request = pb.TokensRequest(sizes=[pb.Size(width=w, height=h) for w, h in entries])
+            if settings:
+                request.mm_processor_kwargs_json = json.dumps(dict(settings))
+            return request
         return pb.TokensRequest(items=[_item(item) for item in entries])
     if op == "model":
         return pb.ModelRequest()

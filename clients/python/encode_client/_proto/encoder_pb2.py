@@ -24,45 +24,45 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x65ncode_server/v1/encoder.proto\x12\x10\x65ncode_server.v1\"l\n\x04Item\x12\x11\n\x04hash\x18\x01 \x01(\tH\x00\x88\x01\x01\x12\x11\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x01\x88\x01\x01\x12,\n\x08modality\x18\x03 \x01(\x0e\x32\x1a.encode_server.v1.ModalityB\x07\n\x05_hashB\x07\n\x05_data\"e\n\rEncodeRequest\x12%\n\x05items\x18\x01 \x03(\x0b\x32\x16.encode_server.v1.Item\x12-\n\x0breturn_kind\x18\x02 \x01(\x0e\x32\x18.encode_server.v1.Return\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xc7\x01\n\nEncodeItem\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04hash\x18\x02 \x01(\t\x12\x0e\n\x06status\x18\x03 \x01(\t\x12\x13\n\x06source\x18\x04 \x01(\tH\x00\x88\x01\x01\x12\x12\n\nnum_tokens\x18\x05 \x01(\x03\x12+\n\tembedding\x18\x06 \x01(\x0b\x32\x18.encode_server.v1.Tensor\x12\x11\n\tmeta_json\x18\x07 \x01(\t\x12\x10\n\x03key\x18\x08 \x01(\tH\x01\x88\x01\x01\x42\t\n\x07_sourceB\x06\n\x04_key\"a\n\x0e\x45ncodeResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12+\n\x05items\x18\x03 \x03(\x0b\x32\x1c.encode_server.v1.EncodeItem\"M\n\rLookupRequest\x12\x0e\n\x06hashes\x18\x01 \x03(\t\x12,\n\x08modality\x18\x02 \x01(\x0e\x32\x1a.encode_server.v1.Modality\"F\n\nLookupItem\x12\x0c\n\x04hash\x18\x01 \x01(\t\x12\x0e\n\x06\x63\x61\x63hed\x18\x02 \x01(\x08\x12\x11\n\x04tier\x18\x03 \x01(\tH\x00\x88\x01\x01\x42\x07\n\x05_tier\"=\n\x0eLookupResponse\x12+\n\x05items\x18\x01 \x03(\x0b\x32\x1c.encode_server.v1.LookupItem\"%\n\x04Size\x12\r\n\x05width\x18\x01 \x01(\x03\x12\x0e\n\x06height\x18\x02 \x01(\x03\"]\n\rTokensRequest\x12%\n\x05items\x18\x01 \x03(\x0b\x32\x16.encode_server.v1.Item\x12%\n\x05sizes\x18\x02 \x03(\x0b\x32\x16.encode_server.v1.Size\"a\n\nTokenCount\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x12\n\nnum_tokens\x18\x02 \x01(\x03\x12\r\n\x05width\x18\x03 \x01(\x03\x12\x0e\n\x06height\x18\x04 \x01(\x03\x12\x11\n\tmeta_json\x18\x05 \x01(\t\"a\n\x0eTokensResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12+\n\x05items\x18\x03 \x03(\x0b\x32\x1c.encode_server.v1.TokenCount\"\x0e\n\x0cModelRequest\"\x7f\n\rModelResponse\x12\n\n\x02id\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x13\n\x0bhidden_size\x18\x05 \x01(\x03\x12\x0c\n\x04json\x18\x06 \x01(\t\x12\r\n\x05model\x18\x07 \x01(\t*2\n\x08Modality\x12\x12\n\x0eMODALITY_IMAGE\x10\x00\x12\x12\n\x0eMODALITY_VIDEO\x10\x01*4\n\x06Return\x12\x15\n\x11RETURN_EMBEDDINGS\x10\x00\x12\x13\n\x0fRETURN_METADATA\x10\x01\x32\xba\x02\n\x07\x45ncoder\x12K\n\x06\x45ncode\x12\x1f.encode_server.v1.EncodeRequest\x1a .encode_server.v1.EncodeResponse\x12K\n\x06Lookup\x12\x1f.encode_server.v1.LookupRequest\x1a .encode_server.v1.LookupResponse\x12K\n\x06Tokens\x12\x1f.encode_server.v1.TokensRequest\x1a .encode_server.v1.TokensResponse\x12H\n\x05Model\x12\x1e.encode_server.v1.ModelRequest\x1a\x1f.encode_server.v1.ModelResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x65ncode_server/v1/encoder.proto\x12\x10\x65ncode_server.v1\"\xb0\x01\n\x04Item\x12\x11\n\x04hash\x18\x01 \x01(\tH\x00\x88\x01\x01\x12\x11\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x01\x88\x01\x01\x12,\n\x08modality\x18\x03 \x01(\x0e\x32\x1a.encode_server.v1.Modality\x12%\n\x18mm_processor_kwargs_json\x18\x04 \x01(\tH\x02\x88\x01\x01\x42\x07\n\x05_hashB\x07\n\x05_dataB\x1b\n\x19_mm_processor_kwargs_json\"\xa9\x01\n\rEncodeRequest\x12%\n\x05items\x18\x01 \x03(\x0b\x32\x16.encode_server.v1.Item\x12-\n\x0breturn_kind\x18\x02 \x01(\x0e\x32\x18.encode_server.v1.Return\x12%\n\x18mm_processor_kwargs_json\x18\x03 \x01(\tH\x00\x88\x01\x01\x42\x1b\n\x19_mm_processor_kwargs_json\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xc7\x01\n\nEncodeItem\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04hash\x18\x02 \x01(\t\x12\x0e\n\x06status\x18\x03 \x01(\t\x12\x13\n\x06source\x18\x04 \x01(\tH\x00\x88\x01\x01\x12\x12\n\nnum_tokens\x18\x05 \x01(\x03\x12+\n\tembedding\x18\x06 \x01(\x0b\x32\x18.encode_server.v1.Tensor\x12\x11\n\tmeta_json\x18\x07 \x01(\t\x12\x10\n\x03key\x18\x08 \x01(\tH\x01\x88\x01\x01\x42\t\n\x07_sourceB\x06\n\x04_key\"a\n\x0e\x45ncodeResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12+\n\x05items\x18\x03 \x03(\x0b\x32\x1c.encode_server.v1.EncodeItem\"\x91\x01\n\rLookupRequest\x12\x0e\n\x06hashes\x18\x01 \x03(\t\x12,\n\x08modality\x18\x02 \x01(\x0e\x32\x1a.encode_server.v1.Modality\x12%\n\x18mm_processor_kwargs_json\x18\x03 \x01(\tH\x00\x88\x01\x01\x42\x1b\n\x19_mm_processor_kwargs_json\"F\n\nLookupItem\x12\x0c\n\x04hash\x18\x01 \x01(\t\x12\x0e\n\x06\x63\x61\x63hed\x18\x02 \x01(\x08\x12\x11\n\x04tier\x18\x03 \x01(\tH\x00\x88\x01\x01\x42\x07\n\x05_tier\"=\n\x0eLookupResponse\x12+\n\x05items\x18\x01 \x03(\x0b\x32\x1c.encode_server.v1.LookupItem\"%\n\x04Size\x12\r\n\x05width\x18\x01 \x01(\x03\x12\x0e\n\x06height\x18\x02 \x01(\x03\"\xa1\x01\n\rTokensRequest\x12%\n\x05items\x18\x01 \x03(\x0b\x32\x16.encode_server.v1.Item\x12%\n\x05sizes\x18\x02 \x03(\x0b\x32\x16.encode_server.v1.Size\x12%\n\x18mm_processor_kwargs_json\x18\x03 \x01(\tH\x00\x88\x01\x01\x42\x1b\n\x19_mm_processor_kwargs_json\"a\n\nTokenCount\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x12\n\nnum_tokens\x18\x02 \x01(\x03\x12\r\n\x05width\x18\x03 \x01(\x03\x12\x0e\n\x06height\x18\x04 \x01(\x03\x12\x11\n\tmeta_json\x18\x05 \x01(\t\"a\n\x0eTokensResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12+\n\x05items\x18\x03 \x03(\x0b\x32\x1c.encode_server.v1.TokenCount\"\x0e\n\x0cModelRequest\"\x7f\n\rModelResponse\x12\n\n\x02id\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x13\n\x0bhidden_size\x18\x05 \x01(\x03\x12\x0c\n\x04json\x18\x06 \x01(\t\x12\r\n\x05model\x18\x07 \x01(\t*2\n\x08Modality\x12\x12\n\x0eMODALITY_IMAGE\x10\x00\x12\x12\n\x0eMODALITY_VIDEO\x10\x01*4\n\x06Return\x12\x15\n\x11RETURN_EMBEDDINGS\x10\x00\x12\x13\n\x0fRETURN_METADATA\x10\x01\x32\xba\x02\n\x07\x45ncoder\x12K\n\x06\x45ncode\x12\x1f.encode_server.v1.EncodeRequest\x1a .encode_server.v1.EncodeResponse\x12K\n\x06Lookup\x12\x1f.encode_server.v1.LookupRequest\x1a .encode_server.v1.LookupResponse\x12K\n\x06Tokens\x12\x1f.encode_server.v1.TokensRequest\x1a .encode_server.v1.TokensResponse\x12H\n\x05Model\x12\x1e.encode_server.v1.ModelRequest\x1a\x1f.encode_server.v1.ModelResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'encode_server.v1.encoder_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_MODALITY']._serialized_start=1311
-  _globals['_MODALITY']._serialized_end=1361
-  _globals['_RETURN']._serialized_start=1363
-  _globals['_RETURN']._serialized_end=1415
-  _globals['_ITEM']._serialized_start=52
-  _globals['_ITEM']._serialized_end=160
-  _globals['_ENCODEREQUEST']._serialized_start=162
-  _globals['_ENCODEREQUEST']._serialized_end=263
-  _globals['_TENSOR']._serialized_start=265
-  _globals['_TENSOR']._serialized_end=317
-  _globals['_ENCODEITEM']._serialized_start=320
-  _globals['_ENCODEITEM']._serialized_end=519
-  _globals['_ENCODERESPONSE']._serialized_start=521
-  _globals['_ENCODERESPONSE']._serialized_end=618
-  _globals['_LOOKUPREQUEST']._serialized_start=620
-  _globals['_LOOKUPREQUEST']._serialized_end=697
-  _globals['_LOOKUPITEM']._serialized_start=699
-  _globals['_LOOKUPITEM']._serialized_end=769
-  _globals['_LOOKUPRESPONSE']._serialized_start=771
-  _globals['_LOOKUPRESPONSE']._serialized_end=832
-  _globals['_SIZE']._serialized_start=834
-  _globals['_SIZE']._serialized_end=871
-  _globals['_TOKENSREQUEST']._serialized_start=873
-  _globals['_TOKENSREQUEST']._serialized_end=966
-  _globals['_TOKENCOUNT']._serialized_start=968
-  _globals['_TOKENCOUNT']._serialized_end=1065
-  _globals['_TOKENSRESPONSE']._serialized_start=1067
-  _globals['_TOKENSRESPONSE']._serialized_end=1164
-  _globals['_MODELREQUEST']._serialized_start=1166
-  _globals['_MODELREQUEST']._serialized_end=1180
-  _globals['_MODELRESPONSE']._serialized_start=1182
-  _globals['_MODELRESPONSE']._serialized_end=1309
-  _globals['_ENCODER']._serialized_start=1418
-  _globals['_ENCODER']._serialized_end=1732
+  _globals['_MODALITY']._serialized_start=1587
+  _globals['_MODALITY']._serialized_end=1637
+  _globals['_RETURN']._serialized_start=1639
+  _globals['_RETURN']._serialized_end=1691
+  _globals['_ITEM']._serialized_start=53
+  _globals['_ITEM']._serialized_end=229
+  _globals['_ENCODEREQUEST']._serialized_start=232
+  _globals['_ENCODEREQUEST']._serialized_end=401
+  _globals['_TENSOR']._serialized_start=403
+  _globals['_TENSOR']._serialized_end=455
+  _globals['_ENCODEITEM']._serialized_start=458
+  _globals['_ENCODEITEM']._serialized_end=657
+  _globals['_ENCODERESPONSE']._serialized_start=659
+  _globals['_ENCODERESPONSE']._serialized_end=756
+  _globals['_LOOKUPREQUEST']._serialized_start=759
+  _globals['_LOOKUPREQUEST']._serialized_end=904
+  _globals['_LOOKUPITEM']._serialized_start=906
+  _globals['_LOOKUPITEM']._serialized_end=976
+  _globals['_LOOKUPRESPONSE']._serialized_start=978
+  _globals['_LOOKUPRESPONSE']._serialized_end=1039
+  _globals['_SIZE']._serialized_start=1041
+  _globals['_SIZE']._serialized_end=1078
+  _globals['_TOKENSREQUEST']._serialized_start=1081
+  _globals['_TOKENSREQUEST']._serialized_end=1242
+  _globals['_TOKENCOUNT']._serialized_start=1244
+  _globals['_TOKENCOUNT']._serialized_end=1341
+  _globals['_TOKENSRESPONSE']._serialized_start=1343
+  _globals['_TOKENSRESPONSE']._serialized_end=1440
+  _globals['_MODELREQUEST']._serialized_start=1442
+  _globals['_MODELREQUEST']._serialized_end=1456
+  _globals['_MODELRESPONSE']._serialized_start=1458
+  _globals['_MODELRESPONSE']._serialized_end=1585
+  _globals['_ENCODER']._serialized_start=1694
+  _globals['_ENCODER']._serialized_end=2008
 # @@protoc_insertion_point(module_scope)

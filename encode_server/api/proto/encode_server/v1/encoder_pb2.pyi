@@ -22,22 +22,26 @@ RETURN_EMBEDDINGS: Return
 RETURN_METADATA: Return
 
 class Item(_message.Message):
-    __slots__ = ("hash", "data", "modality")
+    __slots__ = ("hash", "data", "modality", "mm_processor_kwargs_json")
     HASH_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     MODALITY_FIELD_NUMBER: _ClassVar[int]
+    MM_PROCESSOR_KWARGS_JSON_FIELD_NUMBER: _ClassVar[int]
     hash: str
     data: bytes
     modality: Modality
-    def __init__(self, hash: _Optional[str] = ..., data: _Optional[bytes] = ..., modality: _Optional[_Union[Modality, str]] = ...) -> None: ...
+    mm_processor_kwargs_json: str
+    def __init__(self, hash: _Optional[str] = ..., data: _Optional[bytes] = ..., modality: _Optional[_Union[Modality, str]] = ..., mm_processor_kwargs_json: _Optional[str] = ...) -> None: ...
 
 class EncodeRequest(_message.Message):
-    __slots__ = ("items", "return_kind")
+    __slots__ = ("items", "return_kind", "mm_processor_kwargs_json")
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     RETURN_KIND_FIELD_NUMBER: _ClassVar[int]
+    MM_PROCESSOR_KWARGS_JSON_FIELD_NUMBER: _ClassVar[int]
     items: _containers.RepeatedCompositeFieldContainer[Item]
     return_kind: Return
-    def __init__(self, items: _Optional[_Iterable[_Union[Item, _Mapping]]] = ..., return_kind: _Optional[_Union[Return, str]] = ...) -> None: ...
+    mm_processor_kwargs_json: str
+    def __init__(self, items: _Optional[_Iterable[_Union[Item, _Mapping]]] = ..., return_kind: _Optional[_Union[Return, str]] = ..., mm_processor_kwargs_json: _Optional[str] = ...) -> None: ...
 
 class Tensor(_message.Message):
     __slots__ = ("dtype", "shape", "data")
@@ -80,12 +84,14 @@ class EncodeResponse(_message.Message):
     def __init__(self, model: _Optional[str] = ..., fingerprint: _Optional[str] = ..., items: _Optional[_Iterable[_Union[EncodeItem, _Mapping]]] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("hashes", "modality")
+    __slots__ = ("hashes", "modality", "mm_processor_kwargs_json")
     HASHES_FIELD_NUMBER: _ClassVar[int]
     MODALITY_FIELD_NUMBER: _ClassVar[int]
+    MM_PROCESSOR_KWARGS_JSON_FIELD_NUMBER: _ClassVar[int]
     hashes: _containers.RepeatedScalarFieldContainer[str]
     modality: Modality
-    def __init__(self, hashes: _Optional[_Iterable[str]] = ..., modality: _Optional[_Union[Modality, str]] = ...) -> None: ...
+    mm_processor_kwargs_json: str
+    def __init__(self, hashes: _Optional[_Iterable[str]] = ..., modality: _Optional[_Union[Modality, str]] = ..., mm_processor_kwargs_json: _Optional[str] = ...) -> None: ...
 
 class LookupItem(_message.Message):
     __slots__ = ("hash", "cached", "tier")
@@ -112,12 +118,14 @@ class Size(_message.Message):
     def __init__(self, width: _Optional[int] = ..., height: _Optional[int] = ...) -> None: ...
 
 class TokensRequest(_message.Message):
-    __slots__ = ("items", "sizes")
+    __slots__ = ("items", "sizes", "mm_processor_kwargs_json")
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     SIZES_FIELD_NUMBER: _ClassVar[int]
+    MM_PROCESSOR_KWARGS_JSON_FIELD_NUMBER: _ClassVar[int]
     items: _containers.RepeatedCompositeFieldContainer[Item]
     sizes: _containers.RepeatedCompositeFieldContainer[Size]
-    def __init__(self, items: _Optional[_Iterable[_Union[Item, _Mapping]]] = ..., sizes: _Optional[_Iterable[_Union[Size, _Mapping]]] = ...) -> None: ...
+    mm_processor_kwargs_json: str
+    def __init__(self, items: _Optional[_Iterable[_Union[Item, _Mapping]]] = ..., sizes: _Optional[_Iterable[_Union[Size, _Mapping]]] = ..., mm_processor_kwargs_json: _Optional[str] = ...) -> None: ...
 
 class TokenCount(_message.Message):
     __slots__ = ("index", "num_tokens", "width", "height", "meta_json")

@@ -8,7 +8,7 @@ projected into the language model's hidden size: ``Gemma3Model.get_image_feature
 
 Pan-and-scan crops are off, as ``Gemma3Processor`` passes ``do_pan_and_scan=False`` at call time
 over the saved attribute (and vLLM sizes its placeholder from the same merged default); vLLM turns
-them on only through ``mm_processor_kwargs``, which the server does not take.
+them on only through per-request ``mm_processor_kwargs``, which this family does not declare (yet).
 """
 
 from __future__ import annotations

@@ -18,13 +18,15 @@ image processor's saved attribute (whose class default is False).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
 import torch
 from PIL import Image
 from transformers import InternVLConfig, InternVLProcessor
 from transformers.models.internvl.modeling_internvl import InternVLMultiModalProjector, InternVLVisionModel
+
+from encode_server.core.settings import Setting
 
 from .base import EncodedTensor, PreparedItem
 from .family import Epd, Family
@@ -92,11 +94,26 @@ class InternVLEncoder(HFEncoder):
         self.rows_per_tile = int(patches * module.downsample_ratio**2)
         self.tokens_per_tile = patches + 1
 
-    def _tiles(self, width: int, height: int) -> int:
-        return int(self.processor.get_number_of_image_patches(height, width, {}))
+    def _tiles(self, width: int, height: int, settings: Mapping[str, Any] | None = None) -> int:
+        return int(self.processor.get_number_of_image_patches(height, width, dict(settings or {})))
 
     def preprocess(self, image: Image.Image) -> PreparedItem:
-        inputs = self._process(image)
+        return self._prepared(self._process(image))
+
+    def setting_defaults(self) -> dict[str, Any]:
+        """The image processor's tile range (vLLM's ``interns1.py`` reads the same attributes)."""
+        return {"min_patches": int(self.processor.min_patches), "max_patches": int(self.processor.max_patches)}
+
+    def preprocess_with(self, image: Image.Image, settings: Mapping[str, Any]) -> PreparedItem:
+        """The image processor called with the tile range, as vLLM's HF processor call passes a
+        request's ``mm_processor_kwargs`` on to it."""
+        return self._prepared(dict(self.processor(images=image, return_tensors="pt", **settings)))
+
+    def count_tokens_with(self, width: int, height: int, settings: Mapping[str, Any]) -> tuple[int, dict[str, Any]]:
+        tiles = self._tiles(width, height, settings)
+        return tiles * self.rows_per_tile, {"image_num_patches": tiles}
+
+    def _prepared(self, inputs: dict[str, torch.Tensor]) -> PreparedItem:
         tiles = int(inputs["num_patches"][0])
         return PreparedItem(
             inputs={"pixel_values": inputs["pixel_values"]},
@@ -144,6 +161,18 @@ def load_internvl(files: CheckpointFiles, config: InternVLConfig, processor: Any
     return encoder
 
 
+# vLLM's per-request keys for an InternVL (HF format) image: the tile range its HF processor takes
+# (GotOcr2ImageProcessor's min_patches/max_patches; vLLM's interns1.py passes mm_processor_kwargs
+# to it). Each tile is one pass of the tower: at most MAX_TILES, which bounds a request's cost (the
+# hub's checkpoints default to 12; InternVL's own chat code goes to 40).
+MAX_TILES = 40
+SETTINGS = (
+    Setting("min_patches", "int", "the fewest tiles an image is cut into (before the thumbnail)",
+            minimum=1, maximum=MAX_TILES),
+    Setting("max_patches", "int", "the most tiles an image is cut into (before the thumbnail): fewer rows",
+            minimum=1, maximum=MAX_TILES),
+)
+
 # vLLM 0.32's interns1.py parser declares no embedding fields: the prefill request carries the
 # image (its processor tiles it to size the placeholder) and the uuid; the connector fills it.
 FAMILY = Family(
@@ -151,4 +180,5 @@ FAMILY = Family(
     model_types=("internvl",),
     load=load_internvl,
     epd=Epd("pixels_uuid", vllm_model="interns1.py"),
+    settings=SETTINGS,
 )

@@ -12,6 +12,7 @@ with the kwargs and its own tower.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from collections.abc import Iterator
@@ -20,16 +21,19 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 import redis
-from encode_client import mm_hash
+from encode_client import Client, mm_hash
+from encode_client.keys import epd_identifier
 from encode_client.proxy import EPDProxy
 
 from encode_server.core.settings import digest
 from tests.redis_procs import delete_prefix
 from tests.server import ServerProcess, start_server
-from tests.vllm.conftest import REDIS_URL, metric, png, running_proxy
+from tests.vllm.conftest import REDIS_URL, metric, png, running_proxy, stored_value, tiny_checkpoint
 from tests.vllm.epd_stack import Relay, chat, post_chat, vllm_openai_server
+from tests.vllm.families import PROXY_CASES
 
 PREFIX = f"test-vllm-proxy-settings-{os.getpid()}"
 # vLLM's HF processor on its PIL backend (as the server's): a resized image's pixels then agree bit
@@ -159,3 +163,100 @@ def test_settings_the_family_refuses_are_a_400_naming_the_key_and_nothing_reache
         r = post_chat(stack.proxy.url, chat([IMAGE], mm_processor_kwargs=settings))
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     assert stack.relay.since(mark) == b""
+
+
+# -- InternVL: pixels + uuid, so vLLM's processor sees the pixels and must get the same kwargs -------
+
+TILES = {"max_patches": 2}
+MORE_TILES = {"min_patches": 3, "max_patches": 4}
+
+
+@pytest.fixture(scope="module")
+def internvl(tmp_path_factory: pytest.TempPathFactory, logs: Path) -> Iterator[Stack]:
+    case = PROXY_CASES["internvl"]
+    model = tiny_checkpoint(tmp_path_factory, case.build)
+    prefix = f"{PREFIX}-internvl"
+    server = start_server("--model", str(model), "--redis-url", REDIS_URL, "--cache-prefix", prefix,
+                          "--grpc-port", "0", "--dtype", "float32", "--trust-request-mm-kwargs", log_dir=logs)
+    try:
+        extra = {"redis_url": REDIS_URL, "encoder_url": server.url, "prefix": prefix}
+        with (
+            vllm_openai_server(model, extra, logs, ("--trust-request-mm-kwargs", *case.vllm_args), tower=True,
+                               limits={"image": 2, "video": 0}) as consumer,
+            Relay(consumer["port"]) as relay,
+            running_proxy(relay.url, [server.url], trust_request_mm_kwargs=True) as proxy,
+        ):
+            yield Stack(server, consumer, relay, proxy)
+    finally:
+        server.stop()
+        delete_prefix(redis.Redis.from_url(REDIS_URL), prefix)
+
+
+def test_internvls_tile_range_through_the_proxy_is_refused_naming_the_field_and_nothing_moves(
+    internvl: Stack,
+) -> None:
+    """A pixels + uuid family: vLLM would have to see the kwargs to size the placeholder, and then
+    never reads the store (``test_vllm_hashes_a_uuid_with_the_requests_kwargs``), so the proxy
+    refuses them before anything is handed off or sent."""
+    text = httpx.get(internvl.server.url + "/metrics", timeout=10).text
+    encoded = metric(text, "encode_server_items_total", status="encoded")
+    mark = internvl.relay.mark()
+    r = post_chat(internvl.proxy.url, chat([png(300, 200, seed=3330)], mm_processor_kwargs=TILES))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "mm_processor_kwargs", r.text
+    assert "pixels + uuid" in r.json()["error"]["message"]
+    assert internvl.relay.since(mark) == b""
+    text = httpx.get(internvl.server.url + "/metrics", timeout=10).text
+    assert metric(text, "encode_server_items_total", status="encoded") == encoded
+
+
+@pytest.mark.parametrize(("size", "settings"), [((300, 200), TILES), ((300, 200), MORE_TILES), ((30, 400), TILES),
+                                                 ((56, 56), {"min_patches": 2})])
+def test_internvls_tokens_under_a_tile_range_equal_vllms_placeholder_count(
+    internvl: Stack, size: tuple[int, int], settings: dict[str, Any]
+) -> None:
+    data = png(*size, seed=3340)
+
+    def counted(given: dict[str, Any] | None) -> int:
+        body = {"sizes": [list(size)], **({"mm_processor_kwargs": given} if given else {})}
+        r = httpx.post(internvl.server.url + "/v1/tokens", json=body, timeout=30)
+        return int(r.json()["items"][0]["num_tokens"])
+
+    _, with_settings = _answer(internvl.vllm["url"], chat([data], mm_processor_kwargs=settings, max_tokens=1))
+    _, without = _answer(internvl.vllm["url"], chat([data], max_tokens=1))
+    print(f"\ninternvl {size} {settings}: encode-server {counted(settings)} rows ({counted(None)} without); "
+          f"vLLM's prompt {with_settings} ({without} without)")
+    assert counted(settings) - counted(None) == with_settings - without != 0
+
+
+def test_vllm_hashes_a_uuid_with_the_requests_kwargs_so_it_never_reads_the_settings_entry(internvl: Stack) -> None:
+    """Why the proxy refuses settings for a pixels + uuid family, measured: an image handed off
+    under a tile range, sent to vLLM with its pixels, the kwargs and the identifier of the entry,
+    with zeros stored there, answers as plain vLLM on the pixels: vLLM 0.32 asked its connector for
+    the uuid hashed with the kwargs (``ProcessorInputs.get_mm_hashes``), which no store holds, and
+    ran its own tower. Should a vLLM read the uuid as given, this fails: then let them through."""
+    data = png(300, 200, seed=3350)
+    body = chat([data], mm_processor_kwargs=TILES)
+    plain = _answer(internvl.vllm["url"], body)
+    with Client(internvl.server.url, response="json", timeout=60) as client:
+        (result,) = client.hand_off([data], mm_processor_kwargs=TILES)
+        fingerprint = str(client.model()["fingerprint"])
+        (embedding,) = client.encode([data], mm_processor_kwargs=TILES)
+    assert result.key is not None
+    identifier = epd_identifier(result.key, mm_hash(data))
+    assert identifier == _identifier(internvl, TILES, data)
+    zeros = stored_value(np.zeros_like(embedding.numpy()), fingerprint, result.hash, result.meta)
+    redis.Redis.from_url(REDIS_URL).set(result.key, zeros)
+    named = copy.deepcopy(body)
+    named["messages"][0]["content"][0]["uuid"] = identifier
+    assert _answer(internvl.vllm["url"], named) == plain
+    # The same without the kwargs (under the defaults' identifier, zeros there too): vLLM reads the store.
+    with Client(internvl.server.url, response="json", timeout=60) as client:
+        (default,) = client.hand_off([data])
+        (default_embedding,) = client.encode([data])
+    assert default.key is not None
+    redis.Redis.from_url(REDIS_URL).set(
+        default.key, stored_value(np.zeros_like(default_embedding.numpy()), fingerprint, default.hash, default.meta))
+    unnamed = chat([data])
+    plain_default = _answer(internvl.vllm["url"], unnamed)
+    unnamed["messages"][0]["content"][0]["uuid"] = epd_identifier(default.key, mm_hash(data))
+    assert _answer(internvl.vllm["url"], unnamed)[0] != plain_default[0], "vLLM did not read the defaults' entry"

@@ -61,10 +61,12 @@ an item (``check_chat_request``; each refusal is an ``EPDError`` naming the part
   served family's keys (``GET /v1/model``'s ``mm_processor_kwargs``: a server that takes them, each
   key of the right type within its bounds), checked before anything is handed off; every item is
   handed off under them, so encode-server preprocesses it so and names it by its bytes *and* the
-  settings (``p:{settings_digest}:`` in its identifier: ``encode_client.keys``). They stay in the
-  body for a ``pixels_uuid`` family (vLLM's processor sizes the placeholder from the pixels, so it
-  must see the same settings; vLLM must then be started with ``--trust-request-mm-kwargs`` too) and
-  are dropped for a ``pixel_free`` one (the metadata already carries the grid they gave).
+  settings (``p:{settings_digest}:`` in its identifier: ``encode_client.keys``). They are dropped
+  from the body for a ``pixel_free`` family (the metadata already carries the grid they gave). A
+  ``pixels_uuid`` family's images with settings are refused: vLLM's processor would have to see them
+  to size the placeholder, and vLLM 0.32 then hashes the item's ``uuid`` together with the kwargs
+  (``ProcessorInputs.get_mm_hashes``), so its connector is asked for an identifier no store holds
+  and vLLM runs its own tower (measured: ``tests/vllm/test_proxy_settings.py``).
   ``media_io_kwargs`` is refused: no family's setting maps to it yet (a video's sampling is the
   server's ``--video-fps``); ``kv_transfer_params`` and ``ec_transfer_params`` are refused: they
   steer vLLM's transfer connectors, which only the serving system may do.
@@ -359,9 +361,16 @@ def check_contract(plan: ChatPlan, contract: EpdContract) -> None:
     """Refuse a video the served family cannot take pixel-free (a ``pixels_uuid`` family, or no
     ``video`` fields in its contract): forwarding its frames would have a prefill worker run its
     own tower on them (or fail, tower-free), outside encode-server's cache and bounds. Refuse
-    settings the family would refuse (``EpdContract.check_settings``)."""
+    settings the family would refuse (``EpdContract.check_settings``), and settings on a pixels +
+    uuid family's images (module docstring: vLLM would never ask the store for them)."""
     if plan.settings:
         contract.check_settings(plan.settings, {part.modality for part in plan.media})
+        if contract.mode == "pixels_uuid" and plan.images:
+            raise EPDError(
+                "refused for this family (EPD mode pixels + uuid): vLLM hashes an item's uuid together with "
+                "per-request mm_processor_kwargs, so it would never read encode-server's embedding; send the chat "
+                "to vLLM without the proxy, or set them as vLLM's and encode-server's defaults", SETTINGS_FIELD,
+            )
     for video in plan.videos:
         if contract.mode != "pixel_free" or not contract.fields.get("video"):
             why = (

@@ -260,3 +260,62 @@ def test_vllm_hashes_a_uuid_with_the_requests_kwargs_so_it_never_reads_the_setti
     plain_default = _answer(internvl.vllm["url"], unnamed)
     unnamed["messages"][0]["content"][0]["uuid"] = epd_identifier(default.key, mm_hash(data))
     assert _answer(internvl.vllm["url"], unnamed)[0] != plain_default[0], "vLLM did not read the defaults' entry"
+
+
+# -- Qwen3-VL: pixel-free like Qwen2.5-VL, its processor's factor 32 ---------------------------------
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory: pytest.TempPathFactory, logs: Path) -> Iterator[Stack]:
+    case = PROXY_CASES["qwen3_vl"]
+    model = tiny_checkpoint(tmp_path_factory, case.build)
+    prefix = f"{PREFIX}-qwen3"
+    server = start_server("--model", str(model), "--redis-url", REDIS_URL, "--cache-prefix", prefix,
+                          "--grpc-port", "0", "--dtype", "float32", "--trust-request-mm-kwargs", log_dir=logs)
+    try:
+        extra = {"redis_url": REDIS_URL, "encoder_url": server.url, "prefix": prefix}
+        with (
+            vllm_openai_server(model, extra, logs, (*VLLM_ARGS, *case.vllm_args), tower=True,
+                               limits={"image": 1, "video": 0}) as consumer,
+            Relay(consumer["port"]) as relay,
+            running_proxy(relay.url, [server.url], trust_request_mm_kwargs=True) as proxy,
+        ):
+            yield Stack(server, consumer, relay, proxy)
+    finally:
+        server.stop()
+        delete_prefix(redis.Redis.from_url(REDIS_URL), prefix)
+
+
+def test_qwen3_vl_max_pixels_through_the_proxy_answers_as_plain_vllm_with_the_kwargs(qwen3: Stack) -> None:
+    data = png(256, 256, seed=3360)  # 64 rows under the checkpoint's max_pixels; 16 under 128x128
+    settings = {"max_pixels": 128 * 128}
+    text, prompt_tokens, uuids = _through_the_proxy(qwen3, settings, data)
+    assert uuids == [_identifier(qwen3, settings, data)]
+    plain = _answer(qwen3.vllm["url"], chat([data], mm_processor_kwargs=settings))
+    default = _answer(qwen3.vllm["url"], chat([data]))
+    print(f"\nqwen3_vl max_pixels {settings['max_pixels']}: proxy {text!r} ({prompt_tokens}), plain vLLM {plain[0]!r} "
+          f"({plain[1]}); without the kwargs ({default[1]})")
+    assert (text, prompt_tokens) == plain
+    assert default[1] - plain[1] == 64 - 16
+
+
+@pytest.mark.parametrize(
+    ("size", "settings"),
+    [((256, 256), {"max_pixels": 96 * 96}), ((300, 200), {"max_pixels": 64 * 64}),
+     ((64, 64), {"min_pixels": 128 * 128})],
+)
+def test_qwen3_vl_tokens_under_the_settings_equal_vllms_placeholder_count(
+    qwen3: Stack, size: tuple[int, int], settings: dict[str, Any]
+) -> None:
+    data = png(*size, seed=3370)
+
+    def counted(given: dict[str, Any] | None) -> int:
+        body = {"sizes": [list(size)], **({"mm_processor_kwargs": given} if given else {})}
+        r = httpx.post(qwen3.server.url + "/v1/tokens", json=body, timeout=30)
+        return int(r.json()["items"][0]["num_tokens"])
+
+    _, with_settings = _answer(qwen3.vllm["url"], chat([data], mm_processor_kwargs=settings, max_tokens=1))
+    _, without = _answer(qwen3.vllm["url"], chat([data], max_tokens=1))
+    print(f"\nqwen3_vl {size} {settings}: encode-server {counted(settings)} rows ({counted(None)} without); "
+          f"vLLM's prompt {with_settings} ({without} without)")
+    assert counted(settings) - counted(None) == with_settings - without != 0

@@ -4,6 +4,7 @@ encode, bad keys refused naming the item, and GET /v1/model publishing the keys.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -126,3 +127,21 @@ def test_grpc_settings_that_are_not_a_json_object_are_refused_naming_the_item(tr
             stub.Encode(pb.EncodeRequest(items=[pb.Item(data=IMAGE), item]), timeout=30)
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "must be a JSON object" in (refused.value.details() or "")
+
+
+def test_the_cli_takes_settings_for_tokens_encode_and_lookup(trusting_server: ServerProcess, tmp_path: Path) -> None:
+    from tests.integration.test_cli import cli
+
+    image = tmp_path / "a.png"
+    image.write_bytes(image_bytes("PNG", 280, 280, seed=50))
+    settings = json.dumps(FEWER)
+    tokens = cli("tokens", str(image), "--mm-processor-kwargs", settings, url=trusting_server.url)
+    assert tokens.returncode == 0 and tokens.stdout.split()[0] == "16", tokens.stderr
+    assert cli("tokens", str(image), url=trusting_server.url).stdout.split()[0] == "100"
+    out = tmp_path / "out.safetensors"
+    encoded = cli("encode", str(image), "-o", str(out), "--mm-processor-kwargs", settings, url=trusting_server.url)
+    assert encoded.returncode == 0 and "[16, 128]" in encoded.stdout, encoded.stderr
+    found = cli("lookup", str(image), "--mm-processor-kwargs", settings, url=trusting_server.url)
+    assert found.returncode == 0 and " cached " in found.stdout, found.stdout
+    refused = cli("tokens", str(image), "--mm-processor-kwargs", "[1]", url=trusting_server.url)
+    assert refused.returncode == 2 and "must be a JSON object" in refused.stderr

@@ -19,7 +19,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from encode_client._client import AsyncClient, Client
 from encode_client._errors import MissingExtra, ReplicaUnavailable, ServerError
@@ -92,6 +92,10 @@ def _parser() -> argparse.ArgumentParser:
     tok = command("tokens", "token count and grid per image or video (a video's from its header), without encoding")
     tok.add_argument("files", nargs="+")
     tok.add_argument("--video", action="store_true", help=video_help)
+    settings_help = ("processor settings of every item, a JSON object in vLLM's names (e.g. '{\"max_pixels\": 12544}'; "
+                     "a server started with --trust-request-mm-kwargs)")
+    for c in (enc, look, tok):
+        c.add_argument("--mm-processor-kwargs", type=_settings_arg, default=None, metavar="JSON", help=settings_help)
     warm = command("warm", "pre-warm the cache with every image and video under a folder (by suffix)")
     warm.add_argument("directory")
     warm.add_argument("--concurrency", type=int, default=4, help="uploads in flight (default: 4)")
@@ -158,6 +162,17 @@ def _hash_of(item: str) -> str:
         raise UsageError(f"cannot read {item}: {exc.strerror or exc} (nor is it a 64-hex mm_hash)") from exc
 
 
+def _settings_arg(text: str) -> dict[str, Any]:
+    """``--mm-processor-kwargs``: a JSON object (the server checks its keys)."""
+    try:
+        parsed = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {type(parsed).__name__}")
+    return parsed
+
+
 def _cmd_hash(args: argparse.Namespace, given: Arguments) -> int:
     for f, data in given.each(args.files, _read):
         print(f"{mm_hash(data)}  {f}")
@@ -168,7 +183,7 @@ def _cmd_encode(args: argparse.Namespace, client: Client, given: Arguments) -> i
     files = given.each(args.files, _reader(args.video))
     if not files:
         return given.code()
-    results = client.encode([item for _, item in files])
+    results = client.encode([item for _, item in files], mm_processor_kwargs=args.mm_processor_kwargs)
     answered = {(r.model, r.fingerprint) for r in results}
     if len(answered) != 1:  # one file, one model: mixing them would mislabel the tensors
         print(f"encode-client: the replicas serve different models: {sorted(map(str, answered))}", file=sys.stderr)
@@ -197,7 +212,8 @@ def _cmd_lookup(args: argparse.Namespace, client: Client, given: Arguments) -> i
     for modality in (False, True):
         these = [i for i, v in enumerate(video) if v is modality]
         if these:
-            answers = client.lookup([items[i][1] for i in these], modality="video" if modality else "image")
+            answers = client.lookup([items[i][1] for i in these], modality="video" if modality else "image",
+                                    mm_processor_kwargs=args.mm_processor_kwargs)
             found.update(zip(these, answers, strict=True))
     for i, (item, _) in enumerate(items):
         print(f"{found[i].hash}  {'cached' if found[i].cached else 'missing'}  {found[i].tier or '-'}  {item}")
@@ -206,7 +222,8 @@ def _cmd_lookup(args: argparse.Namespace, client: Client, given: Arguments) -> i
 
 def _cmd_tokens(args: argparse.Namespace, client: Client, given: Arguments) -> int:
     files = given.each(args.files, _reader(args.video))
-    for (f, _), count in zip(files, client.tokens([item for _, item in files]) if files else [], strict=True):
+    counts = client.tokens([item for _, item in files], mm_processor_kwargs=args.mm_processor_kwargs) if files else []
+    for (f, _), count in zip(files, counts, strict=True):
         print(f"{count.num_tokens:>7}  {count.width}x{count.height}  {json.dumps(count.meta)}  {f}")
     return given.code()
 

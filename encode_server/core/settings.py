@@ -2,8 +2,11 @@
 
 A family declares the keys its processor takes per request (``Setting``: vLLM's name, its type,
 its bounds and what it means for that family); the encoder says their defaults (the checkpoint's
-processor config); the server caps the bounds with its own limits (``--max-image-pixels``), so a
-request can never ask for more work than the warm-up's worst case.
+processor config); the bounds are capped by the server's limits (``--max-image-pixels``) and by a
+default where the family says so (``ceiling``: Qwen's ``min_pixels`` and ``max_pixels`` never
+above the checkpoint's own ``max_pixels``, InternVL's tiles never above its ``max_patches``), so a
+request can ask for less work than the defaults, never for more than the warm-up's worst case ran
+(``warmup.py``: the largest image, preprocessed under the defaults).
 
 ``resolve`` turns what a request gave into the *effective* settings: every declared key, the
 request's value where it gave one, the default elsewhere. Two spellings of one setting (another
@@ -39,9 +42,10 @@ class Setting:
     """One key a family's processor takes per request, named as vLLM's ``mm_processor_kwargs`` names it.
 
     ``kind``: ``int``, ``float`` or ``bool`` (a JSON ``true`` is never an int, nor ``1`` a bool);
-    ``minimum``/``maximum``: the bounds of a number, inclusive (``maximum`` None: only the server's
-    ``cap`` bounds it); ``cap``: the server limit that bounds it too (``max_image_pixels``), by name,
-    so the family module needs no settings object; ``modalities``: the items it applies to."""
+    ``minimum``/``maximum``: the bounds of a number, inclusive (``maximum`` None: only ``cap`` and
+    ``ceiling`` bound it); ``cap``: the server limit that bounds it too (``max_image_pixels``), by
+    name, so the family module needs no settings object; ``ceiling``: the setting whose *default*
+    bounds it too (the checkpoint's ``max_pixels``); ``modalities``: the items it applies to."""
 
     name: str
     kind: str
@@ -49,21 +53,26 @@ class Setting:
     minimum: float | None = None
     maximum: float | None = None
     cap: str | None = None
+    ceiling: str | None = None
     modalities: tuple[str, ...] = ("image",)
 
     def __post_init__(self) -> None:
         if self.kind not in _TYPES:
             raise ValueError(f"a setting's kind is one of {sorted(_TYPES)}, not {self.kind!r}")
 
-    def bounds(self, limits: Mapping[str, float]) -> tuple[float | None, float | None]:
-        """(minimum, maximum) with the server's cap applied."""
-        top = self.maximum
+    def bounds(
+        self, limits: Mapping[str, float], defaults: Mapping[str, Any]
+    ) -> tuple[float | None, float | None, str]:
+        """(minimum, maximum, what sets the maximum) with the server's cap and the ceiling applied."""
+        tops = [(float(self.maximum), "")] if self.maximum is not None else []
         if self.cap is not None:
-            cap = limits[self.cap]
-            top = cap if top is None else min(top, cap)
-        return self.minimum, top
+            tops.append((float(limits[self.cap]), f"--{self.cap.replace('_', '-')}"))
+        if self.ceiling is not None:
+            tops.append((float(defaults[self.ceiling]), f"the checkpoint's {self.ceiling}"))
+        top, why = min(tops) if tops else (None, "")
+        return self.minimum, top, why
 
-    def check(self, value: object, limits: Mapping[str, float]) -> Any:
+    def check(self, value: object, limits: Mapping[str, float], defaults: Mapping[str, Any]) -> Any:
         """``value`` if it is of this key's type and within its bounds; ``BadInput`` naming the key."""
         ok = isinstance(value, _TYPES[self.kind]) and (self.kind == "bool" or not isinstance(value, bool))
         if not ok:
@@ -72,12 +81,11 @@ class Setting:
                            type="invalid_setting")
         if self.kind == "bool":
             return value
-        low, high = self.bounds(limits)
+        low, high, why = self.bounds(limits, defaults)
         number = float(value)  # type: ignore[arg-type]
         if number != number or (low is not None and number < low) or (high is not None and number > high):
             ranges = [f"at least {low:g}"] if low is not None else []
-            ranges += [f"at most {high:g}" + (f" (--{self.cap.replace('_', '-')})" if self.cap else "")] \
-                if high is not None else []
+            ranges += [f"at most {high:g}" + (f" ({why})" if why else "")] if high is not None else []
             raise BadInput(f"mm_processor_kwargs.{self.name} must be {' and '.join(ranges)}, got {value!r}",
                            type="invalid_setting")
         return float(value) if self.kind == "float" else value  # type: ignore[arg-type]
@@ -108,7 +116,7 @@ def resolve(
                            type="invalid_setting")
         if modality not in setting.modalities:
             raise BadInput(f"mm_processor_kwargs.{name} does not apply to a {modality}", type="invalid_setting")
-        effective[name] = setting.check(value, limits)
+        effective[name] = setting.check(value, limits, defaults)
     return None if effective == {k: defaults[k] for k in effective} else effective
 
 
@@ -122,7 +130,7 @@ def describe(declared: Sequence[Setting], defaults: Mapping[str, Any], limits: M
     """The JSON form ``GET /v1/model`` publishes: per key its type, bounds (capped), default, meaning."""
     out: dict[str, Any] = {}
     for s in declared:
-        low, high = s.bounds(limits)
+        low, high, _ = s.bounds(limits, defaults)
         out[s.name] = {"type": s.kind, "minimum": low, "maximum": high, "default": defaults.get(s.name),
                        "modalities": list(s.modalities), "meaning": s.meaning}
     return out

@@ -163,14 +163,13 @@ def load_internvl(files: CheckpointFiles, config: InternVLConfig, processor: Any
 
 # vLLM's per-request keys for an InternVL (HF format) image: the tile range its HF processor takes
 # (GotOcr2ImageProcessor's min_patches/max_patches; vLLM's interns1.py passes mm_processor_kwargs
-# to it). Each tile is one pass of the tower: at most MAX_TILES, which bounds a request's cost (the
-# hub's checkpoints default to 12; InternVL's own chat code goes to 40).
-MAX_TILES = 40
+# to it). Each tile is one pass of the tower: never more than the checkpoint's own max_patches (the
+# warm-up's worst case; 12 for the hub's checkpoints).
 SETTINGS = (
     Setting("min_patches", "int", "the fewest tiles an image is cut into (before the thumbnail)",
-            minimum=1, maximum=MAX_TILES),
+            minimum=1, ceiling="max_patches"),
     Setting("max_patches", "int", "the most tiles an image is cut into (before the thumbnail): fewer rows",
-            minimum=1, maximum=MAX_TILES),
+            minimum=1, ceiling="max_patches"),
 )
 
 # vLLM 0.32's interns1.py parser declares no embedding fields: the prefill request carries the

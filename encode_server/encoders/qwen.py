@@ -305,14 +305,15 @@ def attach_video(encoder: QwenVisionEncoder, saved: dict[str, Any] | None, defau
 # proxy sends it as a tensor string (vLLM's chat parser refuses it as a JSON array), float32 as
 # vLLM's processor computes it from a file. Qwen2-VL's meta has none.
 # vLLM's per-request keys for a Qwen2-VL / Qwen2.5-VL image (its HF processor's ``size`` edges;
-# ``qwen2_vl.py``'s ``_get_vision_size``), bounded by --max-image-pixels: no request asks the tower
-# for more than the largest image the server admits. A video's sampling (fps, num_frames) is not
-# taken per request yet: the server's --video-fps.
+# ``qwen2_vl.py``'s ``_get_vision_size``), bounded by --max-image-pixels and by the checkpoint's own
+# max_pixels: a request trades detail for fewer tokens, never asks the tower for a larger grid than
+# the warm-up ran (a 1-pixel image under min_pixels = 40M would be 200k patches). A video's
+# sampling (fps, num_frames) is not taken per request yet: the server's --video-fps.
 PIXEL_SETTINGS = (
     Setting("min_pixels", "int", "the fewest pixels an image is resized to (smart_resize's lower bound)",
-            minimum=1, cap="max_image_pixels"),
+            minimum=1, cap="max_image_pixels", ceiling="max_pixels"),
     Setting("max_pixels", "int", "the most pixels an image is resized to (smart_resize's upper bound): "
-            "fewer tokens per image", minimum=1, cap="max_image_pixels"),
+            "fewer tokens per image", minimum=1, cap="max_image_pixels", ceiling="max_pixels"),
 )
 
 FAMILY = Family(

@@ -44,8 +44,9 @@ def test_the_model_publishes_its_familys_keys_with_the_servers_caps(trusting_ser
     published = httpx.get(trusting_server.url + "/v1/model", timeout=10).json()["mm_processor_kwargs"]
     assert published["enabled"] is True
     assert set(published["keys"]) == {"min_pixels", "max_pixels"}
-    assert published["keys"]["max_pixels"]["maximum"] == 2048 * 2048
-    assert published["keys"]["max_pixels"]["default"] == 448 * 448  # the built-in processor's
+    # the built-in processor's max_pixels, below --max-image-pixels: never more than the warm-up ran
+    assert published["keys"]["max_pixels"]["default"] == published["keys"]["max_pixels"]["maximum"] == 448 * 448
+    assert published["keys"]["min_pixels"]["maximum"] == 448 * 448
 
 
 def test_request_and_item_settings_key_their_own_entries_and_tokens_count_their_rows(
@@ -74,7 +75,7 @@ def test_request_and_item_settings_key_their_own_entries_and_tokens_count_their_
     ("settings", "words"),
     [({"max_pixel": 9}, "mm_processor_kwargs.max_pixel is not a setting"),
      ({"max_pixels": "9"}, "max_pixels must be an integer"),
-     ({"min_pixels": 2048 * 2048 + 1}, "--max-image-pixels")],
+     ({"min_pixels": 448 * 448 + 1}, "at most 200704 (the checkpoint's max_pixels)")],
 )
 def test_a_bad_setting_is_a_400_naming_the_key_and_the_item(
     trusting_server: ServerProcess, settings: dict[str, object], words: str

@@ -87,7 +87,8 @@ def test_one_image_under_two_settings_is_two_entries_and_the_defaults_restated_a
 @pytest.mark.parametrize(
     ("settings", "words"),
     [({"max_pixel": 1}, "not a setting"), ({"max_pixels": "9"}, "an integer"),
-     ({"max_pixels": 1_000_001}, "at most 1e\\+06 \\(--max-image-pixels\\)")],
+     ({"max_pixels": 200705}, "at most 200704 \\(the checkpoint's max_pixels\\)"),
+     ({"min_pixels": 200705}, "at most 200704 \\(the checkpoint's max_pixels\\)")],
 )
 def test_a_bad_setting_is_bad_input_naming_the_key_and_the_item(
     encoder: VisionEncoder, settings: dict[str, Any], words: str

@@ -14,8 +14,10 @@ DECLARED = (
     Setting("max_pixels", "int", "pixel ceiling", minimum=1, cap="max_image_pixels"),
     Setting("do_pan_and_scan", "bool", "crops"),
     Setting("fps", "float", "frame rate", minimum=0.1, maximum=30, modalities=("video",)),
+    Setting("max_patches", "int", "tiles", minimum=1, ceiling="max_patches"),
 )
-DEFAULTS: dict[str, Any] = {"min_pixels": 3136, "max_pixels": 200704, "do_pan_and_scan": False, "fps": 2.0}
+DEFAULTS: dict[str, Any] = {"min_pixels": 3136, "max_pixels": 200704, "do_pan_and_scan": False, "fps": 2.0,
+                            "max_patches": 12}
 LIMITS = {"max_image_pixels": 1_000_000}
 
 
@@ -29,7 +31,8 @@ def test_nothing_given_and_the_defaults_written_out_both_resolve_to_none_so_keys
 
 
 def test_the_effective_settings_fill_in_the_defaults_of_the_items_modality_only() -> None:
-    assert _resolve({"max_pixels": 12544}) == {"min_pixels": 3136, "max_pixels": 12544, "do_pan_and_scan": False}
+    assert _resolve({"max_pixels": 12544}) == {"min_pixels": 3136, "max_pixels": 12544, "do_pan_and_scan": False,
+                                               "max_patches": 12}
     assert _resolve({"fps": 1}, "video") == {"fps": 1.0}
 
 
@@ -53,6 +56,7 @@ def test_one_setting_written_two_ways_gets_one_digest_and_two_settings_two() -> 
         ({"max_pixels": 0}, "max_pixels must be at least 1"),
         ({"max_pixels": 1_000_001}, "at most 1e\\+06 \\(--max-image-pixels\\)"),
         ({"fps": 2}, "fps does not apply to a image"),
+        ({"max_patches": 13}, "max_patches must be at least 1 and at most 12 \\(the checkpoint.s max_patches\\)"),
         ([1, 2], "must be an object"),
     ],
 )
@@ -74,3 +78,4 @@ def test_the_published_bounds_are_capped_by_the_servers_limits() -> None:
     published = describe(DECLARED, DEFAULTS, LIMITS)
     assert published["max_pixels"]["maximum"] == 1_000_000 and published["max_pixels"]["default"] == 200704
     assert published["fps"]["maximum"] == 30 and published["fps"]["modalities"] == ["video"]
+    assert published["max_patches"]["maximum"] == 12  # no request asks for more than the defaults' worst case

@@ -97,3 +97,17 @@ def test_the_clients_wire_carries_settings_as_json_and_leaves_todays_bodies_alon
         "hashes": ["ab" * 32]}
     sizes = build("http://e", "tokens", ("sizes", [(9, 9)], FEWER), response="json", api_key=None)
     assert sizes.json == {"sizes": [[9, 9]], "mm_processor_kwargs": FEWER}
+
+
+def test_the_fetcher_never_asks_for_a_settings_identifier_by_its_hash_alone() -> None:
+    """A hash-only request names no settings: asked, the server would answer the defaults' entry
+    for an item preprocessed otherwise. So it is not asked (no request goes out), and is None."""
+    from encode_client.fetch import EncoderFetcher
+
+    h = "ab" * 32
+    fetcher = EncoderFetcher(["http://127.0.0.1:9"], fingerprint="cd" * 32, timeout=0.5)
+    try:
+        assert fetcher.fetch_many([f"p:{'5e' * 32}:{h}"]) == {f"p:{'5e' * 32}:{h}": None}
+        assert fetcher.counts["settings"] == 1 and fetcher.counts["requests"] == 0
+    finally:
+        fetcher.close()

@@ -58,7 +58,7 @@ DURATIONS ?= --durations=30
 # The whole suite, in two lanes side by side: one lane alone left about 40% of the two cores idle
 # (most of a suite's time is processes starting). The server's lane: ruff, the server's suite, the
 # container. vLLM's lane: its environment (minutes on a fresh machine, mostly downloads), the vLLM
-# suite, the GPU check rehearsed. Each lane takes ports of its own parity (tests/server.py), and
+# suite, the GPU check rehearsed. Each lane takes ports from a range of its own (tests/server.py), and
 # prints its output whole when it ends (make -O); `make test` fails when either lane does.
 test: install tools
 	@$(MAKE) --no-print-directory -j2 --output-sync=target test-lane-server test-lane-vllm

@@ -51,7 +51,7 @@ def _port_free(port: int) -> bool:
 def free_cluster_port(taken: set[int]) -> int:
     """A free port P below 55535 whose cluster bus port P + 10000 is free too."""
     for _ in range(200):
-        port = free_port()  # this lane's parity; the bus port's is the same
+        port = free_port()  # this lane's range
         if port < 55535 and port not in taken and _port_free(port + 10000):
             return port
     raise RuntimeError("no free port pair for a cluster node")

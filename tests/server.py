@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import random
 import resource
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,20 +22,35 @@ __all__ = ["ServerProcess", "free_port", "run_server_to_exit", "start_server"]
 
 
 # `make test` runs two lanes side by side (the server's suite and the vLLM suite, Makefile): each
-# takes only ports of its own parity, so that neither is handed a port the other has just picked
-# and not yet bound (a picked port is free only until its process binds it).
+# takes its ports from a range of its own, below the kernel's ephemeral range (32768-60999 here,
+# where bind(0) and every outgoing connection take theirs), so that neither lane is handed a port
+# the other has just picked and not yet bound (a picked port is free only until its process binds).
 LANE_ENV = "ENCODE_SERVER_TEST_LANE"
+_LANE_PORTS = {"0": range(20000, 26000), "1": range(26000, 32000)}
+_handed: deque[int] = deque(maxlen=256)  # this process's recent picks, never handed out twice in a row
+_pick = random.SystemRandom()  # a test that seeds ``random`` must not make processes pick alike
 
 
 def free_port() -> int:
-    """A port free now (of this lane's parity when ``ENCODE_SERVER_TEST_LANE`` is 0 or 1)."""
-    lane = os.environ.get(LANE_ENV)
-    while True:
+    """A port free now: from this lane's range when ``ENCODE_SERVER_TEST_LANE`` is 0 or 1, else the
+    kernel's pick (bind to port 0)."""
+    ports = _LANE_PORTS.get(os.environ.get(LANE_ENV, ""))
+    if ports is None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        if lane not in ("0", "1") or port % 2 == int(lane):
-            return port
+            return int(s.getsockname()[1])
+    for _ in range(1000):
+        port = _pick.choice(ports)
+        if port in _handed:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed.append(port)
+        return port
+    raise RuntimeError(f"no free port in {ports}")
 
 
 @dataclass

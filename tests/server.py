@@ -83,11 +83,16 @@ def _command(python: str | None, port: int, args: tuple[str, ...]) -> list[str]:
     return [python, "-m", "encode_server", "--host", "127.0.0.1", "--port", str(port), *args]
 
 
+# What the suite's servers start with unless a test says otherwise (``env``, or a flag, which wins):
+# the quick warm-up (the worst case is what tests/integration/test_warmup.py runs; it costs seconds
+# per start), and a Redis timeout that a saturated machine (make test's two lanes keep both cores
+# busy) does not turn into misses, which the 150 ms default did; the fault tests set their own.
+SUITE_DEFAULTS = {"ENCODE_SERVER_WARMUP": "quick", "ENCODE_SERVER_REDIS_TIMEOUT_MS": "2000"}
+
+
 def _env(env: dict[str, str] | None) -> dict[str, str]:
-    """Offline, and the quick warm-up unless the test asks for another (``env`` or ``--warmup``):
-    the worst case is what tests/integration/test_warmup.py runs, and it costs seconds per start."""
-    return {"ENCODE_SERVER_WARMUP": "quick", **os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-            **(env or {})}
+    """Offline, with ``SUITE_DEFAULTS`` under the environment and ``env``."""
+    return {**SUITE_DEFAULTS, **os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **(env or {})}
 
 
 def run_server_to_exit(

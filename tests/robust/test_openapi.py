@@ -46,14 +46,14 @@ def test_every_ref_in_openapi_json_resolves(robust_server: ServerProcess) -> Non
 
 
 def test_request_bodies_describe_the_items(robust_server: ServerProcess) -> None:
-    """The bodies the fuzzer generates from: items of hash/data (and the item's modality), for
-    /v1/encode and /v1/tokens."""
+    """The bodies the fuzzer generates from: items of hash/data (and the item's modality and
+    processor settings), for /v1/encode and /v1/tokens."""
     doc = httpx.get(robust_server.url + "/openapi.json").json()
     for route in ("/v1/encode", "/v1/tokens"):
         schema = doc["paths"][route]["post"]["requestBody"]["content"]["application/json"]["schema"]
         items = schema["properties"]["items"]
         item = next(s for s in items.get("anyOf", [items]) if s.get("type") == "array")["items"]
-        assert set(item["properties"]) == {"hash", "data", "modality"}, route
+        assert set(item["properties"]) == {"hash", "data", "modality", "mm_processor_kwargs"}, route
         assert item["additionalProperties"] is False
 
 

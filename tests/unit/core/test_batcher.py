@@ -323,9 +323,11 @@ def test_concurrent_passes_run_side_by_side_up_to_the_limit() -> None:
 
     rec = run(main())
     assert rec.most == 2
-    assert sorted(rec.batches[:2]) == [[0], [1]]
-    assert sorted(x for batch in rec.batches[2:] for x in batch) == [2, 3, 4, 5]
-    assert all(len(batch) <= 2 for batch in rec.batches[2:])  # the first pass free took its share, not all four
+    # the first two ran alone, side by side (recorded in whatever order the passes ended)
+    assert [0] in rec.batches and [1] in rec.batches and len(rec.batches) >= 4
+    rest = [batch for batch in rec.batches if batch not in ([0], [1])]
+    assert sorted(x for batch in rest for x in batch) == [2, 3, 4, 5]
+    assert all(len(batch) <= 2 for batch in rest)  # the first pass free took its share, not all four
 
 
 def test_free_passes_share_the_queue() -> None:

@@ -14,7 +14,7 @@ default):
   whose decoded frames fit the request-memory budget (``VideoPlan.nbytes``, the figure admission
   charges) and ``--max-image-pixels``; frames made, preprocessed, split and encoded as a request's.
 
-The peak memory over all of it (``encoders.memory``) is logged and published in ``GET /v1/model``
+The peak memory over all of it (``VisionEncoder.peak_memory``) is logged and published in ``GET /v1/model``
 (``warmup``). A worst case that fails (out of memory on the device or the host, an input the
 processor refuses) is :class:`WarmupFailed`: the server does not become ready, and says why in one
 line. ``--warmup quick`` runs one 64x64 JPEG instead (a quick start; the peak is then unknown until
@@ -35,8 +35,7 @@ from PIL import Image
 
 from encode_server.config import Settings
 from encode_server.core.types import VIDEO, EncodedTensor, VideoInfo
-from encode_server.encoders.base import PreparedItem, VideoPlan, VisionEncoder
-from encode_server.encoders.memory import MemoryPeak, PeakMemory
+from encode_server.encoders.base import MemoryPeak, PreparedItem, VideoPlan, VisionEncoder
 
 __all__ = ["WARMUP_MODES", "WarmupCase", "WarmupFailed", "WarmupReport", "warm_up", "worst_image_size"]
 
@@ -209,7 +208,7 @@ async def warm_up(
     cases: list[WarmupCase] = []
     step = "the 64x64 image" if mode == "quick" else "the worst image"
     try:
-        with PeakMemory(encoder.info.device) as peak:
+        with encoder.peak_memory() as peak:
             if mode == "quick":
                 cases.append(await _quick(encoder, settings, submit, run))
             else:

@@ -23,8 +23,9 @@ from encode_server.core.types import EncodedTensor, VideoInfo
 from encode_server.imaging import decode_image
 
 from .family import Family
+from .memory import MemoryPeak, PeakMemory
 
-__all__ = ["EncodedTensor", "EncoderInfo", "PreparedItem", "VideoPlan", "VisionEncoder"]
+__all__ = ["EncodedTensor", "EncoderInfo", "MemoryPeak", "PeakMemory", "PreparedItem", "VideoPlan", "VisionEncoder"]
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,11 @@ class VisionEncoder(ABC):
         """Whether ``forward`` decodes and preprocesses its batch on the device
         (``encoders/batched.py``): such passes run one at a time (``threads.forward_workers``)."""
         return False
+
+    def peak_memory(self) -> PeakMemory:
+        """A context that measures the peak memory of the work inside it on this encoder's device
+        (and in host memory): the warm-up's figure (``encoders/memory.py``)."""
+        return PeakMemory(self.info.device)
 
     @abstractmethod
     def preprocess(self, image: Image.Image) -> PreparedItem:

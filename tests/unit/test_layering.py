@@ -94,12 +94,11 @@ def test_the_client_package_never_imports_the_server() -> None:
 
 
 # What the rest of the server may import from encoders/: the package's API (``load_encoder``,
-# ``FAMILIES``...), the interface every family implements, the cores torch shares and the peak
-# memory on its device (``memory``, the warm-up's). Everything a family knows stays in its module:
+# ``FAMILIES``...), the interface every family implements (its ``peak_memory`` included) and the
+# cores torch shares. Everything a family knows stays in its module:
 # the server asks the encoder (``VideoPlan.nbytes``, not a family's own ``frames_nbytes``), so a
 # new family is one module and nothing outside changes.
-ENCODER_SURFACE = ("encode_server.encoders", "encode_server.encoders.base", "encode_server.encoders.threads",
-                   "encode_server.encoders.memory")
+ENCODER_SURFACE = ("encode_server.encoders", "encode_server.encoders.base", "encode_server.encoders.threads")
 
 
 def _imports_inside_functions_too(path: Path) -> set[str]:

@@ -1,7 +1,12 @@
-"""Start a real ``encode-server`` process on a free loopback port, and stop it by its PID."""
+"""Start a real ``encode-server`` process on a free loopback port, and stop it by its PID.
+
+Servers are forked from a fork server that has imported the server once (``tests/forkserver.py``:
+most of a start was importing torch and transformers), unless the environment they are asked
+for differs in more than the server's own settings, or the test asks for a fresh interpreter."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import resource
@@ -9,6 +14,8 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -17,6 +24,7 @@ from pathlib import Path
 import httpx
 
 from tests import startups
+from tests.forkserver import ForkedProcess, forkable
 
 __all__ = ["ServerProcess", "free_port", "run_server_to_exit", "start_server"]
 
@@ -56,7 +64,7 @@ def free_port() -> int:
 @dataclass
 class ServerProcess:
     url: str
-    proc: subprocess.Popen[bytes]
+    proc: subprocess.Popen[bytes] | ForkedProcess
     log_path: Path
     grpc_port: int = 0
 
@@ -74,8 +82,7 @@ class ServerProcess:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
-                self.proc.wait(5)
-        return self.proc.returncode
+        return self.proc.wait(5)  # its exit code, set by now
 
 
 def _command(python: str | None, port: int, args: tuple[str, ...]) -> list[str]:
@@ -95,6 +102,71 @@ def _env(env: dict[str, str] | None) -> dict[str, str]:
     return {**SUITE_DEFAULTS, **os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **(env or {})}
 
 
+class _ForkServer:
+    """One fork server per Python (``tests/forkserver.py``), started at the first server asked of
+    it and ended with the test process (its stdin, a pipe from here, closes). ``base`` is the
+    environment and ``cwd`` the directory it was started in: what a forked server inherits."""
+
+    def __init__(self, python: str) -> None:
+        self.base = _env(None)
+        self.cwd = os.getcwd()
+        self._dir = tempfile.mkdtemp(prefix="encode-forkserver-")
+        self.socket_path = os.path.join(self._dir, "socket")
+        self.log_path = Path(self._dir, "forkserver.log")
+        script = Path(__file__).with_name("forkserver.py")
+        with self.log_path.open("wb") as log:
+            self.proc = subprocess.Popen([python, str(script), self.socket_path], stdin=subprocess.PIPE,
+                                         stdout=log, stderr=subprocess.STDOUT, env=self.base, cwd=self.cwd)
+        self.failed: str | None = None
+
+    def connect(self, timeout: float) -> socket.socket | None:
+        """A connection once the fork server has imported the server; None if it died."""
+        deadline = time.monotonic() + timeout
+        while self.failed is None:
+            if os.path.exists(self.socket_path):
+                conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                conn.connect(self.socket_path)
+                return conn
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.failed = f"fork server unavailable:\n{self.log_path.read_text(errors='replace')}"
+                break
+            time.sleep(0.05)
+        return None
+
+    def fork(self, cmd: list[str], env: dict[str, str], log_path: Path, timeout: float) -> ForkedProcess | None:
+        conn = self.connect(timeout)
+        if conn is None:
+            return None
+        request = {"argv": cmd[3:], "env": env, "log": str(log_path)}  # cmd: python -m encode_server ARGS
+        conn.sendall(json.dumps(request).encode() + b"\n")
+        return ForkedProcess(conn, cmd)
+
+
+# ENCODE_TEST_FORK=0: every server a fresh interpreter (what the suite did before the fork server,
+# to compare its seconds, or to rule it out when a test fails).
+FORK_ENV = "ENCODE_TEST_FORK"
+_fork_servers: dict[str, _ForkServer] = {}
+_fork_lock = threading.Lock()
+
+
+def _spawn(cmd: list[str], env: dict[str, str], log_path: Path, fresh: bool,
+           timeout: float) -> tuple[subprocess.Popen[bytes] | ForkedProcess, str | None]:
+    """The server's process, forked when it can be (``tests/forkserver.py``), and why it was not."""
+    why: str | None = "fresh=True" if fresh else ("ENCODE_TEST_FORK=0" if os.environ.get(FORK_ENV) == "0" else None)
+    if why is None:
+        with _fork_lock:
+            fork_server = _fork_servers.get(cmd[0]) or _fork_servers.setdefault(cmd[0], _ForkServer(cmd[0]))
+        why = fork_server.failed or ("another working directory" if os.getcwd() != fork_server.cwd
+                                     else forkable(env, fork_server.base))
+        if why is None:
+            forked = fork_server.fork(cmd, env, log_path, timeout)
+            if forked is not None:
+                return forked, None
+            why = fork_server.failed
+    with log_path.open("ab") as log:
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env), why
+
+
 def run_server_to_exit(
     *args: str, port: int | None = None, timeout: float = 60.0, address_space: int | None = None
 ) -> tuple[int | None, str]:
@@ -105,30 +177,42 @@ def run_server_to_exit(
     if "--grpc-port" not in args:
         args = (*args, "--grpc-port", str(free_port()))
     cmd = _command(None, port or free_port(), args)
+    with tempfile.TemporaryDirectory(prefix="encode-server-to-exit-") as tmp:
+        log_path = Path(tmp, "server.log")
+        log_path.write_bytes(b"")
+        proc: subprocess.Popen[bytes] | ForkedProcess
+        if address_space is None:
+            proc, _ = _spawn(cmd, _env(None), log_path, False, timeout)
+        else:  # a limit on the whole address space holds only from exec on: a fresh interpreter
+            def limit() -> None:
+                resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space))
 
-    def limit() -> None:
-        if address_space is not None:
-            resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space))
-
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_env(None), preexec_fn=limit)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-        return proc.returncode, out.decode(errors="replace")
-    except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGTERM)
+            with log_path.open("ab") as log:
+                proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                        env=_env(None), preexec_fn=limit)
+        code: int | None
         try:
-            out, _ = proc.communicate(timeout=20)
+            code = proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            proc.kill()
-            out, _ = proc.communicate()
-        return None, out.decode(errors="replace")
+            code = None
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+        return code, log_path.read_text(errors="replace")
 
 
 def start_server(
-    *args: str, log_dir: Path, env: dict[str, str] | None = None, timeout: float = 120.0, python: str | None = None
+    *args: str, log_dir: Path, env: dict[str, str] | None = None, timeout: float = 120.0, python: str | None = None,
+    fresh: bool = False,
 ) -> ServerProcess:
     """``python``: the interpreter with the server installed (default: this one, or
-    ``ENCODE_SERVER_PYTHON``, which the vLLM tests set since their venv has no server)."""
+    ``ENCODE_SERVER_PYTHON``, which the vLLM tests set since their venv has no server).
+    ``fresh``: exec a new interpreter rather than fork one from the fork server, for a test that
+    reads what only exec sets (``/proc/PID/cmdline`` and ``environ``); ``ENCODE_TEST_FORK=0``: all
+    fresh."""
     port = free_port()
     log_path = log_dir / f"server-{port}.log"
     # A free gRPC port too (unless the test picks one): never the shared default 50051.
@@ -138,10 +222,10 @@ def start_server(
         cmd += ["--grpc-port", str(grpc_port)]
     elif "--grpc-port" in args:
         grpc_port = int(args[args.index("--grpc-port") + 1])
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(env))
-    server = ServerProcess(f"http://127.0.0.1:{port}", proc, log_path, grpc_port)
+    log_path.write_bytes(b"")
     started = time.perf_counter()
+    proc, not_forked = _spawn(cmd, _env(env), log_path, fresh, timeout)
+    server = ServerProcess(f"http://127.0.0.1:{port}", proc, log_path, grpc_port)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -149,7 +233,9 @@ def start_server(
         try:
             if httpx.get(server.url + "/ready", timeout=2).status_code == 200:
                 model = args[args.index("--model") + 1] if "--model" in args else "builtin:tiny"
-                startups.record("encode-server", Path(model).name or model, time.perf_counter() - started)
+                what = Path(model).name or model
+                what += f" (not forked: {not_forked.splitlines()[0]})" if not_forked else ""
+                startups.record("encode-server", what, time.perf_counter() - started)
                 return server
         except httpx.TransportError:
             pass

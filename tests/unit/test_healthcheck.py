@@ -67,7 +67,7 @@ def test_no_server_or_bad_settings_is_unhealthy(tmp_path: Path, capsys: pytest.C
 
 def test_healthy_against_a_real_server_then_unhealthy_once_it_stopped(tmp_path: Path,
                                                                       capsys: pytest.CaptureFixture[str]) -> None:
-    server = start_server(log_dir=tmp_path)
+    server = start_server(log_dir=tmp_path, fresh=True)  # its /proc/PID/cmdline and environ are read
     try:
         pid = server.proc.pid
         real = Path(f"/proc/{pid}")

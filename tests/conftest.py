@@ -10,6 +10,14 @@ if importlib.util.find_spec("torchvision") is None:
     collect_ignore.append("gpu")
 
 
+def pytest_configure(config: object) -> None:
+    """The suite's servers are forked from a fork server that imported the server once
+    (tests/forkserver.py; ENCODE_TEST_FORK=0: fresh interpreters)."""
+    from tests import server
+
+    server.fork_servers()
+
+
 def pytest_runtest_logstart(nodeid: str, location: tuple[str, int | None, str]) -> None:
     from tests import startups
 

@@ -1,8 +1,9 @@
 """Start a real ``encode-server`` process on a free loopback port, and stop it by its PID.
 
-Servers are forked from a fork server that has imported the server once (``tests/forkserver.py``:
-most of a start was importing torch and transformers), unless the environment they are asked
-for differs in more than the server's own settings, or the test asks for a fresh interpreter."""
+In the test suite (``fork_servers``), servers are forked from a fork server that has imported the
+server once (``tests/forkserver.py``: most of a start was importing torch and transformers),
+unless the environment they are asked for differs in more than the server's own settings, or the
+test asks for a fresh interpreter. Elsewhere (the benchmarks) each is a fresh interpreter."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ import httpx
 from tests import startups
 from tests.forkserver import ForkedProcess, forkable
 
-__all__ = ["ServerProcess", "free_port", "run_server_to_exit", "start_server"]
+__all__ = ["ServerProcess", "fork_servers", "free_port", "run_server_to_exit", "start_server"]
 
 
 # `make test` runs two lanes side by side (the server's suite and the vLLM suite, Makefile): each
@@ -142,18 +143,27 @@ class _ForkServer:
         return ForkedProcess(conn, cmd)
 
 
-# ENCODE_TEST_FORK=0: every server a fresh interpreter (what the suite did before the fork server,
-# to compare its seconds, or to rule it out when a test fails).
+# Forking is the test suite's choice (tests/conftest.py turns it on), never its helpers' default:
+# the benchmarks start their servers with these helpers too, and what they time is a fresh start.
+# ENCODE_TEST_FORK=0 keeps it off (every server a fresh interpreter, as before the fork server: to
+# compare the seconds, or to rule it out when a test fails).
 FORK_ENV = "ENCODE_TEST_FORK"
+_forking = [False]
 _fork_servers: dict[str, _ForkServer] = {}
 _fork_lock = threading.Lock()
+
+
+def fork_servers() -> None:
+    """From now on, servers are forked where they can be (``tests/forkserver.py``), unless
+    ``ENCODE_TEST_FORK=0``."""
+    _forking[0] = os.environ.get(FORK_ENV) != "0"
 
 
 def _spawn(cmd: list[str], env: dict[str, str], log_path: Path, fresh: bool,
            timeout: float) -> tuple[subprocess.Popen[bytes] | ForkedProcess, str | None]:
     """The server's process, forked when it can be (``tests/forkserver.py``), and why it was not."""
-    why: str | None = "fresh=True" if fresh else ("ENCODE_TEST_FORK=0" if os.environ.get(FORK_ENV) == "0" else None)
-    if why is None:
+    why: str | None = "fresh=True" if fresh else None
+    if _forking[0] and why is None:
         with _fork_lock:
             fork_server = _fork_servers.get(cmd[0]) or _fork_servers.setdefault(cmd[0], _ForkServer(cmd[0]))
         why = fork_server.failed or ("another working directory" if os.getcwd() != fork_server.cwd
@@ -211,8 +221,8 @@ def start_server(
     """``python``: the interpreter with the server installed (default: this one, or
     ``ENCODE_SERVER_PYTHON``, which the vLLM tests set since their venv has no server).
     ``fresh``: exec a new interpreter rather than fork one from the fork server, for a test that
-    reads what only exec sets (``/proc/PID/cmdline`` and ``environ``); ``ENCODE_TEST_FORK=0``: all
-    fresh."""
+    reads what only exec sets (``/proc/PID/cmdline`` and ``environ``). Only once ``fork_servers``
+    was called (the test suite's conftest) is any server forked."""
     port = free_port()
     log_path = log_dir / f"server-{port}.log"
     # A free gRPC port too (unless the test picks one): never the shared default 50051.

@@ -11,7 +11,7 @@ TORCH_REQ := deploy/torch.txt
 PORT ?= $(or $(ENCODE_SERVER_PORT),8000)
 GRPC_PORT ?= $(or $(ENCODE_SERVER_GRPC_PORT),50051)
 
-.PHONY: install tools serve test test-quick test-container test-vllm vllm-env lint bench bench-tower-memory soak clean proto openapi \
+.PHONY: install tools serve test test-quick test-container test-vllm vllm-env lint bench bench-epd bench-tower-memory soak clean proto openapi \
 	docs test-docs gpu-wheels gpu-rehearsal test-lane-server test-lane-vllm
 
 $(BIN)/python:
@@ -157,6 +157,13 @@ bench: install tools
 	$(BIN)/python -m bench.memory_burst
 	$(BIN)/python -m bench.proxy
 	$(BIN)/python -m bench.video
+
+# EPD as its users see it (bench/epd_system.py): vLLM's own `vllm bench serve` against three stacks
+# (aggregated vLLM, vLLM's own EPD, encode-server's EPD), R = 1 and 2 replicas, three workloads, two
+# models; about 40 minutes on 2 cores, alone on the machine. Writes bench/results/latest.json's sys_*
+# keys and bench/results/epd_system.png; docs/benchmarks.md has the runs.
+bench-epd: install tools vllm-env
+	$(BIN)/python -m bench.epd_system
 
 # What a tower-free vLLM prefill frees (docs/vllm.md, "The memory it frees"): two vLLM engines, one
 # at a time, with --load-format dummy on a Qwen2.5-VL-3B-sized config; needs ~10 GiB free, checked.

@@ -72,11 +72,16 @@ def make_tiny_qwen2_5_vl(
     dtype: str = "float32",
     video: dict[str, Any] | None = None,
     layout: Literal["nested", "hub"] = "hub",
+    text: dict[str, Any] | None = None,
+    init_std: float = 0.2,
 ) -> Path:
     """Save the checkpoint into ``directory`` and return it. ``vision`` overrides the tower's config
     (the benchmark's larger tower: ``bench/vllm_peer.py``); ``dtype`` is the dtype the weights are
     saved in (and the config's ``dtype``, which vLLM's ``auto`` follows); ``video`` overrides
-    ``VIDEO_PROCESSOR`` and saves it (``{}``: as it is), in ``layout``."""
+    ``VIDEO_PROCESSOR`` and saves it (``{}``: as it is), in ``layout``. ``text`` overrides the
+    language model's config (the tower's output width follows its ``hidden_size``); ``init_std`` is
+    the weights' spread (the default makes greedy tokens depend visibly on the image; wider models
+    need less to keep their activations finite)."""
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import (
@@ -104,7 +109,7 @@ def make_tiny_qwen2_5_vl(
     ids = {t: vocab[t] for t in SPECIAL}
 
     torch.manual_seed(SEED)
-    text = {
+    text_config = {
         "hidden_size": 64,
         "intermediate_size": 128,
         "num_hidden_layers": 2,
@@ -115,13 +120,14 @@ def make_tiny_qwen2_5_vl(
         "bos_token_id": ids["<|endoftext|>"],
         "eos_token_id": ids["<|im_end|>"],
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]},
+        **(text or {}),
     }
     vision_config = {
         "depth": 2,
         "hidden_size": 32,
         "intermediate_size": 64,
         "num_heads": 2,
-        "out_hidden_size": 64,
+        "out_hidden_size": text_config["hidden_size"],
         "patch_size": 14,
         "spatial_merge_size": 2,
         "temporal_patch_size": 2,
@@ -131,7 +137,7 @@ def make_tiny_qwen2_5_vl(
     }
     config = Qwen2_5_VLConfig(
         vision_config=vision_config,
-        text_config=text,
+        text_config=text_config,
         image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"],
@@ -143,7 +149,7 @@ def make_tiny_qwen2_5_vl(
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() >= 2:
-                p.normal_(0.0, 0.2)
+                p.normal_(0.0, init_std)
     model.to(getattr(torch, dtype)).save_pretrained(path)
     processor = Qwen2VLImageProcessorPil(
         size={"shortest_edge": min_pixels, "longest_edge": max_pixels}, patch_size=14, merge_size=2

@@ -1,6 +1,6 @@
-"""A fork server for the suite's encode-servers: one interpreter per Python that has imported the
-server (torch, transformers, every family, FastAPI, gRPC) once, and forks each server the tests
-start from that state, instead of each ``python -m encode_server`` importing it all again.
+"""A fork server for the suite's encode-servers: an interpreter that has imported the server
+(torch, transformers, every family, FastAPI, gRPC) once, and forks each server the tests start
+from that state, instead of each ``python -m encode_server`` importing it all again.
 
 Why: the suites start about 115 encode-servers, and each spent ~4.5 s of its ~5-6 s start-up
 importing torch and transformers (``-X importtime``) on a machine whose two cores both lanes of
@@ -13,12 +13,13 @@ What a forked server shares with a started one, so that tests cannot tell them a
 - it is ``python -m encode_server ARGS`` as far as Python knows: ``sys.argv``, ``sys.path[0]``
   (the working directory, as ``-m`` sets it), ``__main__`` run by ``runpy``, the interpreter's
   normal exit (atexit, logging's flush, its exit code, or death by a signal);
-- its environment is exactly the one asked for; it is forked only when that environment differs
-  from the fork server's own in ``ENCODE_SERVER_*`` variables alone, which nothing reads at import
-  (``encode_server/config.py``), and pytest's ``PYTEST_CURRENT_TEST``. A variable a library may
-  read at import (``OMP_*``, ``MALLOC_*``, ``HF_*``, ``PYTHON*``, ...) set otherwise, another
-  Python or another working directory: the test helper starts a fresh interpreter instead
-  (``tests/server.py``);
+- its environment is exactly the one asked for, and it is forked from a fork server whose own
+  differs from it in ``ENCODE_SERVER_*`` variables alone, which nothing reads at import
+  (``encode_server/config.py``), and pytest's ``PYTEST_CURRENT_TEST``: a variable a library or the
+  loader may read at start (``OMP_*``, ``MALLOC_*``, ``HF_*``, ``LD_LIBRARY_PATH``, ...) set
+  otherwise, or another working directory, and the test helper starts another fork server for it
+  (``tests/server.py``; the vLLM tests' process gains an ``LD_LIBRARY_PATH`` after their first
+  stack);
 - its stdin is ``/dev/null``, stdout and stderr its log file, and it holds none of the fork
   server's descriptors; it is a process of its own with its own PID, which signals (SIGTERM's
   drain, SIGKILL), ``/proc/PID`` (RSS, open descriptors) and the handle's ``wait`` see as usual;
@@ -32,17 +33,25 @@ OpenBLAS's pool, which importing numpy starts, is shut down around each fork by 
 ``start_server(..., fresh=True)``), and the hash seed of ``str`` is the fork server's.
 
 Protocol, over a Unix socket, one connection per server: the test sends one JSON line (``argv``,
-``env``, ``log``); the fork server answers ``{"pid": N}`` once forked and ``{"returncode": R}``
-when it has reaped it (``-N``: killed by signal N, as ``subprocess`` says it). The fork server
-ends when its stdin (a pipe from the test process) closes.
+``env``, ``log``, ``session``: a session of its own, as ``Popen``'s ``start_new_session``); the
+fork server answers ``{"pid": N}`` once forked and ``{"returncode": R}`` when it has reaped it
+(``-N``: killed by signal N, as ``subprocess`` says it). The fork server ends when its stdin (a
+pipe from the test process) closes.
 
-Run as ``python tests/forkserver.py SOCKET`` (never imports ``tests``, so that a forked server's
-modules are the server's own).
+The same serves vLLM's OpenAI server (``tests/vllm/epd_stack.py``), whose start was a third
+importing vLLM (``python -m vllm.entrypoints.openai.api_server``, its engine in the same process).
+
+Run as ``python tests/forkserver.py SOCKET MODULE``: it imports what ``MODULE`` imports (only
+imports, nothing that starts a thread or a loop; never ``tests``, so that a forked server's
+modules are its own).
 """
 
 from __future__ import annotations
 
+import ast
 import contextlib
+import importlib
+import importlib.util
 import json
 import os
 import select
@@ -51,13 +60,10 @@ import socket
 import subprocess
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-__all__ = ["ForkRequest", "ForkedProcess", "forkable", "main"]
-
-# What the fork server imports before it forks: the server's whole import graph (its families,
-# torch and transformers with them). Only imports: nothing here may start a thread or a loop.
-PRELOAD = ("encode_server.cli",)
+__all__ = ["ForkRequest", "ForkedProcess", "import_environment", "main", "preload"]
 
 # The variables in which a forked server's environment may differ from the fork server's: the
 # server's own settings, read when it parses them (config.settings_from), never at import; and the
@@ -68,18 +74,19 @@ FORKABLE_NAMES = frozenset({"PYTEST_CURRENT_TEST"})
 
 @dataclass(frozen=True)
 class ForkRequest:
-    argv: list[str]  # the server's arguments, after ``python -m encode_server``
+    argv: list[str]  # the server's arguments, after ``python -m MODULE``
     env: dict[str, str]  # its whole environment
     log: str  # its stdout and stderr
+    session: bool  # a session (and process group) of its own, as Popen's start_new_session
 
 
-def main(socket_path: str) -> ForkRequest | None:
-    """Import the server, then serve fork requests until stdin closes: None in the fork server
-    (it should exit), the request in a forked child (it should run the server)."""
+def main(socket_path: str, module: str) -> ForkRequest | None:
+    """Import what ``python -m module`` imports first, then serve fork requests until stdin
+    closes: None in the fork server (it should exit), the request in a forked child (it should
+    run ``module`` as ``__main__``)."""
     sys.path[0] = os.getcwd()  # what ``python -m`` puts there, not this file's directory
     original = dict(os.environ)
-    for name in PRELOAD:
-        __import__(name)
+    preload(module)
     imported = dict(os.environ)  # with what importing set (encoders: OMP_WAIT_POLICY's default)
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():  # a forked child could not use CUDA
@@ -115,6 +122,28 @@ def main(socket_path: str) -> ForkRequest | None:
         _reap(children)
 
 
+def preload(module: str) -> None:
+    """Import the modules ``module``'s code imports at its top level (a package's: its
+    ``__main__``'s), and their graph with them, never ``module`` itself: ``-m`` runs it as
+    ``__main__`` only, and its module-level state (a metric registered on import) must be made
+    once, in the forked child."""
+    spec = importlib.util.find_spec(module)
+    if spec is not None and spec.submodule_search_locations is not None:
+        spec = importlib.util.find_spec(module + ".__main__")
+    if spec is None or spec.origin is None:
+        raise ImportError(f"no module {module}")
+    for node in ast.parse(Path(spec.origin).read_text()).body:
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                importlib.import_module(alias.name)
+        elif isinstance(node, ast.ImportFrom) and node.module != "__future__":
+            name = importlib.util.resolve_name("." * node.level + (node.module or ""), spec.parent or None)
+            imported = importlib.import_module(name)
+            for alias in node.names:  # a submodule named in ``from package import name``
+                if alias.name != "*" and not hasattr(imported, alias.name):
+                    importlib.import_module(f"{name}.{alias.name}")
+
+
 def _read_request(conn: socket.socket) -> ForkRequest:
     data = b""
     while not data.endswith(b"\n"):
@@ -123,7 +152,8 @@ def _read_request(conn: socket.socket) -> ForkRequest:
             raise ConnectionError("fork request cut short")
         data += chunk
     fields = json.loads(data)
-    return ForkRequest(argv=list(fields["argv"]), env=dict(fields["env"]), log=str(fields["log"]))
+    return ForkRequest(argv=list(fields["argv"]), env=dict(fields["env"]), log=str(fields["log"]),
+                       session=bool(fields["session"]))
 
 
 def _reap(children: dict[int, socket.socket]) -> None:
@@ -141,7 +171,9 @@ def _reap(children: dict[int, socket.socket]) -> None:
 
 
 def _become_child(request: ForkRequest, original: dict[str, str], imported: dict[str, str]) -> None:
-    """The forked process's state as ``python -m encode_server`` would have it before its main."""
+    """The forked process's state as ``python -m MODULE`` would have it before its main."""
+    if request.session:
+        os.setsid()
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)
@@ -164,11 +196,12 @@ def _become_child(request: ForkRequest, original: dict[str, str], imported: dict
     sys.argv = ["-m", *request.argv]
 
 
-def forkable(env: dict[str, str], base: dict[str, str]) -> str | None:
-    """Why a server with ``env`` cannot be forked from a fork server started with ``base``, or None."""
-    differ = sorted(k for k in set(env) | set(base)
-                    if env.get(k) != base.get(k) and not k.startswith(FORKABLE_PREFIX) and k not in FORKABLE_NAMES)
-    return f"environment differs: {', '.join(differ)}" if differ else None
+def import_environment(env: dict[str, str]) -> tuple[tuple[str, str], ...]:
+    """The part of ``env`` a fork server must have been started with for a process with ``env``
+    to be forked from it: all but the variables read after import (``FORKABLE_PREFIX``,
+    ``FORKABLE_NAMES``). A process whose part differs gets a fork server of its own."""
+    return tuple(sorted((k, v) for k, v in env.items()
+                        if not k.startswith(FORKABLE_PREFIX) and k not in FORKABLE_NAMES))
 
 
 class ForkedProcess:
@@ -220,9 +253,9 @@ class ForkedProcess:
 
 
 if __name__ == "__main__":
-    child = main(sys.argv[1])
-    if child is None:
+    main_module = sys.argv[2]
+    if main(sys.argv[1], main_module) is None:
         sys.exit(0)
     import runpy
 
-    runpy.run_module("encode_server", run_name="__main__", alter_sys=True)
+    runpy.run_module(main_module, run_name="__main__", alter_sys=True)

@@ -2,8 +2,8 @@
 
 In the test suite (``fork_servers``), servers are forked from a fork server that has imported the
 server once (``tests/forkserver.py``: most of a start was importing torch and transformers),
-unless the environment they are asked for differs in more than the server's own settings, or the
-test asks for a fresh interpreter. Elsewhere (the benchmarks) each is a fresh interpreter."""
+one per environment but for the server's own settings, unless the test asks for a fresh
+interpreter. Elsewhere (the benchmarks) each is a fresh interpreter."""
 
 from __future__ import annotations
 
@@ -25,9 +25,9 @@ from pathlib import Path
 import httpx
 
 from tests import startups
-from tests.forkserver import ForkedProcess, forkable
+from tests.forkserver import ForkedProcess, import_environment
 
-__all__ = ["ServerProcess", "fork_servers", "free_port", "run_server_to_exit", "start_server"]
+__all__ = ["ServerProcess", "fork_servers", "free_port", "run_server_to_exit", "start_module", "start_server"]
 
 
 # `make test` runs two lanes side by side (the server's suite and the vLLM suite, Makefile): each
@@ -104,24 +104,26 @@ def _env(env: dict[str, str] | None) -> dict[str, str]:
 
 
 class _ForkServer:
-    """One fork server per Python (``tests/forkserver.py``), started at the first server asked of
-    it and ended with the test process (its stdin, a pipe from here, closes). ``base`` is the
-    environment and ``cwd`` the directory it was started in: what a forked server inherits."""
+    """A fork server (``tests/forkserver.py``), started at the first process asked of it and ended
+    with the test process (its stdin, a pipe from here, closes; never before, since it reaps the
+    processes it forked). ``base`` is the environment and ``cwd`` the directory it was started in:
+    what a forked process inherits."""
 
-    def __init__(self, python: str) -> None:
-        self.base = _env(None)
+    def __init__(self, python: str, module: str, base: dict[str, str]) -> None:
+        self.base = base
         self.cwd = os.getcwd()
         self._dir = tempfile.mkdtemp(prefix="encode-forkserver-")
         self.socket_path = os.path.join(self._dir, "socket")
         self.log_path = Path(self._dir, "forkserver.log")
         script = Path(__file__).with_name("forkserver.py")
         with self.log_path.open("wb") as log:
-            self.proc = subprocess.Popen([python, str(script), self.socket_path], stdin=subprocess.PIPE,
-                                         stdout=log, stderr=subprocess.STDOUT, env=self.base, cwd=self.cwd)
+            self.proc = subprocess.Popen([python, str(script), self.socket_path, module],
+                                         stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, env=base,
+                                         cwd=self.cwd)
         self.failed: str | None = None
 
     def connect(self, timeout: float) -> socket.socket | None:
-        """A connection once the fork server has imported the server; None if it died."""
+        """A connection once the fork server has imported the module; None if it died."""
         deadline = time.monotonic() + timeout
         while self.failed is None:
             if os.path.exists(self.socket_path):
@@ -134,11 +136,12 @@ class _ForkServer:
             time.sleep(0.05)
         return None
 
-    def fork(self, cmd: list[str], env: dict[str, str], log_path: Path, timeout: float) -> ForkedProcess | None:
+    def fork(self, cmd: list[str], env: dict[str, str], log_path: Path, timeout: float,
+             session: bool) -> ForkedProcess | None:
         conn = self.connect(timeout)
         if conn is None:
             return None
-        request = {"argv": cmd[3:], "env": env, "log": str(log_path)}  # cmd: python -m encode_server ARGS
+        request = {"argv": cmd[3:], "env": env, "log": str(log_path), "session": session}  # cmd: python -m M ARGS
         conn.sendall(json.dumps(request).encode() + b"\n")
         return ForkedProcess(conn, cmd)
 
@@ -149,7 +152,7 @@ class _ForkServer:
 # compare the seconds, or to rule it out when a test fails).
 FORK_ENV = "ENCODE_TEST_FORK"
 _forking = [False]
-_fork_servers: dict[str, _ForkServer] = {}
+_fork_servers: dict[tuple[str, str, str, tuple[tuple[str, str], ...]], _ForkServer] = {}
 _fork_lock = threading.Lock()
 
 
@@ -159,22 +162,27 @@ def fork_servers() -> None:
     _forking[0] = os.environ.get(FORK_ENV) != "0"
 
 
-def _spawn(cmd: list[str], env: dict[str, str], log_path: Path, fresh: bool,
-           timeout: float) -> tuple[subprocess.Popen[bytes] | ForkedProcess, str | None]:
-    """The server's process, forked when it can be (``tests/forkserver.py``), and why it was not."""
+def start_module(
+    cmd: list[str], env: dict[str, str], log_path: Path, *, fresh: bool = False, new_session: bool = False,
+    timeout: float = 120.0,
+) -> tuple[subprocess.Popen[bytes] | ForkedProcess, str | None]:
+    """``cmd`` (``PYTHON -m MODULE ARGS``) with ``env``, its output into ``log_path``: forked from
+    a fork server of that Python and module when forking is on (``fork_servers``) and ``fresh`` is
+    not set, else a fresh interpreter; and why it was not forked.
+    ``new_session``: a session and process group of its own (``Popen``'s ``start_new_session``)."""
     why: str | None = "fresh=True" if fresh else None
     if _forking[0] and why is None:
+        # One fork server per Python, module, directory and what of the environment is read at start.
+        key = (cmd[0], cmd[2], os.getcwd(), import_environment(env))
         with _fork_lock:
-            fork_server = _fork_servers.get(cmd[0]) or _fork_servers.setdefault(cmd[0], _ForkServer(cmd[0]))
-        why = fork_server.failed or ("another working directory" if os.getcwd() != fork_server.cwd
-                                     else forkable(env, fork_server.base))
-        if why is None:
-            forked = fork_server.fork(cmd, env, log_path, timeout)
-            if forked is not None:
-                return forked, None
-            why = fork_server.failed
+            fork_server = _fork_servers.get(key) or _fork_servers.setdefault(key, _ForkServer(cmd[0], cmd[2], env))
+        forked = fork_server.fork(cmd, env, log_path, timeout, new_session)
+        if forked is not None:
+            return forked, None
+        why = fork_server.failed
     with log_path.open("ab") as log:
-        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env), why
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                start_new_session=new_session), why
 
 
 def run_server_to_exit(
@@ -192,7 +200,7 @@ def run_server_to_exit(
         log_path.write_bytes(b"")
         proc: subprocess.Popen[bytes] | ForkedProcess
         if address_space is None:
-            proc, _ = _spawn(cmd, _env(None), log_path, False, timeout)
+            proc, _ = start_module(cmd, _env(None), log_path, timeout=timeout)
         else:  # a limit on the whole address space holds only from exec on: a fresh interpreter
             def limit() -> None:
                 resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space))
@@ -234,7 +242,7 @@ def start_server(
         grpc_port = int(args[args.index("--grpc-port") + 1])
     log_path.write_bytes(b"")
     started = time.perf_counter()
-    proc, not_forked = _spawn(cmd, _env(env), log_path, fresh, timeout)
+    proc, not_forked = start_module(cmd, _env(env), log_path, fresh=fresh, timeout=timeout)
     server = ServerProcess(f"http://127.0.0.1:{port}", proc, log_path, grpc_port)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

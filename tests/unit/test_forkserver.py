@@ -1,21 +1,21 @@
-"""The fork server's rule for which servers it may fork (tests/forkserver.py): only those whose
-environment differs from its own in what no library reads at import."""
+"""Which processes one fork server may fork (tests/forkserver.py): those whose environment differs
+from its own only in what no library reads at import; any other gets a fork server of its own."""
 
 from __future__ import annotations
 
-from tests.forkserver import forkable
+from tests.forkserver import import_environment
 
 BASE = {"PATH": "/usr/bin", "HF_HUB_OFFLINE": "1", "ENCODE_SERVER_WARMUP": "quick"}
 
 
-def test_a_server_whose_environment_differs_only_in_its_own_settings_is_forked() -> None:
+def test_servers_whose_environments_differ_only_in_their_own_settings_share_a_fork_server() -> None:
     env = {**BASE, "ENCODE_SERVER_WARMUP": "full", "ENCODE_SERVER_API_KEYS": "a:b", "PYTEST_CURRENT_TEST": "t (call)"}
-    assert forkable(env, BASE) is None
-    assert forkable({k: v for k, v in BASE.items() if k != "ENCODE_SERVER_WARMUP"}, BASE) is None
+    assert import_environment(env) == import_environment(BASE) == (("HF_HUB_OFFLINE", "1"), ("PATH", "/usr/bin"))
+    without = {k: v for k, v in BASE.items() if k != "ENCODE_SERVER_WARMUP"}
+    assert import_environment(without) == import_environment(BASE)
 
 
-def test_a_variable_a_library_may_read_at_import_set_otherwise_starts_a_fresh_interpreter() -> None:
-    assert forkable({**BASE, "OMP_NUM_THREADS": "1"}, BASE) == "environment differs: OMP_NUM_THREADS"
-    assert forkable({**BASE, "HF_HUB_OFFLINE": "0", "MALLOC_ARENA_MAX": "2"}, BASE) == (
-        "environment differs: HF_HUB_OFFLINE, MALLOC_ARENA_MAX")
-    assert forkable({k: v for k, v in BASE.items() if k != "PATH"}, BASE) == "environment differs: PATH"
+def test_a_variable_a_library_or_the_loader_reads_at_start_set_otherwise_gets_its_own_fork_server() -> None:
+    for changed in ({**BASE, "OMP_NUM_THREADS": "1"}, {**BASE, "HF_HUB_OFFLINE": "0"},
+                    {**BASE, "LD_LIBRARY_PATH": "/opt/lib"}, {k: v for k, v in BASE.items() if k != "PATH"}):
+        assert import_environment(changed) != import_environment(BASE), changed

@@ -7,10 +7,12 @@ interpreter. Elsewhere (the benchmarks) each is a fresh interpreter."""
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import random
 import resource
+import shutil
 import signal
 import socket
 import subprocess
@@ -113,6 +115,7 @@ class _ForkServer:
         self.base = base
         self.cwd = os.getcwd()
         self._dir = tempfile.mkdtemp(prefix="encode-forkserver-")
+        atexit.register(shutil.rmtree, self._dir, ignore_errors=True)  # its socket and log
         self.socket_path = os.path.join(self._dir, "socket")
         self.log_path = Path(self._dir, "forkserver.log")
         script = Path(__file__).with_name("forkserver.py")

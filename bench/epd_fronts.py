@@ -68,9 +68,9 @@ def build_app(upstreams: Sequence[str], encoder: str | None = None) -> Starlette
     async def relay(request: Request) -> Response:
         raw = await request.body()
         if encoder is not None and request.url.path == "/v1/chat/completions":
-            body = json.loads(raw)
-            if has_mm_input(body):
-                primed = await client.post(encoder + "/v1/chat/completions", json=encoder_request(body))
+            chat = json.loads(raw)
+            if has_mm_input(chat):
+                primed = await client.post(encoder + "/v1/chat/completions", json=encoder_request(chat))
                 if primed.status_code != 200:
                     return JSONResponse({"error": {"message": f"encoder: {primed.text[:500]}"}},
                                         status_code=primed.status_code)
@@ -85,7 +85,7 @@ def build_app(upstreams: Sequence[str], encoder: str | None = None) -> Starlette
             pool.finished(upstream)
             raise
 
-        async def body() -> AsyncIterator[bytes]:
+        async def relayed() -> AsyncIterator[bytes]:
             try:
                 async for chunk in answer.aiter_raw():
                     yield chunk
@@ -94,7 +94,7 @@ def build_app(upstreams: Sequence[str], encoder: str | None = None) -> Starlette
                 pool.finished(upstream)
 
         kept = {k: v for k, v in answer.headers.items() if k.lower() not in _HOP}
-        return StreamingResponse(body(), status_code=answer.status_code, headers=kept)
+        return StreamingResponse(relayed(), status_code=answer.status_code, headers=kept)
 
     async def health(request: Request) -> Response:
         return Response(status_code=200)

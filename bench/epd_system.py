@@ -52,8 +52,9 @@ import httpx
 from bench.epd_workloads import WORKLOADS, Workload, write_workloads
 from bench.flops import QWEN2_5_VL_7B, tower_share
 from bench.latest import RESULTS, merge_into
-from bench.vllm_peer import tree_peak_rss_mb, vllm_env
+from bench.vllm_peer import tree_cpu_seconds, tree_peak_rss_mb, vllm_env
 from tests.server import free_port
+from tests.vllm.epd_stack import entered_together
 
 ROOT = Path(__file__).resolve().parent.parent
 STACKS = ("aggregated", "vllm_epd", "encode_server")
@@ -89,7 +90,7 @@ MODELS = {
 
 @dataclass(frozen=True)
 class Plan:
-    prompts: int = 96
+    prompts: int = 64
     concurrency: int = 8
     output_tokens: int = 16
     replicas: tuple[int, ...] = (1, 2)
@@ -128,7 +129,7 @@ def process(name: str, cmd: Sequence[str], ready: str, log_dir: Path, env: dict[
     with log_path.open("wb") as log:
         proc = subprocess.Popen(list(cmd), stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
                                 start_new_session=True)
-    url = ready.rsplit("/", 1)[0] if ready.endswith(("/health", "/ready")) else ready
+    url = ready.rsplit("/", 1)[0]
     try:
         deadline = time.monotonic() + timeout
         while True:
@@ -173,15 +174,6 @@ def _vllm_env(pythonpath: str | None = None, in_process_engine: bool = False) ->
     return environ
 
 
-@contextmanager
-def together(managers: Sequence[Any]) -> Iterator[list[Any]]:
-    """Enter ``managers`` at once (vLLM servers start in the time of the slowest), exit them all."""
-    from tests.vllm.epd_stack import entered_together
-
-    with entered_together(*managers) as entered:
-        yield entered
-
-
 # -- the stacks --------------------------------------------------------------------------------------
 
 
@@ -193,7 +185,6 @@ class Stack:
     url: str
     procs: list[Proc]
     passes: Callable[[], float | None] = lambda: None
-    startup_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -222,8 +213,8 @@ def _front(kind: str, upstreams: Sequence[str], log_dir: Path, encoder: str | No
 def aggregated(site: Site, replicas: int) -> Iterator[Stack]:
     limits = json.dumps({"image": 1, "video": 0})
     with ExitStack() as stack:
-        vllms = stack.enter_context(together(
-            [site.vllm(f"vllm-{i}", "--limit-mm-per-prompt", limits) for i in range(replicas)]))
+        replicas_up = [site.vllm(f"vllm-{i}", "--limit-mm-per-prompt", limits) for i in range(replicas)]
+        vllms = stack.enter_context(entered_together(*replicas_up))
         procs = list(vllms)
         url = vllms[0].url
         if replicas > 1:
@@ -253,7 +244,7 @@ def vllm_epd(site: Site, replicas: int) -> Iterator[Stack]:
                              "--limit-mm-per-prompt", limits, "--ec-transfer-config", ec("ec_producer"))]
         servers += [site.vllm(f"vllm-pd-{i}", "--limit-mm-per-prompt", limits, "--ec-transfer-config",
                               ec("ec_consumer")) for i in range(replicas)]
-        encoder, *consumers = stack.enter_context(together(servers))
+        encoder, *consumers = stack.enter_context(entered_together(*servers))
         front = stack.enter_context(_front("vllm-epd", [c.url for c in consumers], site.log_dir,
                                           encoder=encoder.url))
         yield Stack("vllm_epd", front.url, [encoder, *consumers, front], passes=lambda: _stored_files(shared))
@@ -285,9 +276,9 @@ def encode_server_epd(site: Site, replicas: int) -> Iterator[Stack]:
                          "ec_connector_extra_config": {"redis_url": redis_url, "encoder_url": server.url,
                                                        "prefix": PREFIX}})
         limits = json.dumps({"image": 0, "video": 0})  # tower-free: vLLM loads no vision weights
-        consumers = stack.enter_context(together(
-            [site.vllm(f"vllm-tf-{i}", "--limit-mm-per-prompt", limits, "--ec-transfer-config", ec,
-                       pythonpath=str(ROOT / "clients" / "python")) for i in range(replicas)]))
+        tower_free = [site.vllm(f"vllm-tf-{i}", "--limit-mm-per-prompt", limits, "--ec-transfer-config", ec,
+                                pythonpath=str(ROOT / "clients" / "python")) for i in range(replicas)]
+        consumers = stack.enter_context(entered_together(*tower_free))
         proxy_port = free_port()
         cmd = [str(bin_dir / "encode-epd-proxy"), "--listen", f"127.0.0.1:{proxy_port}", "--encoder", server.url,
                "--log-level", "warning", *[a for c in consumers for a in ("--vllm", c.url)]]
@@ -440,12 +431,15 @@ def _run_stack(env: Path, checkpoint: Path, model: str, stack_name: str, replica
         log(f"{tag}: up in {startup:.0f} s at {stack.url}")
         bench_serve(env, checkpoint, stack.url, warm.path, plan, 4, log_dir / "warm.json")
         for w in plan.workloads:
-            before = stack.passes()
+            before, cpu_before = stack.passes(), {p.name: tree_cpu_seconds(p.pid) for p in stack.procs}
             saved = bench_serve(env, checkpoint, stack.url, workloads[w].path, plan, plan.prompts,
                                 log_dir / f"{w}.json")
             after = stack.passes()
             passes = None if before is None or after is None else after - before
             figs = figures(saved, passes, plan.prompts)
+            # Where the cores went: each process's CPU seconds per request (the profile's first cut).
+            figs["cpu_ms_per_request"] = {p.name: round((tree_cpu_seconds(p.pid) - cpu_before[p.name]) * 1000
+                                                        / plan.prompts, 1) for p in stack.procs}
             matrix.runs[f"{tag}/{w}"] = figs
             log(f"{tag}/{w}: TTFT p50 {figs['ttft_p50_ms']:.0f} ms, p99 {figs['ttft_p99_ms']:.0f} ms, "
                 f"{figs['throughput_rps']:.2f} req/s, failed {figs['failed']}, passes/req "
@@ -483,10 +477,20 @@ def summarize(matrix: Matrix, shares: dict[str, dict[str, float]], workloads: di
                     compared = {s: _same(matrix.get(model, s, r, w), reference, n) for s in STACKS}
                     same_texts[f"{model}/r{r}/{w}"] = compared
     runs = {k: {f: v for f, v in figs.items() if f != "texts"} for k, figs in matrix.runs.items()}
+    # The tower's share of the CPU a request takes here, beside its share of the FLOPs: what the
+    # tower-free consumers spend per unique-image request against what aggregated vLLM spends.
+    measured: dict[str, float | None] = {}
+    for model in plan.models:
+        agg, ours = (matrix.get(model, s, 1, "unique") for s in ("aggregated", "encode_server"))
+        if agg is None or ours is None:
+            continue
+        whole = sum(agg["cpu_ms_per_request"].values())
+        prefill = sum(v for k, v in ours["cpu_ms_per_request"].items() if k.startswith("vllm-"))
+        measured[model] = None if whole <= 0 else 1 - prefill / whole
     detail = {"plan": plan.__dict__ | {"models": list(plan.models)}, "machine": machine(), "tower_share": shares,
               "models": {m: MODELS[m].config() for m in plan.models}, "max_pixels": MAX_PIXELS,
-              "images": {w: workloads[w].images for w in plan.workloads}, "runs": runs, "stacks": matrix.stacks,
-              "same_texts": same_texts}
+              "images": {w: workloads[w].images for w in plan.workloads}, "tower_cpu_share": measured,
+              "runs": runs, "stacks": matrix.stacks, "same_texts": same_texts}
     return {**keys, "epd_system": detail}
 
 
@@ -517,6 +521,34 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def headline(result: dict[str, Any]) -> str:
+    """README's table: per model, R and workload, each stack's TTFT p50 and encode-server's ratios."""
+    detail = result["epd_system"]
+    plan = detail["plan"]
+    lines = ["| model (tower share) | R | workload | TTFT p50: aggregated / vLLM EPD / encode-server | "
+             "encode-server ÷ aggregated | ÷ vLLM EPD | req/s ÷ aggregated |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+
+    def cell(value: float | None, fmt: str) -> str:
+        return "-" if value is None else format(value, fmt)
+
+    for model in plan["models"]:
+        for r in plan["replicas"]:
+            for w in plan["workloads"]:
+                runs = [detail["runs"].get(f"{model}/{s}/r{r}/{w}") for s in STACKS]
+                if runs[2] is None:
+                    continue
+                ttfts = " / ".join(cell(x and x["ttft_p50_ms"], ".0f") for x in runs) + " ms"
+                suffix = "" if model == "qwen7b" else f"_{model}"
+                share = detail["tower_share"][model][w]
+                lines.append(
+                    f"| {model} ({share:.0%}) | {r} | {w} | {ttfts} "
+                    f"| {cell(result.get(f'sys_ttft_p50_vs_aggregated_{w}_r{r}{suffix}'), '.2f')} "
+                    f"| {cell(result.get(f'sys_ttft_p50_vs_vllm_epd_{w}_r{r}{suffix}'), '.2f')} "
+                    f"| {cell(result.get(f'sys_throughput_vs_aggregated_{w}_r{r}{suffix}'), '.2f')} |")
+    return "\n".join(lines)
+
+
 def plot(result: dict[str, Any], path: Path) -> Path:
     import matplotlib
 
@@ -532,7 +564,7 @@ def plot(result: dict[str, Any], path: Path) -> Path:
     for ax, (model, r) in zip(axes[0], panels, strict=True):
         series = {s: [detail["runs"].get(f"{model}/{s}/r{r}/{w}", {}).get("ttft_p50_ms") or 0.0
                       for w in plan["workloads"]] for s in plan["stacks"]}
-        share = detail["tower_share"][model]["unique"]
+        share = detail["tower_share"][model][plan["workloads"][0]]
         bars(ax, list(plan["workloads"]), series, "TTFT p50 (ms)", f"{model} (tower {share:.0%}), R = {r}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -565,6 +597,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     result = run(plan, log=lambda m: print(m, flush=True))
     merge_into(args.out, result)
     print(table(result))
+    print()
+    print(headline(result))
     print(f"plot: {plot(result, args.plot)}")
     return 0
 

@@ -46,7 +46,8 @@ def _jpeg(path: Path, width: int, height: int, seed: int) -> None:
     from PIL import Image
 
     rng = np.random.default_rng(seed)
-    coarse = Image.fromarray((rng.random((6, 8, 3)) * 255).astype("uint8")).resize((width, height), Image.BICUBIC)
+    field = Image.fromarray((rng.random((6, 8, 3)) * 255).astype("uint8"))
+    coarse = field.resize((width, height), Image.Resampling.BICUBIC)
     pixels = np.asarray(coarse, dtype=np.int16) + rng.integers(-12, 13, (height, width, 3))
     Image.fromarray(pixels.clip(0, 255).astype("uint8")).save(path, format="JPEG", quality=88)
 

@@ -255,6 +255,38 @@ def _metric_sum(url: str, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 
 
+# Where a request's time to first token goes, from each process's own histograms: vLLM's TTFT as
+# its engine sees it (from the request's arrival in the engine), its queueing and prefill parts,
+# and the proxy's hand-off (encode-server's part of an encode-server request, the rewrite included).
+_STAGES = {"vllm": ("vllm:time_to_first_token_seconds", "vllm:request_queue_time_seconds",
+                    "vllm:request_prefill_time_seconds"),
+           "encode-epd-proxy": ("encode_epd_proxy_handoff_seconds",)}
+
+
+def _stage_sums(procs: Sequence[Proc]) -> dict[str, tuple[float, float]]:
+    """(sum, count) of each stage's histogram, per process role (vLLM replicas added up)."""
+    sums: dict[str, tuple[float, float]] = {}
+    for proc in procs:
+        role = "vllm" if proc.name.startswith("vllm") else proc.name
+        tag = "vllm-e" if proc.name == "vllm-e" else role  # vLLM's encoder apart from its consumers
+        for metric in _STAGES.get(role, ()):
+            total, count = _metric_sum(proc.url, metric + "_sum"), _metric_sum(proc.url, metric + "_count")
+            key = f"{tag}:{metric.split(':')[-1].removeprefix('encode_epd_proxy_')}"
+            old = sums.get(key, (0.0, 0.0))
+            sums[key] = (old[0] + total, old[1] + count)
+    return sums
+
+
+def _stage_means(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> dict[str, float]:
+    """Each stage's mean milliseconds over a run."""
+    out = {}
+    for key, (total, count) in after.items():
+        t0, c0 = before.get(key, (0.0, 0.0))
+        if count > c0:
+            out[key] = round((total - t0) / (count - c0) * 1000, 1)
+    return out
+
+
 @contextmanager
 def encode_server_epd(site: Site, replicas: int) -> Iterator[Stack]:
     """docs/vllm.md's stack: Redis, encode-server, tower-free consumers, encode-epd-proxy."""
@@ -432,6 +464,7 @@ def _run_stack(env: Path, checkpoint: Path, model: str, stack_name: str, replica
         bench_serve(env, checkpoint, stack.url, warm.path, plan, 4, log_dir / "warm.json")
         for w in plan.workloads:
             before, cpu_before = stack.passes(), {p.name: tree_cpu_seconds(p.pid) for p in stack.procs}
+            stages_before = _stage_sums(stack.procs)
             saved = bench_serve(env, checkpoint, stack.url, workloads[w].path, plan, plan.prompts,
                                 log_dir / f"{w}.json")
             after = stack.passes()
@@ -440,6 +473,7 @@ def _run_stack(env: Path, checkpoint: Path, model: str, stack_name: str, replica
             # Where the cores went: each process's CPU seconds per request (the profile's first cut).
             figs["cpu_ms_per_request"] = {p.name: round((tree_cpu_seconds(p.pid) - cpu_before[p.name]) * 1000
                                                         / plan.prompts, 1) for p in stack.procs}
+            figs["stage_ms"] = _stage_means(stages_before, _stage_sums(stack.procs))
             matrix.runs[f"{tag}/{w}"] = figs
             log(f"{tag}/{w}: TTFT p50 {figs['ttft_p50_ms']:.0f} ms, p99 {figs['ttft_p99_ms']:.0f} ms, "
                 f"{figs['throughput_rps']:.2f} req/s, failed {figs['failed']}, passes/req "

@@ -479,7 +479,8 @@ def _run_stack(env: Path, checkpoint: Path, model: str, stack_name: str, replica
                 f"{figs['throughput_rps']:.2f} req/s, failed {figs['failed']}, passes/req "
                 f"{'-' if passes is None else f'{passes / plan.prompts:.2f}'}")
         matrix.stacks[tag] = {"startup_s": startup,
-                              "peak_rss_mb": {p.name: round(tree_peak_rss_mb(p.pid), 1) for p in stack.procs}}
+                              "peak_rss_mb": {p.name: round(tree_peak_rss_mb(p.pid), 1) for p in stack.procs},
+                              "rss_mb": {p.name: round(tree_peak_rss_mb(p.pid, "VmRSS"), 1) for p in stack.procs}}
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -555,6 +556,43 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def stages(result: dict[str, Any]) -> str:
+    """Where the time and the cores went, per run: each stage's mean (from the processes' own
+    histograms) and each process's CPU milliseconds per request."""
+    lines = ["| model | R | workload | stack | mean ms: vLLM TTFT (engine) / queue / prefill / hand-off "
+             "| CPU ms per request, by process |", "| --- | --- | --- | --- | --- | --- |"]
+    for key, f in result["epd_system"]["runs"].items():
+        model, stack, r, w = key.split("/")
+        st = f.get("stage_ms", {})
+        means = " / ".join(str(st.get(k, "-")) for k in (
+            "vllm:time_to_first_token_seconds", "vllm:request_queue_time_seconds",
+            "vllm:request_prefill_time_seconds", "encode-epd-proxy:handoff_seconds"))
+        if "vllm-e:time_to_first_token_seconds" in st:
+            means += f" (vLLM's E: {st['vllm-e:time_to_first_token_seconds']})"
+        cpu = ", ".join(f"{k} {v:.0f}" for k, v in f.get("cpu_ms_per_request", {}).items())
+        lines.append(f"| {model} | {r[1:]} | {w} | {stack} | {means} | {cpu} |")
+    return "\n".join(lines)
+
+
+def _mb(values: dict[str, float], name: str | None = None) -> str:
+    """One process's MiB (``name``) or all of them, "-" where the result has none."""
+    value = values.get(name) if name else (sum(values.values()) if values else None)
+    return "-" if value is None else f"{value:.0f}"
+
+
+def memory(result: dict[str, Any]) -> str:
+    """Each stack's processes' resident memory at its end and at its peak (VmRSS, VmHWM of each
+    process tree: a peak can be a start-up's, e.g. encode-server's worst-case warm-up), MiB."""
+    lines = ["| model | R | stack | RSS at the end (peak) by process, MiB | total at the end (peak) |",
+             "| --- | --- | --- | --- | --- |"]
+    for tag, info in result["epd_system"]["stacks"].items():
+        model, stack, r = tag.split("/")
+        peak, now = info["peak_rss_mb"], info.get("rss_mb", {})
+        each = ", ".join(f"{k} {_mb(now, k)} ({v:.0f})" for k, v in peak.items())
+        lines.append(f"| {model} | {r[1:]} | {stack} | {each} | {_mb(now)} ({sum(peak.values()):.0f}) |")
+    return "\n".join(lines)
+
+
 def headline(result: dict[str, Any]) -> str:
     """README's table: per model, R and workload, each stack's TTFT p50 and encode-server's ratios."""
     detail = result["epd_system"]
@@ -616,7 +654,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--replicas", help="comma-separated R values, e.g. 1,2")
     parser.add_argument("--stacks", help="comma-separated: " + ",".join(STACKS))
     parser.add_argument("--workloads", help="comma-separated: " + ",".join(WORKLOADS))
+    parser.add_argument("--report", type=Path, help="print the tables of a saved result (no run)")
     args = parser.parse_args(argv)
+    if args.report:
+        saved = json.loads(args.report.read_text())
+        for part in (table, headline, stages, memory):
+            print(part(saved), end="\n\n")
+        return 0
     plan = QUICK if args.quick else Plan()
     if args.prompts:
         plan = replace(plan, prompts=args.prompts)
@@ -630,9 +674,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         plan = replace(plan, workloads=tuple(args.workloads.split(",")))
     result = run(plan, log=lambda m: print(m, flush=True))
     merge_into(args.out, result)
-    print(table(result))
-    print()
-    print(headline(result))
+    for part in (table, headline, stages, memory):
+        print(part(result), end="\n\n")
     print(f"plot: {plot(result, args.plot)}")
     return 0
 

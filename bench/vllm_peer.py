@@ -204,15 +204,16 @@ def _tree(pid: int) -> list[int]:
     return out
 
 
-def tree_peak_rss_mb(pid: int) -> float:
-    """Peak resident memory (VmHWM) summed over the process tree."""
+def tree_peak_rss_mb(pid: int, field: str = "VmHWM") -> float:
+    """Peak resident memory (VmHWM; ``field="VmRSS"``: resident now) summed over the process tree."""
     total = 0.0
     for p in _tree(pid):
         try:
             status = Path(f"/proc/{p}/status").read_text()
         except OSError:
             continue
-        total += next((int(line.split()[1]) / 1024 for line in status.splitlines() if line.startswith("VmHWM:")), 0.0)
+        total += next((int(line.split()[1]) / 1024 for line in status.splitlines() if line.startswith(f"{field}:")),
+                      0.0)
     return total
 
 

@@ -52,7 +52,8 @@ import httpx
 from bench.epd_workloads import WORKLOADS, Workload, write_workloads
 from bench.flops import QWEN2_5_VL_7B, tower_share
 from bench.latest import RESULTS, merge_into
-from bench.vllm_peer import tree_cpu_seconds, tree_peak_rss_mb, vllm_env
+from bench.vllm_peer import tree_cpu_seconds, tree_memory_mb, vllm_env
+from tests.redis_procs import start_redis
 from tests.server import free_port
 from tests.vllm.epd_stack import entered_together
 
@@ -68,8 +69,8 @@ _TOWER = {"depth": 4, "hidden_size": 64, "intermediate_size": 128, "num_heads": 
 
 @dataclass(frozen=True)
 class Model:
-    name: str
-    what: str
+    """A checkpoint's tower and language model (the configs' fields that differ from tiny_qwen's)."""
+
     vision: dict[str, Any]
     text: dict[str, Any]
 
@@ -79,10 +80,11 @@ class Model:
 
 
 MODELS = {
-    "qwen7b": Model("qwen7b", "tower share of Qwen2.5-VL-7B", _TOWER,
+    # The tower's share of Qwen2.5-VL-7B's FLOPs on these workloads, and the seed's worst case.
+    "qwen7b": Model(_TOWER,
                     {"hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 4,
                      "num_attention_heads": 8, "num_key_value_heads": 2}),
-    "tower79": Model("tower79", "tower ~79% of a request", _TOWER,
+    "tower79": Model(_TOWER,
                      {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
                       "num_attention_heads": 4, "num_key_value_heads": 1}),
 }
@@ -250,8 +252,10 @@ def vllm_epd(site: Site, replicas: int) -> Iterator[Stack]:
         yield Stack("vllm_epd", front.url, [encoder, *consumers, front], passes=lambda: _stored_files(shared))
 
 
-def _metric_sum(url: str, name: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=10).text
+def _metric_sum(url: str, name: str, text: str | None = None) -> float:
+    """The sum of every sample of ``name`` on ``url``'s /metrics (``text``: that page, read already)."""
+    if text is None:
+        text = httpx.get(url + "/metrics", timeout=10).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 
 
@@ -269,8 +273,10 @@ def _stage_sums(procs: Sequence[Proc]) -> dict[str, tuple[float, float]]:
     for proc in procs:
         role = "vllm" if proc.name.startswith("vllm") else proc.name
         tag = "vllm-e" if proc.name == "vllm-e" else role  # vLLM's encoder apart from its consumers
-        for metric in _STAGES.get(role, ()):
-            total, count = _metric_sum(proc.url, metric + "_sum"), _metric_sum(proc.url, metric + "_count")
+        metrics = _STAGES.get(role, ())
+        page = httpx.get(proc.url + "/metrics", timeout=10).text if metrics else ""
+        for metric in metrics:
+            total, count = (_metric_sum(proc.url, metric + suffix, page) for suffix in ("_sum", "_count"))
             key = f"{tag}:{metric.split(':')[-1].removeprefix('encode_epd_proxy_')}"
             old = sums.get(key, (0.0, 0.0))
             sums[key] = (old[0] + total, old[1] + count)
@@ -292,11 +298,8 @@ def encode_server_epd(site: Site, replicas: int) -> Iterator[Stack]:
     """docs/vllm.md's stack: Redis, encode-server, tower-free consumers, encode-epd-proxy."""
     bin_dir = Path(sys.executable).parent
     with ExitStack() as stack:
-        redis_port = free_port()
-        redis_dir = Path(tempfile.mkdtemp(prefix="epd-redis-"))
-        stack.callback(shutil.rmtree, redis_dir, ignore_errors=True)
-        redis = stack.enter_context(_redis(redis_port, redis_dir, site.log_dir))
-        redis_url = f"redis://127.0.0.1:{redis_port}/0"
+        redis = stack.enter_context(start_redis())  # its own, keeping nothing on disk
+        redis_url = redis.url
         port = free_port()
         server = stack.enter_context(process(
             "encode-server", [str(bin_dir / "encode-server"), "--model", str(site.model), "--host", "127.0.0.1",
@@ -316,34 +319,9 @@ def encode_server_epd(site: Site, replicas: int) -> Iterator[Stack]:
                "--log-level", "warning", *[a for c in consumers for a in ("--vllm", c.url)]]
         proxy = stack.enter_context(process("encode-epd-proxy", cmd, f"http://127.0.0.1:{proxy_port}/health",
                                             site.log_dir, timeout=60))
-        yield Stack("encode_server", proxy.url, [redis, server, *consumers, proxy],
+        assert redis.proc is not None  # started
+        yield Stack("encode_server", proxy.url, [Proc("redis", redis_url, redis.proc.pid), server, *consumers, proxy],
                     passes=lambda: _metric_sum(server.url, "encode_server_batch_size_sum"))
-
-
-@contextmanager
-def _redis(port: int, workdir: Path, log_dir: Path) -> Iterator[Proc]:
-    """A Redis of the stack's own, keeping nothing on disk, ready when it answers PING."""
-    import redis as redis_py
-
-    log = (log_dir / "redis.log").open("wb")
-    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", "--dir", str(workdir)], stdout=log, stderr=subprocess.STDOUT)
-    try:
-        client = redis_py.Redis(port=port)
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if client.ping():
-                    break
-            except redis_py.ConnectionError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"redis-server did not start; see {log_dir / 'redis.log'}") from None
-                time.sleep(0.1)
-        yield Proc("redis", f"redis://127.0.0.1:{port}", proc.pid)
-    finally:
-        proc.kill()
-        proc.wait(10)
-        log.close()
 
 
 STARTERS = {"aggregated": aggregated, "vllm_epd": vllm_epd, "encode_server": encode_server_epd}
@@ -479,8 +457,8 @@ def _run_stack(env: Path, checkpoint: Path, model: str, stack_name: str, replica
                 f"{figs['throughput_rps']:.2f} req/s, failed {figs['failed']}, passes/req "
                 f"{'-' if passes is None else f'{passes / plan.prompts:.2f}'}")
         matrix.stacks[tag] = {"startup_s": startup,
-                              "peak_rss_mb": {p.name: round(tree_peak_rss_mb(p.pid), 1) for p in stack.procs},
-                              "rss_mb": {p.name: round(tree_peak_rss_mb(p.pid, "VmRSS"), 1) for p in stack.procs}}
+                              "peak_rss_mb": {p.name: round(tree_memory_mb(p.pid, "VmHWM"), 1) for p in stack.procs},
+                              "rss_mb": {p.name: round(tree_memory_mb(p.pid, "VmRSS"), 1) for p in stack.procs}}
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:

@@ -204,8 +204,8 @@ def _tree(pid: int) -> list[int]:
     return out
 
 
-def tree_peak_rss_mb(pid: int, field: str = "VmHWM") -> float:
-    """Peak resident memory (VmHWM; ``field="VmRSS"``: resident now) summed over the process tree."""
+def tree_memory_mb(pid: int, field: str) -> float:
+    """A /proc status memory field (``VmHWM``: peak resident, ``VmRSS``: resident now) summed over the tree."""
     total = 0.0
     for p in _tree(pid):
         try:
@@ -215,6 +215,11 @@ def tree_peak_rss_mb(pid: int, field: str = "VmHWM") -> float:
         total += next((int(line.split()[1]) / 1024 for line in status.splitlines() if line.startswith(f"{field}:")),
                       0.0)
     return total
+
+
+def tree_peak_rss_mb(pid: int) -> float:
+    """Peak resident memory (VmHWM) summed over the process tree."""
+    return tree_memory_mb(pid, "VmHWM")
 
 
 def tree_cpu_seconds(pid: int) -> float:

@@ -16,8 +16,9 @@ reverse (``tests/unit/test_layering.py``).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from typing import Any
 
 from encode_server.config import Settings
 from encode_server.core.budget import ByteBudget
@@ -139,9 +140,12 @@ class MemoryCharge:
             charge.close()
 
 
-def plan_video(encoder: VisionEncoder, settings: Settings, data: bytes, index: int) -> tuple[VideoInfo, VideoPlan]:
+def plan_video(
+    encoder: VisionEncoder, settings: Settings, data: bytes, index: int, item_settings: Mapping[str, Any] | None = None
+) -> tuple[VideoInfo, VideoPlan]:
     """A video's header read and checked against the limits, and its sampling planned by its family:
-    before any frame is decoded (``/v1/tokens`` stops here)."""
+    before any frame is decoded (``/v1/tokens`` stops here). ``item_settings``: the item's effective
+    per-request settings (their ``fps`` in place of ``--video-fps``), None for the server's."""
     from encode_server.video import probe
 
     s = settings
@@ -158,7 +162,7 @@ def plan_video(encoder: VisionEncoder, settings: Settings, data: bytes, index: i
         raise TooLarge(f"video frames are {info.width}x{info.height}, above the limit of {s.max_image_pixels} "
                        "pixels", type="video_too_large", index=index)
     try:
-        plan = encoder.plan_video(info, s.video_fps)
+        plan = encoder.plan_video(info, float((item_settings or {}).get("fps", s.video_fps)))
     except ValueError as exc:
         raise BadInput(f"video cannot be preprocessed: {exc}", type="invalid_video", index=index) from exc
     if len(plan.indices) > s.max_video_frames:

@@ -152,6 +152,8 @@ class EncodeService:
         # defaults for them, and the server limits that cap them.
         self.declared_settings = family.settings if family is not None else ()
         self.setting_defaults = encoder.setting_defaults() if self.declared_settings else {}
+        self.setting_defaults |= {s.name: getattr(settings, s.server_default) for s in self.declared_settings
+                                  if s.server_default is not None}
         self.setting_limits = {"max_image_pixels": float(settings.max_image_pixels)}
         self.local = local
         self.batcher = batcher
@@ -350,7 +352,8 @@ class EncodeService:
         counts = []
         for item in items:
             if item.modality == VIDEO:  # from the container's header: no frame is decoded
-                info, plan = plan_video(self.encoder, self.settings, item.data or b"", item.index)
+                effective = self.effective_settings(item.settings, VIDEO, item.index)
+                info, plan = plan_video(self.encoder, self.settings, item.data or b"", item.index, effective)
                 counts.append(TokenCount(item.index, info.width, info.height, plan.num_tokens, plan.meta))
             else:
                 effective = self.effective_settings(item.settings, IMAGE, item.index)
@@ -530,8 +533,8 @@ class EncodeService:
     def _prepare(
         self, data: bytes, index: int, modality: str = "image", settings: Mapping[str, Any] | None = None
     ) -> PreparedItem:
-        if modality == VIDEO:  # no video setting is declared yet: ``effective_settings`` refused any
-            return self._prepare_video(data, index)
+        if modality == VIDEO:
+            return self._prepare_video(data, index, settings)
         started = time.perf_counter()
         with self.memory.pixels(data, index) as charge:
             try:
@@ -544,11 +547,11 @@ class EncodeService:
         self.metrics.preprocess.observe(time.perf_counter() - started)
         return prepared
 
-    def _prepare_video(self, data: bytes, index: int) -> PreparedItem:
+    def _prepare_video(self, data: bytes, index: int, settings: Mapping[str, Any] | None = None) -> PreparedItem:
         from encode_server.video import decode_frames
 
         started = time.perf_counter()
-        info, plan = plan_video(self.encoder, self.settings, data, index)
+        info, plan = plan_video(self.encoder, self.settings, data, index, settings)
         with self.memory.bytes(plan.nbytes, index, "decoding this video"):
             frames = decode_frames(data, plan.indices, size=(info.height, info.width), index=index)
             try:

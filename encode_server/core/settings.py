@@ -1,12 +1,17 @@
-"""Per-request processor settings (vLLM's ``mm_processor_kwargs``): declared, checked, digested.
+"""Per-request processor settings (vLLM's ``mm_processor_kwargs``, and a video's sampling from its
+``media_io_kwargs``): declared, checked, digested.
 
-A family declares the keys its processor takes per request (``Setting``: vLLM's name, its type,
-its bounds and what it means for that family); the encoder says their defaults (the checkpoint's
-processor config); the bounds are capped by the server's limits (``--max-image-pixels``) and by a
-default where the family says so (``ceiling``: Qwen's ``min_pixels`` and ``max_pixels`` never
-above the checkpoint's own ``max_pixels``, InternVL's tiles never above its ``max_patches``), so a
-request can ask for less work than the defaults, never for more than the warm-up's worst case ran
-(``warmup.py``: the largest image, preprocessed under the defaults).
+A family declares the keys its processor and its video loader take per request (``Setting``:
+vLLM's name and the request field vLLM reads it from, its type, its bounds and what it means for
+that family); the encoder says their defaults (the checkpoint's processor config), or the server
+does (``server_default``: a video's ``fps`` is ``--video-fps``); the bounds are capped by the
+server's limits (``--max-image-pixels``) and by a default where the family says so (``ceiling``:
+Qwen's ``min_pixels`` and ``max_pixels`` never above the checkpoint's own ``max_pixels``,
+InternVL's tiles never above its ``max_patches``), so a request can ask for less work than the
+defaults, never for more than the warm-up's worst case ran (``warmup.py``: the largest image,
+preprocessed under the defaults). A video's ``fps`` may ask for more frames than the default: the
+frames it samples are held to the video limits (``--max-video-frames``, ``--max-video-decoded-frames``)
+and charged to the memory budget as at the default rate (``admission.plan_video``).
 
 ``resolve`` turns what a request gave into the *effective* settings: every declared key, the
 request's value where it gave one, the default elsewhere. Two spellings of one setting (another
@@ -39,8 +44,11 @@ _TYPES: dict[str, tuple[type, ...]] = {"int": (int,), "float": (int, float), "bo
 
 @dataclass(frozen=True)
 class Setting:
-    """One key a family's processor takes per request, named as vLLM's ``mm_processor_kwargs`` names it.
+    """One key a family takes per request, named as vLLM names it in ``vllm_field``.
 
+    ``vllm_field``: where vLLM's chat API takes it (``mm_processor_kwargs``, or
+    ``media_io_kwargs.video`` for its video loader's); encode-server's own API carries every key of
+    an item in the item's ``mm_processor_kwargs``, by name (the names never clash).
     ``kind``: ``int``, ``float`` or ``bool`` (a JSON ``true`` is never an int, nor ``1`` a bool);
     ``minimum``/``maximum``: the bounds of a number, inclusive (``maximum`` None: only ``cap`` and
     ``ceiling`` bound it); ``cap``: the server limit that bounds it too (``max_image_pixels``), by
@@ -55,6 +63,9 @@ class Setting:
     cap: str | None = None
     ceiling: str | None = None
     modalities: tuple[str, ...] = ("image",)
+    above: float | None = None
+    server_default: str | None = None
+    vllm_field: str = "mm_processor_kwargs"
 
     def __post_init__(self) -> None:
         if self.kind not in _TYPES:
@@ -83,8 +94,10 @@ class Setting:
             return value
         low, high, why = self.bounds(limits, defaults)
         number = float(value)  # type: ignore[arg-type]
-        if number != number or (low is not None and number < low) or (high is not None and number > high):
+        if (number != number or (low is not None and number < low) or (high is not None and number > high)
+                or (self.above is not None and number <= self.above)):
             ranges = [f"at least {low:g}"] if low is not None else []
+            ranges += [f"above {self.above:g}"] if self.above is not None else []
             ranges += [f"at most {high:g}" + (f" ({why})" if why else "")] if high is not None else []
             raise BadInput(f"mm_processor_kwargs.{self.name} must be {' and '.join(ranges)}, got {value!r}",
                            type="invalid_setting")
@@ -115,7 +128,9 @@ def resolve(
             raise BadInput(f"mm_processor_kwargs.{name} is not a setting of this model's family (its keys: {known})",
                            type="invalid_setting")
         if modality not in setting.modalities:
-            raise BadInput(f"mm_processor_kwargs.{name} does not apply to a {modality}", type="invalid_setting")
+            article = "an" if modality[:1] in "aeiou" else "a"
+            raise BadInput(f"mm_processor_kwargs.{name} does not apply to {article} {modality}",
+                           type="invalid_setting")
         effective[name] = setting.check(value, limits, defaults)
     return None if effective == {k: defaults[k] for k in effective} else effective
 
@@ -131,6 +146,7 @@ def describe(declared: Sequence[Setting], defaults: Mapping[str, Any], limits: M
     out: dict[str, Any] = {}
     for s in declared:
         low, high, _ = s.bounds(limits, defaults)
-        out[s.name] = {"type": s.kind, "minimum": low, "maximum": high, "default": defaults.get(s.name),
-                       "modalities": list(s.modalities), "meaning": s.meaning}
+        out[s.name] = {"type": s.kind, "minimum": low, "maximum": high, "exclusive_minimum": s.above,
+                       "default": defaults.get(s.name), "modalities": list(s.modalities),
+                       "vllm_field": s.vllm_field, "meaning": s.meaning}
     return out

@@ -51,8 +51,8 @@ from .loading import CheckpointFiles, Layout, empty_module, load_vision_weights
 from .qwen_video import VideoConfig, frames_nbytes, prepare_video, split_groups, video_grid
 
 __all__ = [
-    "FAMILY", "LAYOUTS", "PIXEL_SETTINGS", "VIDEO_DEFAULTS", "PatchLinear", "QwenVisionEncoder", "as_patch_linear",
-    "attach_video", "load_qwen", "load_vision_tower", "video_frame_size", "vision_model_class",
+    "FAMILY", "LAYOUTS", "PIXEL_SETTINGS", "VIDEO_DEFAULTS", "VIDEO_SETTINGS", "PatchLinear", "QwenVisionEncoder",
+    "as_patch_linear", "attach_video", "load_qwen", "load_vision_tower", "video_frame_size", "vision_model_class",
 ]
 
 OUTPUTS = ("hidden", "merged")  # "hidden" is accepted as the default and means "merged"
@@ -307,13 +307,23 @@ def attach_video(encoder: QwenVisionEncoder, saved: dict[str, Any] | None, defau
 # vLLM's per-request keys for a Qwen2-VL / Qwen2.5-VL image (its HF processor's ``size`` edges;
 # ``qwen2_vl.py``'s ``_get_vision_size``), bounded by --max-image-pixels and by the checkpoint's own
 # max_pixels: a request trades detail for fewer tokens, never asks the tower for a larger grid than
-# the warm-up ran (a 1-pixel image under min_pixels = 40M would be 200k patches). A video's
-# sampling (fps, num_frames) is not taken per request yet: the server's --video-fps.
+# the warm-up ran (a 1-pixel image under min_pixels = 40M would be 200k patches).
 PIXEL_SETTINGS = (
     Setting("min_pixels", "int", "the fewest pixels an image is resized to (smart_resize's lower bound)",
             minimum=1, cap="max_image_pixels", ceiling="max_pixels"),
     Setting("max_pixels", "int", "the most pixels an image is resized to (smart_resize's upper bound): "
             "fewer tokens per image", minimum=1, cap="max_image_pixels", ceiling="max_pixels"),
+)
+# A video's sampling per request, as vLLM 0.32 takes it for every Qwen video family: the chat's
+# media_io_kwargs.video.fps, which its loader (Qwen2VLVideoBackend, Qwen3VLVideoBackend in
+# vllm/multimodal/video.py) samples at in place of the default 2 (min(fps, 30)); both loaders ignore
+# num_frames, so it is not a key. Above 30 vLLM samples at 30: refused here rather than aliased.
+# The frames sampled stay under --max-video-frames and --max-video-decoded-frames (a 413 naming
+# the item) and are charged to the memory budget, as at the server's --video-fps.
+VIDEO_SETTINGS = (
+    Setting("fps", "float", "the frames per second a video is sampled at (vLLM's video loader), in place of "
+            "--video-fps: more frames, more tokens", above=0, maximum=_LOADER_MAX_FPS, modalities=("video",),
+            server_default="video_fps", vllm_field="media_io_kwargs.video"),
 )
 
 FAMILY = Family(
@@ -327,5 +337,5 @@ FAMILY = Family(
         vllm_model="qwen2_vl.py, qwen2_5_vl.py",
         tensors={"video": {"second_per_grid_ts": "float32"}},
     ),
-    settings=PIXEL_SETTINGS,
+    settings=PIXEL_SETTINGS + VIDEO_SETTINGS,
 )

@@ -33,7 +33,7 @@ from .base import VideoPlan
 from .family import Epd, Family
 from .hf import LoadSpec
 from .loading import CheckpointFiles
-from .qwen import PIXEL_SETTINGS, QwenVisionEncoder, attach_video, load_vision_tower
+from .qwen import PIXEL_SETTINGS, VIDEO_SETTINGS, QwenVisionEncoder, attach_video, load_vision_tower
 from .qwen_video import VideoConfig, video_grid
 
 __all__ = ["FAMILY", "Qwen3VisionEncoder", "load_qwen3"]
@@ -157,5 +157,6 @@ FAMILY = Family(
         {"image": ("image_grid_thw",), "video": ("video_grid_thw", "timestamps")},
         vllm_model="qwen3_vl.py, qwen3_vl_moe.py, qwen3_5.py",
     ),
-    settings=PIXEL_SETTINGS,  # Qwen2-VL's processing info's: vLLM's Qwen3VLProcessingInfo inherits it
+    # Qwen2-VL's processing info's (vLLM's Qwen3VLProcessingInfo inherits it); a video's fps as its loader's
+    settings=PIXEL_SETTINGS + VIDEO_SETTINGS,
 )

@@ -43,7 +43,11 @@ def test_settings_on_a_server_without_the_flag_are_a_400_naming_it(builtin_serve
 def test_the_model_publishes_its_familys_keys_with_the_servers_caps(trusting_server: ServerProcess) -> None:
     published = httpx.get(trusting_server.url + "/v1/model", timeout=10).json()["mm_processor_kwargs"]
     assert published["enabled"] is True
-    assert set(published["keys"]) == {"min_pixels", "max_pixels"}
+    assert set(published["keys"]) == {"min_pixels", "max_pixels", "fps"}
+    # a video's rate: vLLM takes it in media_io_kwargs.video; its default is the server's --video-fps
+    assert published["keys"]["fps"] | {"meaning": ""} == {
+        "type": "float", "minimum": None, "maximum": 30, "exclusive_minimum": 0, "default": 2.0,
+        "modalities": ["video"], "vllm_field": "media_io_kwargs.video", "meaning": ""}
     # the built-in processor's max_pixels, below --max-image-pixels: never more than the warm-up ran
     assert published["keys"]["max_pixels"]["default"] == published["keys"]["max_pixels"]["maximum"] == 448 * 448
     assert published["keys"]["min_pixels"]["maximum"] == 448 * 448
@@ -86,6 +90,28 @@ def test_a_bad_setting_is_a_400_naming_the_key_and_the_item(
     r = httpx.post(trusting_server.url + "/v1/tokens", json={"sizes": [[9, 9], [280, 280]],
                                                               "mm_processor_kwargs": settings}, timeout=30)
     assert _error(r)[:3] == (400, "invalid_setting", 0)
+
+
+def test_a_videos_fps_over_http_counts_its_rows_and_a_bad_one_is_a_400_naming_the_key_and_the_item(
+    trusting_server: ServerProcess,
+) -> None:
+    from tests.videos import make_video
+
+    clip = b64(make_video(21, 6.0, 56, 56, seed=34))  # 6 frames at 2 fps, 14 at 4 fps: 3 and 7 groups
+
+    def tokens(*settings: dict[str, object] | None) -> httpx.Response:
+        items = [{"data": clip, "modality": "video", **({"mm_processor_kwargs": s} if s else {})} for s in settings]
+        return httpx.post(trusting_server.url + "/v1/tokens", json={"items": items}, timeout=30)
+
+    counted = tokens(None, {"fps": 4}).json()["items"]
+    assert [i["meta"]["video_grid_thw"][0] for i in counted] == [3, 7]
+    encoded = encode(trusting_server, [{"data": clip, "modality": "video", "mm_processor_kwargs": {"fps": 4}}])
+    assert encoded.json()["items"][0]["num_tokens"] == counted[1]["num_tokens"]
+    for settings, words in (({"fps": 0}, "mm_processor_kwargs.fps must be above 0"),
+                            ({"num_frames": 8}, "mm_processor_kwargs.num_frames is not a setting"),
+                            ({"max_pixels": 9}, "max_pixels does not apply to a video")):
+        status, kind, index, message = _error(tokens(None, settings))
+        assert (status, kind, index) == (400, "invalid_setting", 1) and words in message, message
 
 
 def test_settings_that_are_not_an_object_are_a_422_naming_the_item(trusting_server: ServerProcess) -> None:

@@ -55,7 +55,7 @@ def test_one_setting_written_two_ways_gets_one_digest_and_two_settings_two() -> 
         ({"do_pan_and_scan": 1}, "do_pan_and_scan must be true or false"),
         ({"max_pixels": 0}, "max_pixels must be at least 1"),
         ({"max_pixels": 1_000_001}, "at most 1e\\+06 \\(--max-image-pixels\\)"),
-        ({"fps": 2}, "fps does not apply to a image"),
+        ({"fps": 2}, "fps does not apply to an image"),
         ({"max_patches": 13}, "max_patches must be at least 1 and at most 12 \\(the checkpoint.s max_patches\\)"),
         ([1, 2], "must be an object"),
     ],
@@ -79,3 +79,15 @@ def test_the_published_bounds_are_capped_by_the_servers_limits() -> None:
     assert published["max_pixels"]["maximum"] == 1_000_000 and published["max_pixels"]["default"] == 200704
     assert published["fps"]["maximum"] == 30 and published["fps"]["modalities"] == ["video"]
     assert published["max_patches"]["maximum"] == 12  # no request asks for more than the defaults' worst case
+
+
+def test_an_exclusive_minimum_refuses_the_bound_itself_and_is_published_with_vllms_field() -> None:
+    rate = Setting("fps", "float", "frame rate", above=0, maximum=30, modalities=("video",),
+                   vllm_field="media_io_kwargs.video")
+    assert resolve((rate,), {"fps": 2.0}, {"fps": 0.01}, LIMITS, "video") == {"fps": 0.01}
+    for value in (0, -1.0):
+        with pytest.raises(BadInput, match="fps must be above 0 and at most 30"):
+            resolve((rate,), {"fps": 2.0}, {"fps": value}, LIMITS, "video")
+    published = describe((rate,), {"fps": 2.0}, LIMITS)["fps"]
+    assert (published["exclusive_minimum"], published["vllm_field"]) == (0, "media_io_kwargs.video")
+    assert describe(DECLARED, DEFAULTS, LIMITS)["max_pixels"]["vllm_field"] == "mm_processor_kwargs"

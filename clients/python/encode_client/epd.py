@@ -67,9 +67,13 @@ an item (``check_chat_request``; each refusal is an ``EPDError`` naming the part
   to size the placeholder, and vLLM 0.32 then hashes the item's ``uuid`` together with the kwargs
   (``ProcessorInputs.get_mm_hashes``), so its connector is asked for an identifier no store holds
   and vLLM runs its own tower (measured: ``tests/vllm/test_proxy_settings.py``).
-  ``media_io_kwargs`` is refused: no family's setting maps to it yet (a video's sampling is the
-  server's ``--video-fps``); ``kv_transfer_params`` and ``ec_transfer_params`` are refused: they
-  steer vLLM's transfer connectors, which only the serving system may do.
+  ``media_io_kwargs`` likewise, only when trusted and only ``video``'s keys the family declares
+  for vLLM's video loader (``vllm_field`` ``media_io_kwargs.video``: the Qwen video families'
+  ``fps``), checked before anything moves: every video is handed off under them (with the
+  ``mm_processor_kwargs`` that apply to it), and they are dropped from the body, as vLLM sees no
+  video (pixel-free: its grid and times are in the metadata). ``kv_transfer_params`` and
+  ``ec_transfer_params`` are refused: they steer vLLM's transfer connectors, which only the
+  serving system may do.
 
 Only ``data:`` URLs are accepted, for images and videos: fetching ``http(s)://`` URLs would make the
 proxy an open fetcher (SSRF), so such a part is refused with a clear error naming it.
@@ -101,6 +105,7 @@ from encode_client.keys import embeds_identifier, epd_identifier, own_identifier
 __all__ = [
     "EMBEDS_PARTS",
     "IMAGE_PARTS",
+    "MEDIA_IO_FIELD",
     "REFUSED_FIELDS",
     "SETTINGS_FIELD",
     "VIDEO_PARTS",
@@ -120,17 +125,19 @@ __all__ = [
     "rewrite_chat_plan_async",
     "rewrite_chat_request",
     "rewrite_chat_request_async",
+    "video_settings",
 ]
 
 IMAGE_PARTS = frozenset({"image_url", "input_image"})
 VIDEO_PARTS = frozenset({"video_url"})
 EMBEDS_PARTS = frozenset({"image_embeds", "video_embeds", "audio_embeds"})
 SETTINGS_FIELD = "mm_processor_kwargs"
+MEDIA_IO_FIELD = "media_io_kwargs"
 REFUSED_FIELDS: dict[str, str] = {
     SETTINGS_FIELD: "per-request processor settings are off on this proxy (start it with --trust-request-mm-kwargs, "
     "and encode-server with its flag of that name, to take them)",
-    "media_io_kwargs": "encode-server decodes every image and video itself (and samples a video's frames under "
-    "its --video-fps); no setting of the served family maps to per-request media loading settings",
+    MEDIA_IO_FIELD: "per-request media loading settings (a video's fps) are off on this proxy (start it with "
+    "--trust-request-mm-kwargs, and encode-server with its flag of that name, to take them)",
     "kv_transfer_params": "it steers vLLM's KV transfer connector, which only the serving system may do",
     "ec_transfer_params": "it steers vLLM's encoder-cache connector, which only the serving system may do",
 }
@@ -202,18 +209,24 @@ class EpdContract:
             {str(k): dict(v) for k, v in keys.items() if isinstance(v, Mapping)},
         )
 
-    def check_settings(self, settings: Mapping[str, Any], modalities: set[str]) -> None:
+    def check_settings(self, settings: Mapping[str, Any], modalities: set[str], field: str = SETTINGS_FIELD) -> None:
         """Refuse ``settings`` the served family would refuse (the server checks again): a server
-        that takes none, an unknown key, one that does not apply to a modality the request sends,
-        a wrong type, a value out of bounds. Raises ``EPDError`` naming the key."""
+        that takes none, an unknown key, a key vLLM takes in another field than ``field``
+        (``mm_processor_kwargs``, or ``media_io_kwargs.video``: each key's ``vllm_field``), one that
+        does not apply to a modality the request sends, a wrong type, a value out of bounds. Raises
+        ``EPDError`` naming the key."""
         if not self.settings_enabled:
             raise EPDError("encode-server takes no per-request processor settings (start it with "
-                           "--trust-request-mm-kwargs)", SETTINGS_FIELD)
+                           "--trust-request-mm-kwargs)", field)
+        keys = {k: d for k, d in self.settings.items() if d.get("vllm_field", SETTINGS_FIELD) == field}
         for name, value in settings.items():
-            where = f"{SETTINGS_FIELD}.{name}"
-            declared = self.settings.get(name)
+            where = f"{field}.{name}"
+            declared = keys.get(name)
             if declared is None:
-                raise EPDError(f"not a setting of the served family (its keys: {', '.join(self.settings) or 'none'})",
+                if name in self.settings:
+                    other_field = self.settings[name].get("vllm_field", SETTINGS_FIELD)
+                    raise EPDError(f"vLLM takes this setting in {other_field}, not here", where)
+                raise EPDError(f"not a setting of the served family here (its keys: {', '.join(keys) or 'none'})",
                                where)
             if other := modalities - set(declared.get("modalities") or ()):
                 raise EPDError(f"does not apply to a {sorted(other)[0]}, and the request has one", where)
@@ -222,10 +235,11 @@ class EpdContract:
                 isinstance(value, int) if kind == "int" else isinstance(value, (int, float))))
             if not ok:
                 raise EPDError(f"must be of type {kind}, got {type(value).__name__}", where)
-            low, high = declared.get("minimum"), declared.get("maximum")
+            low, high, above = declared.get("minimum"), declared.get("maximum"), declared.get("exclusive_minimum")
             if kind != "bool" and ((low is not None and value < low) or (high is not None and value > high)
-                                   or value != value):
-                raise EPDError(f"must be within [{low}, {high}], got {value!r}", where)
+                                   or (above is not None and value <= above) or value != value):
+                bounds = f"({above}, {high}]" if above is not None else f"[{low}, {high}]"
+                raise EPDError(f"must be within {bounds}, got {value!r}", where)
 
 
 @dataclass(frozen=True)
@@ -265,6 +279,7 @@ class ChatPlan:
     embeds: list[EmbedsPart]
     videos: list[MediaPart] = field(default_factory=list)
     settings: Mapping[str, Any] | None = None  # the body's mm_processor_kwargs, when trusted and given
+    video_settings: Mapping[str, Any] | None = None  # the body's media_io_kwargs.video, likewise
 
     @property
     def media(self) -> list[MediaPart]:
@@ -294,9 +309,10 @@ def _data_url_bytes(url: object, where: str, modality: str = "image") -> bytes:
 
 def check_request_fields(body: Mapping[str, Any], *, trust_request_mm_kwargs: bool = False) -> Mapping[str, Any] | None:
     """Refuse the body fields in :data:`REFUSED_FIELDS` (set to anything but null or ``{}``), but
-    ``mm_processor_kwargs`` when trusted: then the settings it gives (an object), or None."""
+    ``mm_processor_kwargs`` and ``media_io_kwargs`` when trusted: then the settings the first gives
+    (an object), or None (``video_settings``: the second's)."""
     for name, why in REFUSED_FIELDS.items():
-        if name == SETTINGS_FIELD and trust_request_mm_kwargs:
+        if name in (SETTINGS_FIELD, MEDIA_IO_FIELD) and trust_request_mm_kwargs:
             continue
         if body.get(name) not in (None, {}):
             raise EPDError(f"refused: {why}", name)
@@ -306,11 +322,31 @@ def check_request_fields(body: Mapping[str, Any], *, trust_request_mm_kwargs: bo
     return settings or None
 
 
+def video_settings(body: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """A trusted body's ``media_io_kwargs``: its ``video`` object (None: no field, ``{}``: none
+    given; either way nothing for vLLM to refuse once the field is dropped). Another
+    modality's loading settings are refused: encode-server decodes every image itself, and no
+    family declares an image loader's setting."""
+    given = body.get(MEDIA_IO_FIELD)
+    if given in (None, {}):
+        return None
+    if not isinstance(given, Mapping):
+        raise EPDError(f"must be an object, got {type(given).__name__}", MEDIA_IO_FIELD)
+    for modality, kwargs in given.items():
+        where = f"{MEDIA_IO_FIELD}.{modality}"
+        if modality != "video":
+            raise EPDError("refused: encode-server decodes every image itself; only video's sampling is taken", where)
+        if not isinstance(kwargs, Mapping):
+            raise EPDError(f"must be an object, got {type(kwargs).__name__}", where)
+    return dict(given.get("video") or {})
+
+
 def check_chat_request(
     body: Mapping[str, Any], *, trust_client_embeds: bool = False, trust_request_mm_kwargs: bool = False
 ) -> ChatPlan:
     """Check ``body`` against the rules of the module docstring; the parts the rewrite replaces."""
     settings = check_request_fields(body, trust_request_mm_kwargs=trust_request_mm_kwargs)
+    video = video_settings(body) if trust_request_mm_kwargs else None
     messages = body.get("messages")
     if not isinstance(messages, list):
         raise EPDError("messages must be a list")
@@ -354,7 +390,7 @@ def check_chat_request(
                 video_url = part.get("video_url")
                 url = video_url.get("url") if isinstance(video_url, Mapping) else video_url
                 videos.append(MediaPart(m, p, _data_url_bytes(url, where, "video"), kind, str(url)))
-    return ChatPlan(images, embeds, videos, settings)
+    return ChatPlan(images, embeds, videos, settings, video)
 
 
 def check_contract(plan: ChatPlan, contract: EpdContract) -> None:
@@ -363,6 +399,8 @@ def check_contract(plan: ChatPlan, contract: EpdContract) -> None:
     own tower on them (or fail, tower-free), outside encode-server's cache and bounds. Refuse
     settings the family would refuse (``EpdContract.check_settings``), and settings on a pixels +
     uuid family's images (module docstring: vLLM would never ask the store for them)."""
+    if plan.video_settings:
+        contract.check_settings(plan.video_settings, {"video"} if plan.videos else set(), f"{MEDIA_IO_FIELD}.video")
     if plan.settings:
         contract.check_settings(plan.settings, {part.modality for part in plan.media})
         if contract.mode == "pixels_uuid" and plan.images:
@@ -450,6 +488,8 @@ def apply_results(
         out["messages"][part.message]["content"][part.part] = _media_part(part, result, contract)
     if plan.media and contract is not None and contract.mode == "pixel_free":
         out.pop(SETTINGS_FIELD, None)  # vLLM's processor sees no pixels: the metadata carries their effect
+    if plan.video_settings is not None:
+        out.pop(MEDIA_IO_FIELD, None)  # every video was handed off under them: vLLM loads none
     for e in plan.embeds:  # rebuilt from type and payload only: no other key of the client's goes on
         out["messages"][e.message]["content"][e.part] = {
             "type": e.type,
@@ -498,7 +538,8 @@ def _rewrite_flow(body: Mapping[str, Any], plan: ChatPlan, client: BaseClient, c
     jobs: list[Job] = (
         [client._encode_flow([p.data for p in plan.images], "handoff", "image", settings)] if plan.images else []
     )
-    jobs += [client._encode_flow([v.data], "handoff", "video", settings) for v in plan.videos]
+    sampled = {**(settings or {}), **(plan.video_settings or {})} or None  # the server's keys never clash
+    jobs += [client._encode_flow([v.data], "handoff", "video", sampled) for v in plan.videos]
     outcomes = yield jobs
     results: list[Result] = []
     for video, outcome in zip([*named, *plan.videos], outcomes, strict=True):

@@ -10,11 +10,27 @@ import pytest
 from encode_client._http import build
 from encode_client.epd import EpdContract, EPDError, check_chat_request
 
-from tests.unit.client.test_epd_flow import PNG_A, PNG_B, _run_async, _run_sync, _Script, chat, image
+from tests.unit.client.test_epd_flow import (
+    MP4_A,
+    MP4_B,
+    PNG_A,
+    PNG_B,
+    _run_async,
+    _run_sync,
+    _Script,
+    chat,
+    image,
+    video,
+)
 
 KEYS = {"min_pixels": {"type": "int", "minimum": 1, "maximum": 1000, "modalities": ["image"]},
         "max_pixels": {"type": "int", "minimum": 1, "maximum": 1000, "modalities": ["image"]}}
 PIXEL_FREE = EpdContract("pixel_free", {"image": ("image_grid_thw",)}, settings_enabled=True, settings=KEYS)
+# A Qwen video family's keys as GET /v1/model publishes them: the rate is vLLM's loader's
+RATE = {"fps": {"type": "float", "minimum": None, "maximum": 30, "exclusive_minimum": 0, "modalities": ["video"],
+                "vllm_field": "media_io_kwargs.video"}}
+VIDEOS = EpdContract("pixel_free", {"image": ("image_grid_thw",), "video": ("video_grid_thw", "timestamps")},
+                     settings_enabled=True, settings={**KEYS, **RATE})
 PIXELS_UUID = EpdContract("pixels_uuid", {}, settings_enabled=True, settings=KEYS)
 FEWER = {"max_pixels": 500}
 
@@ -27,10 +43,17 @@ def test_settings_are_refused_naming_the_proxys_flag_unless_it_trusts_them() -> 
     assert plan.settings == FEWER
     with pytest.raises(EPDError, match="must be an object"):
         check_chat_request(chat(image(PNG_A)) | {"mm_processor_kwargs": [1]}, trust_request_mm_kwargs=True)
-    with pytest.raises(EPDError) as media:  # trusted or not: no family setting maps to it
-        check_chat_request(chat(image(PNG_A)) | {"media_io_kwargs": {"video": {"fps": 1}}},
-                           trust_request_mm_kwargs=True)
+    with pytest.raises(EPDError, match="--trust-request-mm-kwargs") as media:
+        check_chat_request(chat(video(MP4_A)) | {"media_io_kwargs": {"video": {"fps": 1}}})
     assert media.value.where == "media_io_kwargs"
+    plan = check_chat_request(chat(video(MP4_A)) | {"media_io_kwargs": {"video": {"fps": 1}}},
+                              trust_request_mm_kwargs=True)
+    assert plan.video_settings == {"fps": 1}
+    for given, where in (({"image": {"image_mode": "RGBA"}}, "media_io_kwargs.image"),
+                         ({"video": [1]}, "media_io_kwargs.video"), ([1], "media_io_kwargs")):
+        with pytest.raises(EPDError) as refused:
+            check_chat_request(chat(video(MP4_A)) | {"media_io_kwargs": given}, trust_request_mm_kwargs=True)
+        assert refused.value.where == where
 
 
 @pytest.mark.parametrize(
@@ -111,3 +134,37 @@ def test_the_fetcher_never_asks_for_a_settings_identifier_by_its_hash_alone() ->
         assert fetcher.counts["settings"] == 1 and fetcher.counts["requests"] == 0
     finally:
         fetcher.close()
+
+
+@pytest.mark.parametrize("run", [_run_sync, _run_async], ids=["sync", "async"])
+def test_each_video_is_handed_off_under_media_io_kwargs_and_vllm_gets_neither_field(run: Any) -> None:
+    script = _Script()
+    body = chat(image(PNG_A), video(MP4_A), video(MP4_B)) | {"media_io_kwargs": {"video": {"fps": 1.5}}}
+    rewritten, results = run(body, script, contract=VIDEOS, trust_request_mm_kwargs=True)
+    assert len(results) == 3
+    handoffs = [item for call in script.calls if call.op == "handoff" for item in call.payload]
+    assert [(item.modality, item.settings) for item in handoffs] == [  # an image is loaded as ever
+        ("image", None), ("video", {"fps": 1.5}), ("video", {"fps": 1.5})]
+    assert "media_io_kwargs" not in rewritten and "mm_processor_kwargs" not in rewritten
+    wire = build("http://e", "handoff", [handoffs[1]], response="json", api_key=None)
+    assert wire.json["items"][0]["mm_processor_kwargs"] == {"fps": 1.5}  # the server's item settings, by name
+
+
+@pytest.mark.parametrize(
+    ("body", "where", "words"),
+    [({"media_io_kwargs": {"video": {"fps": 0}}}, "media_io_kwargs.video.fps", "within \\(0, 30\\]"),
+     ({"media_io_kwargs": {"video": {"fps": 31}}}, "media_io_kwargs.video.fps", "within"),
+     ({"media_io_kwargs": {"video": {"fps": "1"}}}, "media_io_kwargs.video.fps", "of type float"),
+     ({"media_io_kwargs": {"video": {"num_frames": 8}}}, "media_io_kwargs.video.num_frames", "not a setting"),
+     ({"media_io_kwargs": {"video": {"max_pixels": 8}}}, "media_io_kwargs.video.max_pixels", "in mm_processor_kwargs"),
+     ({"mm_processor_kwargs": {"fps": 1}}, "mm_processor_kwargs.fps", "in media_io_kwargs.video, not here"),
+     ({"mm_processor_kwargs": FEWER}, "mm_processor_kwargs.max_pixels", "does not apply to a video")],
+)
+def test_video_settings_the_family_would_refuse_are_refused_naming_the_key_before_anything_moves(
+    body: dict[str, Any], where: str, words: str
+) -> None:
+    script = _Script()
+    with pytest.raises(EPDError, match=words) as refused:
+        _run_sync(chat(video(MP4_A)) | body, script, contract=VIDEOS, trust_request_mm_kwargs=True)
+    assert refused.value.where == where
+    assert [call.op for call in script.calls if call.op == "handoff"] == []

@@ -8,6 +8,12 @@ parser does not declare: its chat parser refuses it as a JSON array, and without
 1.0 s per group. The proxy sends it as a tensor string (the contract's ``tensors``), so a clip
 sampled at anything but 1.0 s per group answers as plain vLLM does on the file; the same request
 with the grid alone (what the proxy sent before) answers differently, so the test can fail.
+
+A video's sampling per request (issue 33): a chat's ``media_io_kwargs: {"video": {"fps": F}}``
+(vLLM's loader's rate) through the proxy answers as plain vLLM given the same kwargs, and
+encode-server's ``/v1/tokens`` under ``{"fps": F}`` counts vLLM's placeholder. encode-server, the
+proxy and plain vLLM are started with ``--trust-request-mm-kwargs`` (the defaults are unchanged by
+it); the tower-free consumer is not: the proxy sends it neither field.
 """
 
 from __future__ import annotations
@@ -28,9 +34,10 @@ import redis
 from encode_client import mm_hash
 from encode_client.proxy import EPDProxy
 
+from encode_server.core.settings import digest
 from tests.redis_procs import delete_prefix
 from tests.server import ServerProcess, start_server
-from tests.vllm.conftest import REDIS_URL, running_proxy, tiny_checkpoint
+from tests.vllm.conftest import REDIS_URL, metric, running_proxy, tiny_checkpoint
 from tests.vllm.epd_stack import (
     Relay,
     answer_text,
@@ -50,6 +57,7 @@ CLIPS = [(5, 2.0, 56, 56), (21, 6.0, 56, 56)]
 # The tiny model's chat template has no video branch: vLLM puts each item's placeholder before the
 # text itself (the model's "<|vision_start|><|video_pad|><|vision_end|>").
 STRING_CONTENT = ("--chat-template-content-format", "string")
+TRUST = "--trust-request-mm-kwargs"
 pytestmark = pytest.mark.timeout(600)
 
 
@@ -67,7 +75,7 @@ def clips(tmp_path_factory: pytest.TempPathFactory) -> list[bytes]:
 @pytest.fixture(scope="module")
 def server(qwen25_dir: Path, logs: Path) -> Iterator[ServerProcess]:
     proc = start_server("--model", str(qwen25_dir), "--redis-url", REDIS_URL, "--cache-prefix", PREFIX,
-                        "--grpc-port", "0", "--dtype", "float32", log_dir=logs)
+                        "--grpc-port", "0", "--dtype", "float32", TRUST, log_dir=logs)
     yield proc
     proc.stop()
     delete_prefix(redis.Redis.from_url(REDIS_URL), PREFIX)
@@ -79,7 +87,8 @@ def vllms(qwen25_dir: Path, server: ServerProcess, logs: Path) -> Iterator[list[
     extra = {"redis_url": REDIS_URL, "encoder_url": server.url, "prefix": PREFIX}
     with entered_together(
         vllm_openai_server(qwen25_dir, extra, logs, STRING_CONTENT),
-        vllm_openai_server(qwen25_dir, None, logs, STRING_CONTENT, tower=True, limits={"image": 0, "video": 1}),
+        vllm_openai_server(qwen25_dir, None, logs, (*STRING_CONTENT, TRUST), tower=True,
+                           limits={"image": 0, "video": 1}),
     ) as running:
         yield running
 
@@ -92,7 +101,7 @@ def relay(vllms: list[dict[str, Any]]) -> Iterator[Relay]:
 
 @pytest.fixture(scope="module")
 def proxy(relay: Relay, server: ServerProcess) -> Iterator[EPDProxy]:
-    with running_proxy(relay.url, [server.url]) as p:
+    with running_proxy(relay.url, [server.url], trust_request_mm_kwargs=True) as p:
         yield p
 
 
@@ -145,3 +154,65 @@ def test_a_client_cannot_set_the_seconds(proxy: EPDProxy, relay: Relay, clips: l
     r = post_chat(proxy.url, chat([], forged))
     assert r.status_code == 400 and re.search("video_embeds parts from clients are refused", r.text), r.text
     assert relay.since(mark) == b""
+
+
+def _chat(clip: bytes, fps: float | None) -> dict[str, Any]:
+    return chat([], video_url_part(clip), **({"media_io_kwargs": {"video": {"fps": fps}}} if fps else {}))
+
+
+def _answer(url: str, body: dict[str, Any]) -> tuple[str, int]:
+    """The chat's text and its prompt's length (vLLM's placeholder rows are in it)."""
+    r = post_chat(url, body)
+    return answer_text(r), int(r.json()["usage"]["prompt_tokens"])
+
+
+def _counted(server: ServerProcess, clip: bytes, fps: float | None) -> dict[str, Any]:
+    item = {"data": base64.b64encode(clip).decode(), "modality": "video",
+            **({"mm_processor_kwargs": {"fps": fps}} if fps else {})}
+    r = httpx.post(server.url + "/v1/tokens", json={"items": [item]}, timeout=30)
+    assert r.status_code == 200, r.text
+    return dict(r.json()["items"][0])
+
+
+# The 21-frame clip at 6 fps (3.5 s): 6 frames (3 groups) at the default 2 fps; 4 at 1 fps (the
+# loader's minimum of 4: 2 groups, 1.75 s each); 14 at 4 fps (7 groups, 0.875 s each).
+@pytest.mark.parametrize(("fps", "groups"), [(1.0, 2), (4.0, 7)])
+def test_a_videos_fps_through_the_proxy_answers_as_plain_vllm_given_the_same_media_io_kwargs(
+    proxy: EPDProxy, relay: Relay, server: ServerProcess, vllms: list[dict[str, Any]], clips: list[bytes],
+    fps: float, groups: int,
+) -> None:
+    _, plain = vllms
+    clip = clips[1]
+    mark = relay.mark()
+    through_proxy = _answer(proxy.url, _chat(clip, fps))
+    sent = relay.since(mark)
+    assert b"media_io_kwargs" not in sent and b"mm_processor_kwargs" not in sent  # vLLM loads no video
+    part = _sent_video_part(sent)
+    assert part["uuid"] == f"p:{digest({'fps': fps})}:video:{mm_hash(clip)}"  # the bytes and the rate
+    assert part["video_embeds"]["video_grid_thw"][0] == groups
+    on_the_file = _answer(plain["url"], _chat(clip, fps))
+    default = _answer(plain["url"], _chat(clip, None))
+    counted, counted_default = _counted(server, clip, fps), _counted(server, clip, None)
+    print(f"\nfps {fps}: through the proxy {through_proxy}, plain vLLM {on_the_file}, plain vLLM at 2 fps {default}; "
+          f"encode-server counts {counted['num_tokens']} rows ({counted_default['num_tokens']} at 2 fps)")
+    assert through_proxy == on_the_file
+    assert counted["meta"]["video_grid_thw"] == part["video_embeds"]["video_grid_thw"]
+    # vLLM's placeholder under the kwargs, from its prompt lengths: the same text, other rows.
+    assert counted["num_tokens"] - counted_default["num_tokens"] == on_the_file[1] - default[1] != 0
+
+
+def test_a_video_setting_the_family_refuses_is_a_400_naming_the_key_and_nothing_moves(
+    proxy: EPDProxy, relay: Relay, server: ServerProcess, clips: list[bytes]
+) -> None:
+    encoded = metric(httpx.get(server.url + "/metrics", timeout=10).text, "encode_server_items_total")
+    mark = relay.mark()
+    for kwargs, param in (({"video": {"fps": 0}}, "media_io_kwargs.video.fps"),
+                          ({"video": {"num_frames": 8}}, "media_io_kwargs.video.num_frames"),
+                          ({"image": {"image_mode": "L"}}, "media_io_kwargs.image")):
+        r = post_chat(proxy.url, chat([], video_url_part(clips[0]), media_io_kwargs=kwargs))
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    r = post_chat(proxy.url, chat([], video_url_part(clips[0]), mm_processor_kwargs={"fps": 1.0}))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "mm_processor_kwargs.fps", r.text
+    assert "media_io_kwargs.video" in r.json()["error"]["message"]
+    assert relay.since(mark) == b""
+    assert metric(httpx.get(server.url + "/metrics", timeout=10).text, "encode_server_items_total") == encoded

@@ -15,7 +15,8 @@ from __future__ import annotations
 import copy
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,21 +56,31 @@ class Stack:
     proxy: EPDProxy
 
 
-@pytest.fixture(scope="module")
-def stack(model_dir: Path, logs: Path) -> Iterator[Stack]:
-    server = start_server("--model", str(model_dir), "--redis-url", REDIS_URL, "--cache-prefix", PREFIX,
+@contextmanager
+def _trusting_stack(
+    model: Path, prefix: str, logs: Path, vllm_args: Sequence[str], limits: dict[str, int] | None = None
+) -> Iterator[Stack]:
+    """encode-server, an EC consumer that keeps its tower (the oracle too) and the proxy, each
+    taking per-request settings; the server's entries deleted after."""
+    server = start_server("--model", str(model), "--redis-url", REDIS_URL, "--cache-prefix", prefix,
                           "--grpc-port", "0", "--dtype", "float32", "--trust-request-mm-kwargs", log_dir=logs)
     try:
-        extra = {"redis_url": REDIS_URL, "encoder_url": server.url, "prefix": PREFIX}
+        extra = {"redis_url": REDIS_URL, "encoder_url": server.url, "prefix": prefix}
         with (
-            vllm_openai_server(model_dir, extra, logs, VLLM_ARGS, tower=True) as consumer,
+            vllm_openai_server(model, extra, logs, vllm_args, tower=True, limits=limits) as consumer,
             Relay(consumer["port"]) as relay,
             running_proxy(relay.url, [server.url], trust_request_mm_kwargs=True) as proxy,
         ):
             yield Stack(server, consumer, relay, proxy)
     finally:
         server.stop()
-        delete_prefix(redis.Redis.from_url(REDIS_URL), PREFIX)
+        delete_prefix(redis.Redis.from_url(REDIS_URL), prefix)
+
+
+@pytest.fixture(scope="module")
+def stack(model_dir: Path, logs: Path) -> Iterator[Stack]:
+    with _trusting_stack(model_dir, PREFIX, logs, VLLM_ARGS) as running:
+        yield running
 
 
 def _answer(url: str, body: dict[str, Any]) -> tuple[str, int]:
@@ -80,10 +91,29 @@ def _answer(url: str, body: dict[str, Any]) -> tuple[str, int]:
 
 
 def _identifier(stack: Stack, settings: dict[str, Any], data: bytes) -> str:
-    """What the proxy must name the image by: the server's digest of the effective settings."""
+    """What the proxy must name the image by: the server's digest of the effective settings (an
+    image's keys only: a video's fps is none of its)."""
     keys = httpx.get(stack.server.url + "/v1/model", timeout=10).json()["mm_processor_kwargs"]["keys"]
-    effective = {name: key["default"] for name, key in keys.items()} | settings
+    effective = {name: key["default"] for name, key in keys.items() if "image" in key["modalities"]} | settings
     return f"p:{digest(effective)}:{mm_hash(data)}"
+
+
+def _placeholder_rows(stack: Stack, size: tuple[int, int], settings: dict[str, Any], seed: int) -> tuple[int, int]:
+    """(encode-server's rows under ``settings`` minus without, from ``/v1/tokens``; vLLM's prompt
+    with them minus without, the same text: its placeholder rows with them minus without)."""
+    data = png(*size, seed=seed)
+
+    def counted(given: dict[str, Any] | None) -> int:
+        body = {"sizes": [list(size)], **({"mm_processor_kwargs": given} if given else {})}
+        r = httpx.post(stack.server.url + "/v1/tokens", json=body, timeout=30)
+        assert r.status_code == 200, r.text
+        return int(r.json()["items"][0]["num_tokens"])
+
+    _, with_settings = _answer(stack.vllm["url"], chat([data], mm_processor_kwargs=settings, max_tokens=1))
+    _, without = _answer(stack.vllm["url"], chat([data], max_tokens=1))
+    print(f"\n{size} {settings}: encode-server {counted(settings)} rows ({counted(None)} without); vLLM's prompt "
+          f"{with_settings} tokens ({without} without)")
+    return counted(settings) - counted(None), with_settings - without
 
 
 def _through_the_proxy(stack: Stack, settings: dict[str, Any] | None, data: bytes) -> tuple[str, int, list[str]]:
@@ -118,20 +148,8 @@ def test_tokens_under_the_settings_equal_vllms_placeholder_count_with_them(
     """vLLM's placeholder count, read from its prompt length: the prompt with the settings minus
     the prompt without is the rows with them minus the rows without (the rest of the prompt is the
     same text), and encode-server's count without them equals vLLM's (``test_tokens``)."""
-    data = png(*size, seed=3310)
-
-    def counted(given: dict[str, Any] | None) -> int:
-        body = {"sizes": [list(size)], **({"mm_processor_kwargs": given} if given else {})}
-        r = httpx.post(stack.server.url + "/v1/tokens", json=body, timeout=30)
-        assert r.status_code == 200, r.text
-        return int(r.json()["items"][0]["num_tokens"])
-
-    _, with_settings = _answer(stack.vllm["url"], chat([data], mm_processor_kwargs=settings, max_tokens=1))
-    _, without = _answer(stack.vllm["url"], chat([data], max_tokens=1))
-    print(f"\n{size} {settings}: encode-server {counted(settings)} rows ({counted(None)} without); vLLM's prompt "
-          f"{with_settings} tokens ({without} without)")
-    assert counted(settings) - counted(None) == with_settings - without
-    assert counted(settings) != counted(None)
+    ours, vllms = _placeholder_rows(stack, size, settings, seed=3310)
+    assert ours == vllms != 0
 
 
 def test_one_image_under_two_settings_gets_two_identifiers_and_two_answers_each_vllms(stack: Stack) -> None:
@@ -175,21 +193,9 @@ MORE_TILES = {"min_patches": 3, "max_patches": 4}
 def internvl(tmp_path_factory: pytest.TempPathFactory, logs: Path) -> Iterator[Stack]:
     case = PROXY_CASES["internvl"]
     model = tiny_checkpoint(tmp_path_factory, case.build)
-    prefix = f"{PREFIX}-internvl"
-    server = start_server("--model", str(model), "--redis-url", REDIS_URL, "--cache-prefix", prefix,
-                          "--grpc-port", "0", "--dtype", "float32", "--trust-request-mm-kwargs", log_dir=logs)
-    try:
-        extra = {"redis_url": REDIS_URL, "encoder_url": server.url, "prefix": prefix}
-        with (
-            vllm_openai_server(model, extra, logs, ("--trust-request-mm-kwargs", *case.vllm_args), tower=True,
-                               limits={"image": 2, "video": 0}) as consumer,
-            Relay(consumer["port"]) as relay,
-            running_proxy(relay.url, [server.url], trust_request_mm_kwargs=True) as proxy,
-        ):
-            yield Stack(server, consumer, relay, proxy)
-    finally:
-        server.stop()
-        delete_prefix(redis.Redis.from_url(REDIS_URL), prefix)
+    with _trusting_stack(model, f"{PREFIX}-internvl", logs, ("--trust-request-mm-kwargs", *case.vllm_args),
+                         {"image": 2, "video": 0}) as running:
+        yield running
 
 
 def test_internvls_tile_range_through_the_proxy_is_refused_naming_the_field_and_nothing_moves(
@@ -214,18 +220,8 @@ def test_internvls_tile_range_through_the_proxy_is_refused_naming_the_field_and_
 def test_internvls_tokens_under_a_tile_range_equal_vllms_placeholder_count(
     internvl: Stack, size: tuple[int, int], settings: dict[str, Any]
 ) -> None:
-    data = png(*size, seed=3340)
-
-    def counted(given: dict[str, Any] | None) -> int:
-        body = {"sizes": [list(size)], **({"mm_processor_kwargs": given} if given else {})}
-        r = httpx.post(internvl.server.url + "/v1/tokens", json=body, timeout=30)
-        return int(r.json()["items"][0]["num_tokens"])
-
-    _, with_settings = _answer(internvl.vllm["url"], chat([data], mm_processor_kwargs=settings, max_tokens=1))
-    _, without = _answer(internvl.vllm["url"], chat([data], max_tokens=1))
-    print(f"\ninternvl {size} {settings}: encode-server {counted(settings)} rows ({counted(None)} without); "
-          f"vLLM's prompt {with_settings} ({without} without)")
-    assert counted(settings) - counted(None) == with_settings - without != 0
+    ours, vllms = _placeholder_rows(internvl, size, settings, seed=3340)
+    assert ours == vllms != 0
 
 
 def test_vllm_hashes_a_uuid_with_the_requests_kwargs_so_it_never_reads_the_settings_entry(internvl: Stack) -> None:
@@ -269,21 +265,9 @@ def test_vllm_hashes_a_uuid_with_the_requests_kwargs_so_it_never_reads_the_setti
 def qwen3(tmp_path_factory: pytest.TempPathFactory, logs: Path) -> Iterator[Stack]:
     case = PROXY_CASES["qwen3_vl"]
     model = tiny_checkpoint(tmp_path_factory, case.build)
-    prefix = f"{PREFIX}-qwen3"
-    server = start_server("--model", str(model), "--redis-url", REDIS_URL, "--cache-prefix", prefix,
-                          "--grpc-port", "0", "--dtype", "float32", "--trust-request-mm-kwargs", log_dir=logs)
-    try:
-        extra = {"redis_url": REDIS_URL, "encoder_url": server.url, "prefix": prefix}
-        with (
-            vllm_openai_server(model, extra, logs, (*VLLM_ARGS, *case.vllm_args), tower=True,
-                               limits={"image": 1, "video": 0}) as consumer,
-            Relay(consumer["port"]) as relay,
-            running_proxy(relay.url, [server.url], trust_request_mm_kwargs=True) as proxy,
-        ):
-            yield Stack(server, consumer, relay, proxy)
-    finally:
-        server.stop()
-        delete_prefix(redis.Redis.from_url(REDIS_URL), prefix)
+    with _trusting_stack(model, f"{PREFIX}-qwen3", logs, (*VLLM_ARGS, *case.vllm_args),
+                         {"image": 1, "video": 0}) as running:
+        yield running
 
 
 def test_qwen3_vl_max_pixels_through_the_proxy_answers_as_plain_vllm_with_the_kwargs(qwen3: Stack) -> None:
@@ -307,15 +291,5 @@ def test_qwen3_vl_max_pixels_through_the_proxy_answers_as_plain_vllm_with_the_kw
 def test_qwen3_vl_tokens_under_the_settings_equal_vllms_placeholder_count(
     qwen3: Stack, size: tuple[int, int], settings: dict[str, Any]
 ) -> None:
-    data = png(*size, seed=3370)
-
-    def counted(given: dict[str, Any] | None) -> int:
-        body = {"sizes": [list(size)], **({"mm_processor_kwargs": given} if given else {})}
-        r = httpx.post(qwen3.server.url + "/v1/tokens", json=body, timeout=30)
-        return int(r.json()["items"][0]["num_tokens"])
-
-    _, with_settings = _answer(qwen3.vllm["url"], chat([data], mm_processor_kwargs=settings, max_tokens=1))
-    _, without = _answer(qwen3.vllm["url"], chat([data], max_tokens=1))
-    print(f"\nqwen3_vl {size} {settings}: encode-server {counted(settings)} rows ({counted(None)} without); "
-          f"vLLM's prompt {with_settings} ({without} without)")
-    assert counted(settings) - counted(None) == with_settings - without != 0
+    ours, vllms = _placeholder_rows(qwen3, size, settings, seed=3370)
+    assert ours == vllms != 0

@@ -139,3 +139,18 @@ def test_a_family_that_declares_settings_applies_each_as_its_processor_does(
     counted = encoder.count_tokens_with(*image.size, fewer)
     assert (prepared.num_tokens, prepared.meta) == counted, name
     assert counted != encoder.count_tokens(*image.size), name
+
+
+@pytest.mark.parametrize("name", sorted(f.name for f in FAMILIES if any("video" in s.modalities for s in f.settings)))
+def test_a_family_that_declares_a_video_rate_samples_by_it(name: str, request: pytest.FixtureRequest) -> None:
+    """The rate a request gives (its ``fps``) is the one the plan samples at: 21 frames at 6 fps
+    give more frames the higher the rate, and the plan under the server's own rate is today's."""
+    from tests.tiny.records import RECORDS
+
+    encoder = load_encoder(str(request.getfixturevalue(f"{RECORDS[name].kind}_dir")), device="cpu")
+    if encoder.video is None:  # type: ignore[attr-defined]
+        pytest.skip(f"{name}'s test checkpoint has no video processor")
+    info = VideoInfo(56, 56, 21, 6.0, "h264")
+    frames = {fps: len(encoder.plan_video(info, fps).indices) for fps in (1.0, 2.0, 4.0)}
+    print(f"\n{name}: frames sampled per rate {frames}")
+    assert frames[1.0] < frames[2.0] < frames[4.0], frames

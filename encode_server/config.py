@@ -109,7 +109,8 @@ class Settings:
         False, "take per-request processor settings (mm_processor_kwargs: the keys GET /v1/model's "
         "mm_processor_kwargs lists, e.g. Qwen's max_pixels), as vLLM's flag of this name does; off: a request "
         "carrying them is refused (400 settings_disabled). Settings other than the defaults key their own cache "
-        "entries; no key may ask for more than the checkpoint's own settings (the warm-up's worst case)"
+        "entries; no pixel key may ask for more than the checkpoint's own settings (the warm-up's worst case); a "
+        "Qwen video's fps (vLLM's media_io_kwargs.video.fps) stays within the video limits"
     )
     video_fps: float = _opt(
         2.0, "frames sampled per second of video, as vLLM's video loader samples them (its default: 2; set it to "

@@ -9,6 +9,11 @@ Plain vLLM with its tower (the consumer itself, sent the pixels and the video wi
 answers the chat on them (its own loader: OpenCV's FFmpeg, 2 fps): the answers are equal. The
 videos are made with PyAV by the server's Python (``ENCODE_SERVER_PYTHON``).
 
+A video's rate per request (issue 33): encode-server, the consumer and the proxy take per-request
+settings (``--trust-request-mm-kwargs``; the defaults are unchanged by it), so a chat's
+``media_io_kwargs: {"video": {"fps": F}}`` through the proxy is checked, the video handed off under
+it, and the answer and prompt length are plain vLLM's given the same kwargs on the file.
+
 The consumer keeps its tower: vLLM 0.32 cannot take Qwen3-VL's DeepStack-wide embeddings tower-free
 (``Qwen3VLForConditionalGeneration.use_deepstack`` is False when the tower is a ``StageMissingLayer``,
 and merging the wide rows then fails, ``shape mismatch: value tensor of shape [12, 192] cannot be
@@ -53,6 +58,9 @@ IMAGE = png(64, 64, seed=60)  # a multiple of 32 within the processor's pixel li
 # One fresh video per retry case: vLLM's encoder cache keeps a video under its uuid once encoded.
 CLIP = (4, 2.0, 64, 64)
 LOST_CLIPS = {False: (5, 2.0, 64, 64), True: (6, 2.0, 64, 64)}
+# 3.5 s at 6 fps: 7 frames (4 groups) at the default 2 fps, 4 (2 groups) at 1 fps, 14 (7) at 4 fps.
+RATED = (21, 6.0, 64, 64)
+TRUST = "--trust-request-mm-kwargs"
 # The first test starts the vLLM server (20-140 s on the 2-core CI machine, by its load).
 pytestmark = pytest.mark.timeout(600)
 
@@ -65,14 +73,14 @@ def qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def videos(tmp_path_factory: pytest.TempPathFactory) -> dict[str, bytes]:
     tmp = tmp_path_factory.mktemp("proxy_videos")
-    clip, *lost = video_files(tmp, [CLIP, *LOST_CLIPS.values()])
-    return {"clip": clip, **{f"lost-{k}": data for k, data in zip(LOST_CLIPS, lost, strict=True)}}
+    clip, rated, *lost = video_files(tmp, [CLIP, RATED, *LOST_CLIPS.values()])
+    return {"clip": clip, "rated": rated, **{f"lost-{k}": data for k, data in zip(LOST_CLIPS, lost, strict=True)}}
 
 
 @pytest.fixture(scope="module")
 def server(qwen3_dir: Path, logs: Path) -> Iterator[ServerProcess]:
     proc = start_server("--model", str(qwen3_dir), "--redis-url", REDIS_URL, "--cache-prefix", PREFIX,
-                        "--grpc-port", "0", "--dtype", "float32", log_dir=logs)
+                        "--grpc-port", "0", "--dtype", "float32", TRUST, log_dir=logs)
     yield proc
     proc.stop()
     delete_prefix(redis.Redis.from_url(REDIS_URL), PREFIX)
@@ -85,7 +93,7 @@ def consumer(qwen3_dir: Path, server: ServerProcess, logs: Path) -> Iterator[dic
     video and no ``uuid``, is named by vLLM's own hashes, which the store never holds, so vLLM
     loads and encodes them itself (as ``test_proxy_families.py`` and ``test_image_families.py``)."""
     extra = {"redis_url": REDIS_URL, "encoder_url": server.url, "prefix": PREFIX}
-    with vllm_openai_server(qwen3_dir, extra, logs, tower=True, limits={"image": 1, "video": 1}) as running:
+    with vllm_openai_server(qwen3_dir, extra, logs, (TRUST,), tower=True, limits={"image": 1, "video": 1}) as running:
         yield running
 
 
@@ -102,7 +110,7 @@ def relay(consumer: dict[str, Any]) -> Iterator[Relay]:
 
 @pytest.fixture(scope="module")
 def proxy(relay: Relay, server: ServerProcess) -> Iterator[EPDProxy]:
-    with running_proxy(relay.url, [server.url]) as p:
+    with running_proxy(relay.url, [server.url], trust_request_mm_kwargs=True) as p:
         yield p
 
 
@@ -150,6 +158,35 @@ def test_a_chat_with_an_image_and_a_video_sends_vllm_no_pixels_and_answers_as_pl
     plain_ms = (time.perf_counter() - started) * 1000
     print(f"\nchat with an image and a {CLIP[0] / CLIP[1]:.0f} s video: via the proxy {first_ms:.0f} ms (encoded), "
           f"{again_ms:.0f} ms (cached); plain vLLM on the pixels and the video {plain_ms:.0f} ms")
+
+
+@pytest.mark.parametrize(("fps", "groups"), [(1.0, 2), (4.0, 7)])
+def test_a_videos_fps_through_the_proxy_answers_as_plain_vllm_given_the_same_media_io_kwargs(
+    proxy: EPDProxy, relay: Relay, server: ServerProcess, plain: dict[str, Any], videos: dict[str, bytes],
+    fps: float, groups: int,
+) -> None:
+    """Qwen3-VL's loader samples at the request's rate, and each group's timestamp text sits in the
+    placeholder: equal prompt lengths mean the times the proxy sent are vLLM's too."""
+    from encode_server.core.settings import digest
+
+    video = videos["rated"]
+    body = chat([], video_url_part(video), media_io_kwargs={"video": {"fps": fps}})
+    mark = relay.mark()
+    r = post_chat(proxy.url, body)
+    through_proxy = answer_text(r), r.json()["usage"]["prompt_tokens"]
+    sent = relay.since(mark)
+    assert b"media_io_kwargs" not in sent and b"video_url" not in sent
+    assert relay.uuids_since(mark) == [f"p:{digest({'fps': fps})}:video:{mm_hash(video)}"]
+    r = post_chat(plain["url"], body)
+    on_the_file = answer_text(r), r.json()["usage"]["prompt_tokens"]
+    r = post_chat(plain["url"], chat([], video_url_part(video)))
+    default = answer_text(r), r.json()["usage"]["prompt_tokens"]
+    item = {"data": base64.b64encode(video).decode(), "modality": "video", "mm_processor_kwargs": {"fps": fps}}
+    meta = httpx.post(server.url + "/v1/tokens", json={"items": [item]}, timeout=30).json()["items"][0]["meta"]
+    print(f"\nqwen3_vl fps {fps}: through the proxy {through_proxy}, plain vLLM {on_the_file}, at 2 fps {default}; "
+          f"encode-server's grid {meta['video_grid_thw']}, times {meta['timestamps']}")
+    assert through_proxy == on_the_file
+    assert meta["video_grid_thw"][0] == groups and on_the_file[1] != default[1]
 
 
 def test_video_parts_the_proxy_refuses_are_400s_naming_the_part_and_reach_no_one(

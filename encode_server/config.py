@@ -48,7 +48,8 @@ class Settings:
         "auto",
         "where images are decoded and preprocessed: cpu (Pillow and the image processor, an image at a time, in "
         "the preprocessing threads), model (a batch at a time on the model's device with torchvision: nvJPEG for "
-        "JPEGs on CUDA), auto (model when the model runs on CUDA and torchvision is installed, else cpu)",
+        "JPEGs on CUDA), auto (model when the model runs on CUDA, torchvision is installed and no vLLM prefill "
+        "consumes the family, whose embeddings must be what vLLM's Pillow-decoded tower gives; else cpu)",
         choices=("auto", "cpu", "model"),
     )
     host: str = _opt("127.0.0.1", "HTTP bind address")

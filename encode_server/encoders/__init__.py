@@ -83,13 +83,19 @@ def load_encoder(
     ``merged``), which ``hidden``, the default, selects. ``revision``: a hub branch, tag or commit.
     ``preprocess_device``: ``cpu`` (Pillow decodes and the image processor runs per image, in the
     preprocessing threads), ``model`` (whole batches decoded and preprocessed on the model's
-    device with torchvision: ``encoders/batched.py``), or ``auto`` (``model`` on CUDA, else ``cpu``).
+    device with torchvision: ``encoders/batched.py``), or ``auto``: ``model`` on CUDA for a family
+    without an EPD contract, else ``cpu``. A family a vLLM prefill consumes keeps Pillow's decode,
+    which is vLLM's: on an H200 nvJPEG put a tiny Qwen tower's embeddings 2.2% (relative L2) from
+    the CPU path's, for no server throughput on Qwen2.5-VL-7B's tower (docs/benchmarks.md#gpu).
     """
     if preprocess_device not in PREPROCESS_DEVICES:
         raise ValueError(f"preprocess_device must be one of {PREPROCESS_DEVICES}, not {preprocess_device!r}")
     torch_device = resolve_device(device)
     encoder = _load(model, revision, dtype, torch_device, output)
-    if preprocess_device == "model" or (preprocess_device == "auto" and torch_device.type == "cuda"):
+    contract = encoder.family is not None and encoder.family.epd is not None
+    on_device = preprocess_device == "model" or (preprocess_device == "auto" and torch_device.type == "cuda"
+                                                 and not contract)
+    if on_device:
         if not isinstance(encoder, HFEncoder):
             raise ValueError(f"{model} cannot preprocess on its device")
         try:

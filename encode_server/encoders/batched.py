@@ -6,9 +6,9 @@ an image at a time on the CPU, becomes the bottleneck. So the work is split diff
 - Per image, in a preprocessing thread (``prepare``): the header is read and checked as the CPU
   path checks it (format, pixel limit, EXIF orientation), which gives the token count the batcher
   budgets with. A JPEG whose frame is RGB or grayscale waits as its encoded bytes. Any other image
-  (PNG, WebP, GIF, BMP, TIFF, a CMYK JPEG, MPO, a truncated JPEG) is decoded by Pillow as the CPU
-  path decodes it (``imaging.decode_image``), into a uint8 CHW tensor in pinned host memory, and
-  waits as that.
+  (PNG, WebP, GIF, BMP, TIFF, a CMYK JPEG, MPO, a truncated JPEG, a JPEG using a quantization
+  table it never defines) is decoded by Pillow as the CPU path decodes it (``imaging.decode_image``),
+  into a uint8 CHW tensor in pinned host memory, and waits as that.
 - Per batch, in the forward thread (``run``): the batch's JPEGs are decoded by one
   ``torchvision.io.decode_jpeg`` call on the device (nvJPEG's batched decoder on CUDA) while the
   waiting pixels are copied to the device on a side stream; the EXIF orientation is applied on the
@@ -67,6 +67,45 @@ def _complete(data: bytes) -> bool:
     pair is the marker); a truncated upload's does not, and goes to Pillow, which refuses it as
     the CPU path does, whatever the device decoder would make of it."""
     return b"\xff\xd9" in data[data.rfind(b"\xff\xda") :]
+
+
+_STANDALONE_MARKERS = frozenset({0x01, *range(0xD0, 0xD8)})  # TEM, RST0-7: no length field
+
+
+def _tables_defined(data: bytes) -> bool:
+    """Every quantization table the frame's components name is defined before the first scan.
+
+    libjpeg refuses a stream that uses an undefined table; nvJPEG decodes it into grey (seen on an
+    H200: a 200 with garbage rows where the CPU path answers 400). Such a stream goes to Pillow,
+    which refuses it as the CPU path does. Only the header segments are walked, not the scan.
+    """
+    defined: set[int] = set()
+    used: set[int] = set()
+    i, end = 2, len(data)
+    while i + 4 <= end:
+        if data[i] != 0xFF:
+            return False
+        marker = data[i + 1]
+        if marker == 0xFF:  # fill byte before a marker
+            i += 1
+            continue
+        if marker in _STANDALONE_MARKERS:
+            i += 2
+            continue
+        if marker == 0xDA:  # start of scan: every table in use must be defined by now
+            return bool(used) and used <= defined
+        length = int.from_bytes(data[i + 2 : i + 4], "big")
+        segment = data[i + 4 : i + 2 + length]
+        if marker == 0xDB:  # DQT: (precision << 4 | id, 64 or 128 bytes) repeated
+            j = 0
+            while j < len(segment):
+                defined.add(segment[j] & 0x0F)
+                j += 1 + (128 if segment[j] >> 4 else 64)
+        elif 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC) and len(segment) >= 6:  # SOFn
+            # precision, height, width, count, then (id, sampling, table) per component
+            used.update(segment[t] & 0x0F for t in range(8, min(len(segment), 6 + 3 * segment[5]), 3))
+        i += 2 + length
+    return False
 
 
 @dataclass
@@ -140,7 +179,8 @@ class BatchedPipeline:
     def prepare(self, data: bytes, *, max_pixels: int, index: int | None) -> tuple[Pending, int, int]:
         """(pending, width, height), the size as the model will see it (EXIF orientation applied)."""
         header = read_header(data, max_pixels=max_pixels, index=index)
-        if header.format == "JPEG" and header.mode in _DEVICE_DECODED_MODES and _complete(data):
+        if (header.format == "JPEG" and header.mode in _DEVICE_DECODED_MODES and _complete(data)
+                and _tables_defined(data)):
             jpeg = torch.frombuffer(bytearray(data), dtype=torch.uint8)
             width, height = header.oriented_size
             return Pending(data, index, max_pixels, jpeg=jpeg, orientation=header.orientation), width, height

@@ -6,9 +6,12 @@ is installed (libjpeg-turbo, torchvision's resize), so its inputs are bit-identi
 torchvision processor's on Pillow-decoded images; against the Pillow-backend processor (the CPU
 path where torchvision is absent) they differ by at most 1.5 uint8 levels (max abs 0.025), 1e-3 on
 average, from the two resize implementations. On CUDA nvJPEG decodes differently from libjpeg and
-the GPU's resize kernels round differently: max abs 0.3 (20 levels, at sharp chroma edges), 0.01 on
-average; the embeddings of a float32 model within 2% (relative L2) of the CPU path's on the same
-device.
+the GPU's resize kernels round differently. Measured on an H200 (torch 2.11, torchvision 0.26):
+decoded pixels 2.1-3.0 uint8 levels apart on average (13-32 at most); the Qwen processor's inputs
+max abs 0.22 and 0.011 on average; a float32 tiny Qwen tower's embeddings 2.2% and 5.0% apart
+(relative L2, two runs: its random weights amplify input differences). The CUDA limits give that
+room: max abs 0.3 and 0.02 on average, 4 levels on average for decoded pixels, embeddings within
+10% (a wrong orientation, normalisation or image order is off by far more).
 """
 
 from __future__ import annotations
@@ -52,11 +55,11 @@ def _batched(path: Path, device: str, **kwargs: Any) -> HFEncoder:
 
 def _decode(encoded: EncodedTensor | Exception) -> torch.Tensor:
     assert isinstance(encoded, EncodedTensor), encoded
-    return torch.frombuffer(bytearray(encoded.data), dtype=torch.float32).reshape(encoded.shape)
+    return torch.frombuffer(bytearray(encoded.data), dtype=getattr(torch, encoded.dtype)).reshape(encoded.shape)
 
 
 def _limits(device: str) -> tuple[float, float]:
-    return (0.025, 1e-3) if device == "cpu" else (0.3, 0.01)
+    return (0.025, 1e-3) if device == "cpu" else (0.3, 0.02)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -94,7 +97,7 @@ def test_batched_embeddings_match_the_cpu_path(family_dirs: dict[str, Path], fam
     for a, b in zip(ours, theirs, strict=True):
         x, y = _decode(a), _decode(b)
         assert x.shape == y.shape
-        assert ((x - y).norm() / y.norm()).item() <= 0.02
+        assert ((x - y).norm() / y.norm()).item() <= (0.02 if device == "cpu" else 0.1)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -114,22 +117,44 @@ def test_exif_orientation_is_applied_as_the_cpu_path_applies_it(device: str, ori
     reference = torch.from_numpy(np.asarray(decode_image(data, max_pixels=MAX_PIXELS)).copy()).permute(2, 0, 1)
     assert ours.shape == reference.shape
     diff = (ours.cpu().int() - reference.int()).abs()
-    assert diff.max().item() == 0 if device == "cpu" else diff.float().mean().item() < 2.0
+    assert diff.max().item() == 0 if device == "cpu" else diff.float().mean().item() < 4.0
+
+
+def _refused(encoder: HFEncoder, index: int) -> PreparedItem:
+    """An item waiting as a JPEG stream that every decoder refuses (start and end of image, nothing
+    between), put in by hand: ``prepare`` itself sends every stream it can tell is bad to Pillow."""
+    item = encoder.prepare(photos(42, 1)[0], max_pixels=MAX_PIXELS, index=index)
+    stream = b"\xff\xd8\xff\xd9"
+    item.pending.data, item.pending.jpeg = stream, torch.frombuffer(bytearray(stream), dtype=torch.uint8)
+    return item
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_a_jpeg_found_bad_when_its_batch_decodes_fails_alone(device: str) -> None:
-    encoder = load_encoder("builtin:tiny", device=device, preprocess_device="model")
+def test_a_jpeg_the_batch_decoder_refuses_is_decoded_alone_and_fails_alone(device: str) -> None:
+    """A waiting stream the device's batch decode refuses (nvJPEG takes fewer streams than
+    libjpeg) is decoded alone, then by Pillow; one Pillow refuses too is that item's error."""
+    encoder = load_encoder("builtin:tiny", device=device, preprocess_device="model", dtype="float32")
     good = photos(41, 2)
-    batch = [encoder.prepare(d, max_pixels=MAX_PIXELS, index=i)
-             for i, d in enumerate([good[0], jpeg_without_tables(), good[1]])]
-    assert batch[1].pending.jpeg is not None  # its header passed: only the batch's decode finds it bad
+    batch = [encoder.prepare(good[0], max_pixels=MAX_PIXELS, index=0), _refused(encoder, 1),
+             encoder.prepare(good[1], max_pixels=MAX_PIXELS, index=2)]
     first, bad, last = encoder.forward(batch)
     assert isinstance(bad, BadInput) and bad.type == "invalid_image" and bad.index == 1
-    single = load_encoder("builtin:tiny", device=device, preprocess_device="model")
+    single = load_encoder("builtin:tiny", device=device, preprocess_device="model", dtype="float32")
     [alone] = single.forward([single.prepare(good[1], max_pixels=MAX_PIXELS)])
     assert isinstance(first, EncodedTensor) and isinstance(last, EncodedTensor)
-    torch.testing.assert_close(_decode(last), _decode(alone))
+    # the last item is its own image's rows, whatever the batch (cuDNN's TF32 convolutions differ by batch)
+    tolerance = {} if device == "cpu" else {"rtol": 1e-2, "atol": 1e-3}
+    torch.testing.assert_close(_decode(last), _decode(alone), **tolerance)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_jpeg_without_its_quantization_tables_is_refused_when_prepared(device: str) -> None:
+    """nvJPEG decodes such a stream into grey (seen on an H200) where libjpeg refuses it: it never
+    reaches the device decoder, and Pillow refuses it as on the CPU path."""
+    encoder = load_encoder("builtin:tiny", device=device, preprocess_device="model")
+    with pytest.raises(BadInput, match="cannot decode") as refused:
+        encoder.prepare(jpeg_without_tables(), max_pixels=MAX_PIXELS, index=1)
+    assert refused.value.type == "invalid_image" and refused.value.index == 1
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -169,6 +194,17 @@ def test_the_fingerprint_says_the_pipeline_and_the_cpu_path_keeps_its_own(family
 def test_an_empty_batch_and_a_batch_of_only_bad_items() -> None:
     encoder = load_encoder("builtin:tiny", device="cpu", preprocess_device="model")
     assert encoder.forward([]) == []
-    bad: PreparedItem = encoder.prepare(jpeg_without_tables(), max_pixels=MAX_PIXELS, index=3)
-    [error] = encoder.forward([bad])
+    assert isinstance(encoder, HFEncoder)
+    [error] = encoder.forward([_refused(encoder, 3)])
     assert isinstance(error, BadInput) and error.index == 3
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_auto_decodes_on_the_gpu_only_for_a_family_no_vllm_prefill_consumes(family_dirs: dict[str, Path],
+                                                                            device: str) -> None:
+    """A vLLM prefill consumes Qwen's embeddings: they keep Pillow's decode, which is vLLM's."""
+    clip = load_encoder(str(family_dirs["clip"]), device=device, preprocess_device="auto")
+    assert isinstance(clip, HFEncoder) and (clip.batched is not None) == (device == "cuda")
+    for model in (str(family_dirs["qwen2_5_vl"]), "builtin:tiny"):
+        consumed = load_encoder(model, device=device, preprocess_device="auto")
+        assert isinstance(consumed, HFEncoder) and consumed.batched is None

@@ -41,7 +41,7 @@ def test_a_batch_of_formats_encodes_and_its_counts_are_the_token_counts(batched_
 
 
 def test_a_jpeg_bad_only_when_decoded_is_a_400_naming_it_and_the_server_goes_on(batched_server: ServerProcess) -> None:
-    for bad in (jpeg_without_tables(5), truncated_jpeg(5)):  # found bad by the batch / when prepared
+    for bad in (jpeg_without_tables(5), truncated_jpeg(5)):  # both found bad when prepared
         items = [_item(photos(71, 1)[0]), _item(bad)]
         r = httpx.post(batched_server.url + "/v1/encode", json={"items": items}, timeout=60)
         assert r.status_code == 400, r.text

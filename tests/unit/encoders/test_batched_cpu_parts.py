@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import io
+
 import numpy as np
 import pytest
 import torch
 from PIL import Image, ImageOps
 
+from bench.workload import photos
 from encode_server.encoders import load_encoder
-from encode_server.encoders.batched import orient
+from encode_server.encoders.batched import _tables_defined, orient
 from encode_server.encoders.hf import HFEncoder
+from tests.images import jpeg_without_tables
 
 
 @pytest.mark.parametrize("orientation", range(1, 9))
@@ -35,3 +39,29 @@ def test_auto_keeps_the_cpu_path_on_a_cpu_model_and_unknown_values_are_refused()
     assert "pipeline" not in encoder.info.preprocessing
     with pytest.raises(ValueError, match="preprocess_device"):
         load_encoder("builtin:tiny", device="cpu", preprocess_device="gpu")
+
+
+def _jpeg(mode: str = "RGB", **save: object) -> bytes:
+    buffer = io.BytesIO()
+    Image.new(mode, (40, 30), 90).save(buffer, format="JPEG", **save)
+    return buffer.getvalue()
+
+
+def _name_table(data: bytes, table: int) -> bytes:
+    """``data`` with every component of its frame naming quantization table ``table``."""
+    out = bytearray(data)
+    start = out.index(b"\xff\xc0") + 4  # baseline SOF0's segment, after its length
+    for k in range(out[start + 5]):
+        out[start + 8 + 3 * k] = table
+    return bytes(out)
+
+
+def test_a_jpeg_goes_to_the_device_decoder_only_when_it_defines_every_table_it_uses() -> None:
+    """nvJPEG decodes a stream using an undefined quantization table into grey, where libjpeg (and
+    so the CPU path) refuses it: such a stream must wait for Pillow instead."""
+    for good in (_jpeg(), _jpeg("L"), _jpeg(progressive=True), _jpeg(subsampling=0), *photos(7, 2)):
+        assert _tables_defined(good)
+    gray = _jpeg("L")  # defines table 0 only
+    assert not _tables_defined(_name_table(gray, 1))
+    assert not _tables_defined(jpeg_without_tables())
+    assert not _tables_defined(b"\xff\xd8\xff\xd9") and not _tables_defined(b"\xff\xd8")

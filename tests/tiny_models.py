@@ -60,6 +60,7 @@ __all__ = [
     "make_qwen2_5_vl",
     "make_qwen2_vl",
     "make_qwen3",
+    "qwen_pixels",
     "reference_anyres_features",
     "reference_clip_features",
     "reference_gemma3_features",
@@ -238,6 +239,25 @@ def _inputs(path: Path | str, image: Image.Image) -> dict[str, torch.Tensor]:
     return dict(AutoImageProcessor.from_pretrained(path)(images=image, return_tensors="pt"))
 
 
+@functools.lru_cache(maxsize=4)
+def _cached_encoder(path: str, mtime_ns: int) -> Any:
+    from encode_server.encoders import load_encoder
+
+    return load_encoder(path, device="cpu", dtype="float32")
+
+
+def qwen_pixels(path: Path | str, image: Image.Image) -> dict[str, torch.Tensor]:
+    """The pixels a Qwen-style tower (Qwen2/2.5/3-VL, GLM-4.1V) is handed for ``image``: made by
+    encode-server as transformers' torchvision-backend processor (the one vLLM runs) makes them.
+    This venv has no torchvision, so its processor is the PIL one, which resizes otherwise; the
+    pixels themselves are checked apart: against vLLM's processor exactly (tests/vllm), against
+    this venv's up to its resize (tests/unit/encoders/test_qwen.py). The references below run the
+    full model on them, so they check the tower, its weights and the split of its output."""
+    config = Path(path) / "config.json"
+    encoder = _cached_encoder(str(Path(path).resolve()), config.stat().st_mtime_ns)
+    return dict(encoder.preprocess(image).inputs)
+
+
 @torch.inference_mode()
 def reference_clip_features(path: Path | str, image: Image.Image, output: str = "hidden") -> torch.Tensor:
     """The full CLIP/SigLIP(2) model's vision output for one image: N x D hidden or 1 x D pooled.
@@ -267,9 +287,10 @@ def reference_llava_features(path: Path | str, image: Image.Image) -> torch.Tens
 
 @torch.inference_mode()
 def reference_qwen_features(path: Path | str, image: Image.Image) -> tuple[torch.Tensor, list[int]]:
-    """``Qwen2(_5)_VLForConditionalGeneration.get_image_features`` for one image: (N x D_llm, [t, h, w])."""
+    """``Qwen2(_5)_VLForConditionalGeneration.get_image_features`` for one image (``qwen_pixels``):
+    (N x D_llm, [t, h, w])."""
     model = _reference_model(path)
-    inputs = _inputs(path, image)
+    inputs = qwen_pixels(path, image)
     grid = inputs["image_grid_thw"]
     features = model.get_image_features(inputs["pixel_values"], grid).pooler_output[0]
     return features, grid[0].tolist()  # GLM-4.1V's get_image_features has the same signature
@@ -287,9 +308,9 @@ def make_qwen3(directory: Path | str, kind: str = "qwen3_vl", **kwargs: Any) -> 
 def reference_qwen3_features(path: Path | str, image: Image.Image) -> tuple[torch.Tensor, list[int]]:
     """What vLLM's Qwen3-VL ``embed_multimodal`` hands its language model for one image: the full
     model's ``get_image_features`` merged rows with each DeepStack merger's rows after them on the
-    last dimension (Qwen3.5: the merged rows alone). (N x D * (1 + k), [t, h, w])."""
+    last dimension (Qwen3.5: the merged rows alone), for ``qwen_pixels``. (N x D * (1 + k), [t, h, w])."""
     model = _reference_model(path)
-    inputs = _inputs(path, image)
+    inputs = qwen_pixels(path, image)
     grid = inputs["image_grid_thw"]
     output = model.get_image_features(inputs["pixel_values"], grid)
     deepstack = [features[0] for features in (getattr(output, "deepstack_features", None) or [])]

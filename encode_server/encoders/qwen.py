@@ -10,6 +10,14 @@ exactly ``get_image_features``' per-image split: N = t*h*w / merge_size**2 rows,
 A batch is the images' patch rows concatenated, with their grids stacked: the model keeps the
 images apart by their cumulative sequence lengths, and the output is split back by each N.
 
+Images are resized and normalised with torch, as transformers' torchvision-backend
+``Qwen2VLImageProcessor`` does it (``qwen_video._pixels``: antialiased bicubic ``interpolate`` on
+the uint8 image, then the fused rescale and normalisation), whatever backend this venv's
+transformers picked. That is the processor vLLM runs (its environment has torchvision), so the
+rows equal vLLM's tower's for resized images too; the PIL backend's bicubic resize rounds
+differently (2e-2 absolute in the rows, docs/vllm.md) and took 1.7x the CPU (22 against 13 ms for
+a 1280x720 JPEG, decode included, one thread). The fingerprint names the torchvision class.
+
 The patch embedding is a Conv3d whose kernel equals its stride: one matrix product over each
 patch's 3 x t x p x p values. It is computed as that product (``PatchLinear``), as vLLM's own
 ``Conv3dLayer`` does, rather than as a convolution: on a CPU a bfloat16 Conv3d took 55 of a
@@ -34,6 +42,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
+import numpy as np
 import torch
 from PIL import Image
 from transformers import PretrainedConfig
@@ -48,7 +57,7 @@ from .base import EncodedTensor, PreparedItem, VideoPlan
 from .family import Epd, Family
 from .hf import HFEncoder, LoadSpec, to_encoded
 from .loading import CheckpointFiles, Layout, empty_module, load_vision_weights
-from .qwen_video import VideoConfig, frames_nbytes, prepare_video, split_groups, video_grid
+from .qwen_video import VideoConfig, frames_nbytes, patchify, prepare_video, split_groups, video_grid
 
 __all__ = [
     "FAMILY", "LAYOUTS", "PIXEL_SETTINGS", "VIDEO_DEFAULTS", "VIDEO_SETTINGS", "PatchLinear", "QwenVisionEncoder",
@@ -159,6 +168,10 @@ class QwenVisionEncoder(HFEncoder):
                 f"image processor patch/merge size ({processor.patch_size}, {processor.merge_size}) does not "
                 f"match the vision model's ({self.patch_size}, {self.merge_size})"
             )
+        # The image processor's settings, for the torch resize and normalisation (module docstring).
+        self.image_pixels = VideoConfig(processor.to_dict(), defaults={})
+        twin = type(processor).__name__.removesuffix("Pil")
+        self.info = replace(self.info, preprocessing={**self.info.preprocessing, "processor_class": twin})
 
     @staticmethod
     def output_width(module: torch.nn.Module) -> int:
@@ -171,7 +184,7 @@ class QwenVisionEncoder(HFEncoder):
         return self.module(pixel_values, grid_thw=grid_thw).pooler_output
 
     def preprocess(self, image: Image.Image) -> PreparedItem:
-        return self._prepared(self._process(image))
+        return self._pixels(image, self.count_tokens(image.width, image.height)[1])
 
     def setting_defaults(self) -> dict[str, Any]:
         """The image processor's pixel range, as vLLM reads it (``size``'s edges are its
@@ -182,8 +195,16 @@ class QwenVisionEncoder(HFEncoder):
     def preprocess_with(self, image: Image.Image, settings: Mapping[str, Any]) -> PreparedItem:
         """The processor called as vLLM calls it with ``mm_processor_kwargs`` (``min_pixels`` and
         ``max_pixels`` completed into ``size``: ``_complete_mm_processor_size_aliases``)."""
-        size = {"shortest_edge": settings["min_pixels"], "longest_edge": settings["max_pixels"]}
-        return self._prepared(dict(self.processor(images=image, size=size, return_tensors="pt")))
+        return self._pixels(image, self.count_tokens_with(image.width, image.height, settings)[1])
+
+    def _pixels(self, image: Image.Image, meta: Mapping[str, Any]) -> PreparedItem:
+        """The processor's ``pixel_values`` and grid for ``image`` resized to the grid its family's
+        rule gave (``meta``), made as its torchvision backend makes them (a still image is one
+        frame, repeated to fill its temporal patch, as the processor repeats it)."""
+        _, grid_h, grid_w = meta["image_grid_thw"]
+        size = (grid_h * self.patch_size, grid_w * self.patch_size)
+        rows, grid = patchify(np.array(image)[None], size, self.image_pixels)
+        return self._prepared({"pixel_values": rows, "image_grid_thw": torch.tensor([grid])})
 
     def count_tokens_with(self, width: int, height: int, settings: Mapping[str, Any]) -> tuple[int, dict[str, Any]]:
         return self._count(width, height, settings["min_pixels"], settings["max_pixels"])

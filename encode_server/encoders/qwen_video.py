@@ -16,7 +16,7 @@ are done here with torch, as torchvision's ``resize`` does them on a uint8 CPU t
 the result still uint8 (torch's native uint8 kernel: no cast, clamp or rounding of ours). Then,
 as ``rescale_and_normalize`` fuses them: float32, minus ``mean / rescale_factor``, divided by
 ``std / rescale_factor``. vLLM runs that processor, so a resized frame's values equal vLLM's
-(tests/vllm/test_qwen3_vl.py). Images keep the PIL image processor, as vLLM is run for them.
+(tests/vllm/test_qwen3_vl.py). Images are made with the same operations (``qwen.py``).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The sample answers in README.md and docs/ are what ``builtin:tiny`` serves (on the CPU, as the
-docs' first run does): every fingerprint shown, whole or cut short (``4bd1…``), and the token
+docs' first run does): every fingerprint shown, whole or cut short (``0b8e…``), and the token
 counts of the README's ``/v1/tokens`` sample, read from a real server."""
 
 from __future__ import annotations

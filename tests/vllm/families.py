@@ -105,6 +105,8 @@ CASES = [
         # a whole tensor is not an image item for its parser; {image_embeds, image_grid_thw} goes to the
         # HF processor as if it were two images
         refusal=(KeyError, "Modality 'image' not found"),
+        # vLLM's default, the torchvision backend: encode-server makes its pixels (encoders/qwen.py)
+        engine_processor_kwargs={},
     ),
     FamilyCase(
         name="llava_onevision",

@@ -96,15 +96,15 @@ def test_embedding_and_tokens_match_vllms_own_vision_tower(llm: Any, baseline: d
     """encode-server's embedding == vLLM's own vision tower output for the same image, and plain
     vLLM on the pixels gives the tokens the EPD request gives.
 
-    Exact up to float32 noise (max |diff| <= 1e-5 x the largest magnitude) for images the processor
-    does not resize. A resized image differs more, by the resize alone: encode-server's venv has no
-    torchvision, so transformers gives it the PIL image processor, while vLLM's (with torchvision)
-    gets the torchvision one; their bicubic resizes round differently (transformers fingerprints
-    the processor class for this reason). Those are measured and printed, not asserted equal.
+    Exact up to float32 noise (max |diff| <= 1e-5 x the largest magnitude), for images the
+    processor keeps as they are and for those it resizes: vLLM runs transformers' torchvision-backend
+    processor, and encode-server (no torchvision) makes its pixels with the same torch operations
+    (``encoders/qwen.py``); with PIL's bicubic resize, as it did before, resized images were 2e-2 off.
     """
     own_tokens = greedy(llm, [pixels(data, uuid=f"pixels-{i}") for i, data in enumerate(IMAGES)])
     runner = model_runner(llm)
-    report = []
+    report: list[str] = []
+    failures: list[str] = []
     for i, emb in enumerate(baseline["embeddings"]):
         own = runner.encoder_cache[f"pixels-{i}"].float().cpu().numpy()
         assert own.shape == emb.shape, (i, own.shape, emb.shape)
@@ -116,10 +116,9 @@ def test_embedding_and_tokens_match_vllms_own_vision_tower(llm: Any, baseline: d
             f"image {i} {SIZES[i][0]}x{SIZES[i][1]} ({kind}): {emb.shape[0]} tokens, max |diff| {diff:.1e} "
             f"(of max |x| {scale:.1f}), greedy tokens {'equal' if same else 'DIFFER'}"
         )
-        if i < UNRESIZED:
-            assert diff <= 1e-5 * max(1.0, scale), report[-1]
-            assert same, report[-1]
+        failures += [report[-1]] if diff > 1e-5 * max(1.0, scale) or not same else []
     print("\n" + "\n".join(report))
+    assert not failures, failures
 
 
 # Sizes across aspect ratios and scales, inside and outside [min_pixels, max_pixels].

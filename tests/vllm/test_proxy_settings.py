@@ -13,7 +13,6 @@ with the kwargs and its own tower.
 from __future__ import annotations
 
 import copy
-import json
 import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -37,9 +36,9 @@ from tests.vllm.epd_stack import Relay, chat, post_chat, vllm_openai_server
 from tests.vllm.families import PROXY_CASES
 
 PREFIX = f"test-vllm-proxy-settings-{os.getpid()}"
-# vLLM's HF processor on its PIL backend (as the server's): a resized image's pixels then agree bit
-# for bit, and so do the embeddings; a request's kwargs are merged over these by vLLM.
-VLLM_ARGS = ("--trust-request-mm-kwargs", "--mm-processor-kwargs", json.dumps({"use_fast": False}))
+# vLLM's HF processor on its default (torchvision) backend, whose pixels encode-server makes with
+# the same torch operations: a resized image's pixels agree bit for bit, and so do the embeddings.
+VLLM_ARGS = ("--trust-request-mm-kwargs",)
 pytestmark = pytest.mark.timeout(600)
 
 # 280x280 is resized to 224x224 (the checkpoint's max_pixels): 64 rows; 112x112 under these: 16.

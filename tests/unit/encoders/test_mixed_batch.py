@@ -16,7 +16,7 @@ from tests.unit.encoders.util import noise_image
 
 
 class _Pipeline:
-    """Stands in for ``BatchedPipeline.run`` with the CPU processor: the pending items are images;
+    """Stands in for ``BatchedPipeline.run`` with the CPU preprocessing: the pending items are images;
     one named "bad" fails alone, as a stream the device decoder refuses."""
 
     def __init__(self, encoder: Any) -> None:
@@ -28,7 +28,7 @@ class _Pipeline:
         errors: list[EncodeServerError | None] = [
             BadInput("cannot decode", type="invalid_image") if p == "bad" else None for p in batch
         ]
-        made = [self.encoder._process(p) for p in batch if p != "bad"]
+        made = [self.encoder.preprocess(p).inputs for p in batch if p != "bad"]
         return {k: torch.cat([m[k] for m in made]) for k in made[0]}, errors
 
 

@@ -12,7 +12,7 @@ from transformers import AutoImageProcessor
 
 from encode_server.encoders import load_encoder
 from encode_server.encoders.qwen import PatchLinear
-from tests.tiny_models import load_full_model, reference_qwen_features
+from tests.tiny_models import load_full_model, qwen_pixels, reference_qwen_features
 from tests.unit.encoders.util import decode, noise_image, num_parameters
 
 # (width, height): tiny, below min_pixels, wide, tall, above max_pixels, not multiples of 28
@@ -48,9 +48,10 @@ def test_batch_equals_the_models_own_batched_call(qwen_dir: Path) -> None:
     prepared = [encoder.preprocess(image) for image in images]
     batched = encoder.forward(prepared)
     full: Any = load_full_model(qwen_dir)
-    inputs = AutoImageProcessor.from_pretrained(qwen_dir)(images=images, return_tensors="pt")
+    inputs = [qwen_pixels(qwen_dir, image) for image in images]
     with torch.inference_mode():
-        expected = full.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"]).pooler_output
+        expected = full.get_image_features(torch.cat([i["pixel_values"] for i in inputs]),
+                                           torch.cat([i["image_grid_thw"] for i in inputs])).pooler_output
     assert [e.shape[0] for e in batched] == [p.num_tokens for p in prepared]
     for encoded, reference in zip(batched, expected, strict=True):
         assert torch.equal(decode(encoded), reference)
@@ -75,7 +76,7 @@ def test_the_patch_matmul_is_the_convolution(qwen_dir: Path, image: Image.Image)
     [encoded] = encoder.forward([encoder.preprocess(image)])
     conv: Any = load_full_model(qwen_dir, conv_patch_embed=True)
     assert isinstance(conv.model.visual.patch_embed.proj, torch.nn.Conv3d)
-    inputs = AutoImageProcessor.from_pretrained(qwen_dir)(images=image, return_tensors="pt")
+    inputs = qwen_pixels(qwen_dir, image)
     with torch.inference_mode():
         expected = conv.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"]).pooler_output[0]
     got = decode(encoded)
@@ -103,8 +104,35 @@ def test_bfloat16_stays_bfloat16_on_the_wire(qwen_dir: Path, image: Image.Image)
     torch.testing.assert_close(decode(encoded).float(), reference, atol=0.1, rtol=0.1)
 
 
-def test_preprocessing_names_the_processor_backend(qwen_dir: Path) -> None:
+def test_preprocessing_names_the_torchvision_backend_it_follows(qwen_dir: Path) -> None:
+    """This venv's processor is the PIL backend; the server makes the torchvision backend's pixels
+    (vLLM's), and its fingerprint says so: the two resize otherwise and must not share a key."""
     encoder = load_encoder(str(qwen_dir), device="cpu")
     preprocessing = encoder.info.preprocessing
-    assert preprocessing["processor_class"] == type(AutoImageProcessor.from_pretrained(qwen_dir)).__name__
+    assert type(AutoImageProcessor.from_pretrained(qwen_dir)).__name__ == "Qwen2VLImageProcessorPil"
+    assert preprocessing["processor_class"] == "Qwen2VLImageProcessor"
     assert preprocessing["size"] == {"shortest_edge": 56 * 56, "longest_edge": 224 * 224}
+
+
+# (width, height) the tiny checkpoint's processor keeps as they are (multiples of 28, within its pixels)
+UNRESIZED = [(56, 84), (112, 56), (224, 196)]
+
+
+@pytest.mark.parametrize(("width", "height"), [*UNRESIZED, *SIZES, (1280, 720)])
+def test_pixels_are_this_venvs_processors_but_for_its_resize(qwen_dir: Path, width: int, height: int) -> None:
+    """The torch preprocessing against transformers' PIL backend (the torchvision one, vLLM's, is
+    matched exactly in tests/vllm): the same grid and patch order, equal values where neither
+    resizes (float rounding: the torch path fuses rescale and normalisation), and only the two
+    bicubic kernels' rounding where both resize (measured on noise, the worst case: mean
+    |diff| <= 5.6e-3, max 0.28, where one grey level is 0.015)."""
+    encoder = load_encoder(str(qwen_dir), device="cpu")
+    image = noise_image(width, height, seed=width)
+    ours = encoder.preprocess(image).inputs
+    theirs = AutoImageProcessor.from_pretrained(qwen_dir)(images=image, return_tensors="pt")
+    assert torch.equal(ours["image_grid_thw"], theirs["image_grid_thw"])
+    assert ours["pixel_values"].shape == theirs["pixel_values"].shape
+    diff = (ours["pixel_values"] - theirs["pixel_values"]).abs()
+    if (width, height) in UNRESIZED:
+        assert float(diff.max()) <= 1e-6
+    else:
+        assert float(diff.mean()) <= 1e-2 and float(diff.max()) <= 0.5

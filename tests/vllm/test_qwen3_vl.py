@@ -206,8 +206,8 @@ def test_embedding_and_tokens_match_vllms_own_vision_tower(kind: str, llm: Any, 
     """encode-server's embedding == vLLM's own tower for the same image, every column (the
     DeepStack blocks included), and plain vLLM on the pixels gives the EPD request's tokens.
 
-    float32 engine: max |diff| <= 1e-5 x the largest magnitude for images the processor does not
-    resize (float32 noise: vLLM's tower fuses q/k/v and interpolates its position grid its own way).
+    float32 engine: max |diff| <= 1e-5 x the largest magnitude (float32 noise: vLLM's tower fuses
+    q/k/v and interpolates its position grid its own way).
     bfloat16 engine (Qwen3.5): vLLM's tower computes in bfloat16, ours in float32: <= 1e-2 x max |x|
     (measured: <= 7.5e-3).
     Resized images too: encode-server makes the torchvision-backend processor's pixels (vLLM's)

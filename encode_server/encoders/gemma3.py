@@ -6,25 +6,35 @@ hidden state (post-layernorm, no pooling head) is average-pooled from its patch 
 projected into the language model's hidden size: ``Gemma3Model.get_image_features``, and what vLLM's
 ``gemma3_mm.py`` returns from ``embed_multimodal``. So N is fixed and a batch is stacked.
 
-Pan-and-scan crops are off, as ``Gemma3Processor`` passes ``do_pan_and_scan=False`` at call time
-over the saved attribute (and vLLM sizes its placeholder from the same merged default); vLLM turns
-them on only through per-request ``mm_processor_kwargs``, which this family does not declare (yet).
+Pan-and-scan crops are off by default, as ``Gemma3Processor`` passes ``do_pan_and_scan=False`` at
+call time over the saved attribute (and vLLM sizes its placeholder from the same merged default).
+vLLM turns them on only per request (``mm_processor_kwargs``), and so does this family
+(``SETTINGS``): an image wide or tall enough is then cut into 2 or more crops (``pan_and_scan_crops``,
+the image processor's rule), each resized to the tower's size and encoded as an image of its own,
+and its embedding is the whole image's rows, then each crop's: (1 + crops) x ``mm_tokens_per_image``,
+what vLLM's ``_process_image_input`` hands its language model for the item.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
 import torch
+from PIL import Image
 from transformers import Gemma3Config, Gemma3Processor, SiglipVisionModel
 from transformers.models.gemma3.modeling_gemma3 import Gemma3MultiModalProjector
 
+from encode_server.core.settings import Setting
+
+from .base import EncodedTensor, PreparedItem
 from .clip import FixedResolutionEncoder
 from .family import Epd, Family
-from .hf import LoadSpec, apply_call_defaults
+from .hf import LoadSpec, apply_call_defaults, to_encoded
 from .loading import CheckpointFiles, Layout, empty_module, load_vision_weights
 
-__all__ = ["FAMILY", "Gemma3Encoder", "Gemma3Vision", "load_gemma3"]
+__all__ = ["FAMILY", "SETTINGS", "Gemma3Encoder", "Gemma3Vision", "load_gemma3", "pan_and_scan_crops"]
 
 OUTPUTS = ("hidden", "projected")  # "hidden" is accepted as the default and means "projected"
 
@@ -52,8 +62,24 @@ class Gemma3Vision(torch.nn.Module):
         return self.multi_modal_projector(self.vision_tower(pixel_values=pixel_values).last_hidden_state)
 
 
+def pan_and_scan_crops(width: int, height: int, *, min_crop_size: int, max_num_crops: int, min_ratio: float) -> int:
+    """The crops ``Gemma3ImageProcessor.pan_and_scan`` cuts a ``width`` x ``height`` image into (0:
+    none), from its size alone, as vLLM's ``Gemma3ProcessingInfo.get_num_crops`` counts them: along
+    the longer side only, when it is at least ``min_ratio`` times the other; about one crop per
+    aspect ratio unit, 2 to ``max_num_crops`` of them, none if a crop would be under ``min_crop_size``."""
+    long, short = max(width, height), min(width, height)
+    if long / short < min_ratio:
+        return 0
+    crops = min(math.floor(long / min_crop_size), math.floor(long / short + 0.5))
+    crops = min(max_num_crops, max(2, crops))
+    if min(math.ceil(long / crops), short) < min_crop_size:
+        return 0
+    return crops
+
+
 class Gemma3Encoder(FixedResolutionEncoder):
-    """The pooled, projected image features; N is ``mm_tokens_per_image``."""
+    """The pooled, projected image features; N is ``mm_tokens_per_image`` a crop (one crop: the
+    whole image, unless a request turns pan-and-scan on)."""
 
     module: Gemma3Vision
 
@@ -73,6 +99,41 @@ class Gemma3Encoder(FixedResolutionEncoder):
 
     def _embed(self, pixel_values: torch.Tensor) -> torch.Tensor:
         return self.module(pixel_values)
+
+    def setting_defaults(self) -> dict[str, Any]:
+        """The pan-and-scan settings the processor is called with (``Gemma3Processor``'s call
+        defaults, set on it at load; vLLM merges a request's over the same)."""
+        p = self.processor
+        return {"do_pan_and_scan": bool(p.do_pan_and_scan),
+                "pan_and_scan_min_crop_size": int(p.pan_and_scan_min_crop_size),
+                "pan_and_scan_max_num_crops": int(p.pan_and_scan_max_num_crops),
+                "pan_and_scan_min_ratio_to_activate": float(p.pan_and_scan_min_ratio_to_activate)}
+
+    def preprocess_with(self, image: Image.Image, settings: Mapping[str, Any]) -> PreparedItem:
+        """The image processor called with the request's pan-and-scan settings, as vLLM's HF
+        processor call passes them on: the whole image, then its crops."""
+        inputs = self.processor(images=image, return_tensors="pt", **settings)
+        crops = int(inputs["num_crops"][0])
+        return PreparedItem({"pixel_values": inputs["pixel_values"]}, (1 + crops) * self.num_tokens,
+                            (1 + crops) * self.cost_tokens)
+
+    def count_tokens_with(self, width: int, height: int, settings: Mapping[str, Any]) -> tuple[int, dict[str, Any]]:
+        crops = 0
+        if settings["do_pan_and_scan"]:
+            crops = pan_and_scan_crops(width, height, min_crop_size=settings["pan_and_scan_min_crop_size"],
+                                       max_num_crops=settings["pan_and_scan_max_num_crops"],
+                                       min_ratio=settings["pan_and_scan_min_ratio_to_activate"])
+        return (1 + crops) * self.num_tokens, {}
+
+    def cost_of(self, num_tokens: int, meta: dict[str, Any]) -> int:
+        return num_tokens // self.num_tokens * self.cost_tokens
+
+    def _forward(self, batch: Sequence[PreparedItem], inputs: dict[str, torch.Tensor]) -> list[EncodedTensor]:
+        """Every crop of the batch in one pass; each item's rows are its crops' in order."""
+        with torch.inference_mode():
+            embeddings = self._to_host(self._embed(inputs["pixel_values"]))
+        crops = [item.num_tokens // self.num_tokens for item in batch]
+        return [to_encoded(item.flatten(0, 1)) for item in torch.split(embeddings, crops)]
 
 
 def _check_processor(files: CheckpointFiles, config: Gemma3Config, processor: Any) -> None:
@@ -100,6 +161,19 @@ def load_gemma3(files: CheckpointFiles, config: Gemma3Config, processor: Any, sp
     return Gemma3Encoder(module, processor, spec, digest)
 
 
+# vLLM's per-request keys for a Gemma 3 image: pan-and-scan, which its gemma3_mm.py passes on to the
+# HF processor (and counts crops by, get_num_crops). Each crop is one more image through the tower:
+# never more crops than the checkpoint's processor allows by default (4 for the hub's).
+SETTINGS = (
+    Setting("do_pan_and_scan", "bool", "cut a wide or tall image into crops, each encoded as an image of its "
+            "own after the whole image: more rows"),
+    Setting("pan_and_scan_min_crop_size", "int", "the smallest crop side, in pixels (no crops below it)", minimum=1),
+    Setting("pan_and_scan_max_num_crops", "int", "the most crops an image is cut into", minimum=1,
+            ceiling="pan_and_scan_max_num_crops"),
+    Setting("pan_and_scan_min_ratio_to_activate", "float", "the aspect ratio (long side / short side) from which "
+            "an image is cut", above=0),
+)
+
 # vLLM 0.32's gemma3_mm.py takes pixels only (it asserts that no image_embeds come, and its parser
 # declares no embedding fields): the prefill request carries the image and the uuid.
 FAMILY = Family(
@@ -107,4 +181,5 @@ FAMILY = Family(
     model_types=("gemma3",),
     load=load_gemma3,
     epd=Epd("pixels_uuid", vllm_model="gemma3_mm.py"),
+    settings=SETTINGS,
 )

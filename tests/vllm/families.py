@@ -53,6 +53,9 @@ class FamilyCase:
     engine_processor_kwargs: dict[str, Any] = field(default_factory=lambda: {"use_fast": False})
     variants: dict[str, Variant] = field(default_factory=dict)
     fixed_rows: bool = False  # every image takes the same N (the parity sizes must then agree)
+    # Per-request settings (vLLM's mm_processor_kwargs) for a family that declares them: each one
+    # must change some parity size's count (test_image_families.py checks every declaring family has some).
+    request_settings: list[dict[str, Any]] = field(default_factory=list)
 
     def __str__(self) -> str:
         return self.name
@@ -75,6 +78,7 @@ CASES = [
         parity_sizes=PARITY_SIZES,
         image_embeds=lambda embedding, meta: [embedding],  # a whole tensor; its rows size the placeholder
         variants={"max_patches_12": Variant({"max_patches": 12, "min_patches": 2})},
+        request_settings=[{"max_patches": 2}, {"min_patches": 3, "max_patches": 4}],
     ),
     FamilyCase(
         name="gemma3",
@@ -84,6 +88,10 @@ CASES = [
         sizes=[(64, 64), (112, 56), (300, 200), (30, 400)],
         parity_sizes=PARITY_SIZES,
         fixed_rows=True,
+        # pan-and-scan: crops of at least 32 px on the 64-px tower; then at most 2, from any aspect ratio
+        request_settings=[{"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 32},
+                          {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 16, "pan_and_scan_max_num_crops": 2,
+                           "pan_and_scan_min_ratio_to_activate": 1.0}],
     ),
     FamilyCase(
         name="mistral3",

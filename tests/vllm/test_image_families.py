@@ -57,7 +57,7 @@ def checkpoint(case: FamilyCase, tmp_path_factory: pytest.TempPathFactory) -> Pa
 def server(case: FamilyCase, checkpoint: Path, redis_proc: RedisProcess, logs: Path) -> Iterator[ServerProcess]:
     proc = start_server(
         "--model", str(checkpoint), "--redis-url", redis_proc.url, "--cache-prefix", f"{PREFIX}-{case.name}",
-        "--grpc-port", "0", "--dtype", "float32", log_dir=logs,
+        "--grpc-port", "0", "--dtype", "float32", "--trust-request-mm-kwargs", log_dir=logs,
     )
     yield proc
     proc.stop()
@@ -246,3 +246,58 @@ def test_token_parity_with_vllm_placeholders(
         else:
             assert len(set(theirs)) > 2, f"{name}: the sizes should give several counts, got {set(theirs)}"
     assert not mismatches, f"(size, encode-server N, vLLM N): {mismatches}"
+
+
+def test_every_family_that_declares_settings_has_request_settings_here(case: FamilyCase, client: Client) -> None:
+    """The per-request cases below cover every family whose keys the server publishes."""
+    keys = client.model()["mm_processor_kwargs"]["keys"]
+    image_keys = {name for name, key in keys.items() if "image" in key["modalities"]}
+    assert bool(image_keys) == bool(case.request_settings), (case.name, image_keys)
+    for settings in case.request_settings:
+        assert set(settings) <= image_keys, (case.name, settings)
+
+
+def test_request_settings_give_vllms_rows_and_placeholder_counts(
+    case: FamilyCase, llm: Any, client: Client, server: ServerProcess
+) -> None:
+    """Under each request's mm_processor_kwargs (InternVL's tile range, Gemma 3's pan-and-scan),
+    as vLLM's engine takes them per request: ``/v1/tokens`` == vLLM's placeholder count over the
+    parity sizes (the settings must change some), and the embedding of each test image == vLLM's
+    own tower output for it under the same kwargs (its encoder cache), row for row within float32
+    noise. A family that declares none refuses them. (Through encode-epd-proxy such kwargs are
+    refused for a pixels + uuid family: vLLM hashes the uuid with them and never reads the store:
+    test_proxy_settings.py.)"""
+    from vllm import SamplingParams
+
+    if not case.request_settings:  # a family without keys refuses any, naming it
+        body = {"sizes": [[64, 64]], "mm_processor_kwargs": {"max_patches": 2}}
+        r = httpx.post(server.url + "/v1/tokens", json=body, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_setting", r.text
+        assert "max_patches" in r.json()["error"]["message"], r.text
+        return
+    report = []
+    for settings in case.request_settings:
+        body = {"sizes": [list(s) for s in case.parity_sizes], "mm_processor_kwargs": settings}
+        r = httpx.post(server.url + "/v1/tokens", json=body, timeout=30)
+        assert r.status_code == 200, r.text
+        ours = [item["num_tokens"] for item in r.json()["items"]]
+        theirs = _vllm_placeholders(llm, case, case.parity_sizes, {**case.engine_processor_kwargs, **settings})
+        default = _vllm_placeholders(llm, case, case.parity_sizes, dict(case.engine_processor_kwargs))
+        wrong = [(s, a, b) for s, a, b in zip(case.parity_sizes, ours, theirs, strict=True) if a != b]
+        assert not wrong, f"{settings}: (size, encode-server N, vLLM N) {wrong}"
+        assert theirs != default, f"{settings} changed no parity size's count"
+        images = _images(case)
+        embeddings = [e.numpy() for e in client.encode(images, mm_processor_kwargs=settings)]
+        for (w, h), data, ours_rows in zip(case.sizes, images, embeddings, strict=True):
+            llm.llm_engine.reset_encoder_cache()
+            request = {**_request(case, pil(data), f"own-settings-{w}x{h}"),
+                       "mm_processor_kwargs": {**case.engine_processor_kwargs, **settings}}
+            llm.generate([request], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+            cache = _runner(llm).encoder_cache
+            assert len(cache) == 1, list(cache)  # the uuid is hashed with the kwargs: its one entry
+            tower = next(iter(cache.values())).float().cpu().numpy()
+            assert tower.shape == ours_rows.shape, (settings, (w, h), tower.shape, ours_rows.shape)
+            diff, scale = float(np.abs(tower - ours_rows).max()), float(np.abs(tower).max())
+            report.append(f"{settings} {w}x{h}: {tower.shape[0]} rows, max |diff| {diff:.1e} of max |x| {scale:.1f}")
+            assert diff <= 1e-5 * max(1.0, scale), report[-1]
+    print(f"\n{case.name}: " + "; ".join(report))

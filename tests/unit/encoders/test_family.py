@@ -116,7 +116,9 @@ def test_an_encoders_kind_is_a_model_type_of_its_family(name: str, request: pyte
     assert encoder.info.kind in encoder.family.model_types, (name, encoder.info.kind)
 
 
-_FEWER = {"max_pixels": 56 * 56, "min_patches": 1, "max_patches": 1}  # fewer rows for the fixture's 100x70 image
+# other rows for the fixture's 100x70 image: fewer (Qwen's pixels, InternVL's tiles), more (Gemma 3's crops)
+_OTHER = {"max_pixels": 56 * 56, "min_patches": 1, "max_patches": 1, "do_pan_and_scan": True,
+          "pan_and_scan_min_crop_size": 32}
 
 
 @pytest.mark.parametrize("name", sorted(f.name for f in FAMILIES if f.settings))
@@ -134,9 +136,9 @@ def test_a_family_that_declares_settings_applies_each_as_its_processor_does(
     # The checkpoint's defaults; a key the server's flag defaults (a video's fps) is not the encoder's.
     assert set(defaults) == {s.name for s in encoder.family.settings if s.server_default is None}, name
     assert encoder.count_tokens_with(*image.size, defaults) == encoder.count_tokens(*image.size)
-    fewer = {**defaults, **{k: v for k, v in _FEWER.items() if k in defaults}}
-    prepared = encoder.preprocess_with(image.convert("RGB"), fewer)
-    counted = encoder.count_tokens_with(*image.size, fewer)
+    other = {**defaults, **{k: v for k, v in _OTHER.items() if k in defaults}}
+    prepared = encoder.preprocess_with(image.convert("RGB"), other)
+    counted = encoder.count_tokens_with(*image.size, other)
     assert (prepared.num_tokens, prepared.meta) == counted, name
     assert counted != encoder.count_tokens(*image.size), name
 

@@ -11,7 +11,11 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from transformers import AutoImageProcessor
 
+from encode_server.core.errors import BadInput
+from encode_server.core.settings import resolve
+from encode_server.encoders import gemma3 as gemma3_module
 from encode_server.encoders import load_encoder
 from encode_server.service import model_fingerprint
 from tests.tiny import copy_with_processor_settings as edited
@@ -90,3 +94,54 @@ def test_holds_no_language_model(gemma3_dir: Path) -> None:
 def test_pooled_output_is_refused(gemma3_dir: Path) -> None:
     with pytest.raises(ValueError, match="projected"):
         load_encoder(str(gemma3_dir), **CPU32, output="pooled")
+
+
+# Pan-and-scan per request (vLLM's mm_processor_kwargs): crop sides down to 32 px on the tiny tower.
+PAN = {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 32}
+# wide, tall, square (never cut), under the ratio, very wide (capped at 4 crops), crops under 32 px
+PAN_SIZES = [(300, 100), (100, 300), (64, 64), (70, 64), (1000, 40), (60, 20), (130, 64), (5000, 3)]
+
+
+@pytest.mark.parametrize(("width", "height"), PAN_SIZES)
+def test_pan_and_scan_rows_are_the_whole_image_then_each_crop(gemma3_dir: Path, width: int, height: int) -> None:
+    """The processor's crops (its own ``pan_and_scan``), each through the full model's
+    ``get_image_features``, flattened in order: what vLLM hands its language model for the item;
+    ``count_tokens_with`` counts them from the size alone."""
+    encoder = load_encoder(str(gemma3_dir), **CPU32)
+    settings = {**encoder.setting_defaults(), **PAN}
+    image = noise_image(width, height, seed=width)
+    prepared = encoder.preprocess_with(image, settings)
+    [encoded] = encoder.forward([prepared])
+    processor = AutoImageProcessor.from_pretrained(gemma3_dir)
+    inputs = processor(images=image, return_tensors="pt", **settings)
+    crops = int(inputs["num_crops"][0])
+    full: Any = load_full_model(gemma3_dir)
+    with torch.inference_mode():
+        expected = full.get_image_features(inputs["pixel_values"]).pooler_output.flatten(0, 1)
+    assert torch.equal(decode(encoded), expected)
+    assert prepared.num_tokens == (1 + crops) * gemma3.MM_TOKENS == expected.shape[0]
+    assert encoder.count_tokens_with(width, height, settings) == (prepared.num_tokens, {})
+    assert prepared.cost_tokens == encoder.cost_of(prepared.num_tokens, {})
+
+
+def test_a_batch_of_cut_and_whole_images_splits_back_by_each_items_crops(gemma3_dir: Path) -> None:
+    encoder = load_encoder(str(gemma3_dir), **CPU32)
+    settings = {**encoder.setting_defaults(), **PAN}
+    images = [noise_image(w, h, seed=40 + i) for i, (w, h) in enumerate([(300, 100), (64, 64), (100, 300)])]
+    prepared = [encoder.preprocess_with(images[0], settings), encoder.preprocess(images[1]),
+                encoder.preprocess_with(images[2], settings)]
+    batched = encoder.forward(prepared)
+    alone = [encoder.forward([item])[0] for item in prepared]
+    assert [decode(e).shape[0] for e in batched] == [p.num_tokens for p in prepared] == [64, 16, 64]
+    for got, want in zip(batched, alone, strict=True):
+        torch.testing.assert_close(decode(got), decode(want), rtol=0, atol=1e-5)
+
+
+def test_more_crops_than_the_checkpoint_allows_are_refused_naming_the_key(gemma3_dir: Path) -> None:
+    encoder = load_encoder(str(gemma3_dir), **CPU32)
+    defaults = encoder.setting_defaults()
+    assert resolve(gemma3_module.SETTINGS, defaults, {"pan_and_scan_max_num_crops": 4}, {}) is None
+    with pytest.raises(BadInput, match="pan_and_scan_max_num_crops must be at least 1 and at most 4"):
+        resolve(gemma3_module.SETTINGS, defaults, {"pan_and_scan_max_num_crops": 5}, {})
+    with pytest.raises(BadInput, match="do_pan_and_scan must be true or false"):
+        resolve(gemma3_module.SETTINGS, defaults, {"do_pan_and_scan": 1}, {})

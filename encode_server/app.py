@@ -168,6 +168,7 @@ class EncodeServer:
         await service.start()
         if service.warmup is not None:
             log.info("%s", service.warmup.line())
+        log.info("%s", service.passes.line())
         info = encoder.info
         log.info(
             "model %s loaded and warm in %.2f s: kind=%s device=%s dtype=%s (%s) fingerprint=%s",

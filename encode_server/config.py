@@ -82,7 +82,8 @@ class Settings:
     max_batch_tokens: int = _opt(65536, "most patch tokens in one forward pass (an image above it runs alone)")
     forward_workers: int = _opt(
         0, "forward passes run at once, each on its share of torch's threads (0: on a CPU, one per core torch "
-        "uses, at most 4, and a lone pass still gets every core; on a GPU, one)"
+        "uses, at most 4, where a typical image's forward pass, timed at start, takes at least its decode and "
+        "preprocessing, else one; a lone pass still gets every core; on a GPU, one)"
     )
     max_wait_ms: float = _opt(
         5.0, "an idle model starts at once; it waits at most this long (ms) only for images still being decoded"

@@ -52,7 +52,7 @@ from encode_server.core.types import (
 from encode_server.encoders.base import EncoderInfo, PreparedItem, VisionEncoder
 from encode_server.imaging import oriented_size
 from encode_server.metrics import Metrics
-from encode_server.warmup import WarmupReport, warm_up
+from encode_server.warmup import PassChoice, WarmupReport, choose_passes, warm_up
 
 __all__ = ["EncodeService", "LookupResult", "TokenCount", "model_fingerprint", "serving_fingerprint"]
 
@@ -164,6 +164,10 @@ class EncodeService:
         # runtime's) charged with what decoding an item holds, before it is decoded.
         self.queue = QueueBound(settings.max_queue, metrics)
         self.warmup: WarmupReport | None = None  # what ``start`` ran, and the peak memory it took
+        why = (f"--forward-workers {settings.forward_workers}" if settings.forward_workers
+               else "--forward-workers 0: one pass on this device" if batcher.concurrency == 1
+               else "--forward-workers 0: one per core torch uses, before the warm-up's measurement")
+        self.passes = PassChoice(batcher.concurrency, why)  # forward passes side by side (``start``)
         self.memory = MemoryCharge(budget, metrics, max_pixels=settings.max_image_pixels)
         metrics.queue_depth.set_function(lambda: self.queue.pending)
         info = encoder.info
@@ -195,6 +199,12 @@ class EncodeService:
 
         budget = self.memory.budget.capacity if self.memory.budget is not None else None
         self.warmup = await warm_up(self.encoder, self.settings, self.batcher.submit, run, budget=budget)
+        # The warm-up ran with every pass --forward-workers 0 allows (its peak covers them); keep
+        # them only where the tower is the work (``warmup.choose_passes``).
+        if self.settings.forward_workers == 0 and self.batcher.concurrency > 1:
+            self.passes = await choose_passes(self.encoder, self.settings, self.batcher.submit, run,
+                                              self.batcher.concurrency)
+            self.batcher.concurrency = self.passes.passes
 
     async def close(self) -> None:
         await self.batcher.close()

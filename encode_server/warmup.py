@@ -19,6 +19,10 @@ The peak memory over all of it (``VisionEncoder.peak_memory``) is logged and pub
 processor refuses) is :class:`WarmupFailed`: the server does not become ready, and says why in one
 line. ``--warmup quick`` runs one 64x64 JPEG instead (a quick start; the peak is then unknown until
 traffic brings it).
+
+Then, where ``--forward-workers 0`` put more than one pass side by side on a CPU, ``choose_passes``
+times a typical image (a 640x480 photo-like JPEG: best of three ``prepare``, best of two lone
+forward passes) and keeps one pass when the tower is not the work (``threads.auto_passes``).
 """
 
 from __future__ import annotations
@@ -36,8 +40,12 @@ from PIL import Image
 from encode_server.config import Settings
 from encode_server.core.types import VIDEO, EncodedTensor, VideoInfo
 from encode_server.encoders.base import MemoryPeak, PreparedItem, VideoPlan, VisionEncoder
+from encode_server.encoders.threads import FORWARD_SHARE, auto_passes
 
-__all__ = ["WARMUP_MODES", "WarmupCase", "WarmupFailed", "WarmupReport", "warm_up", "worst_image_size"]
+__all__ = [
+    "WARMUP_MODES", "PassChoice", "WarmupCase", "WarmupFailed", "WarmupReport", "choose_passes", "warm_up",
+    "worst_image_size",
+]
 
 WARMUP_MODES = ("worst", "quick")
 # Aspect ratios (width : height) tried for the worst image: rows grow with the area for most
@@ -227,3 +235,58 @@ async def warm_up(
             f"hold what its limits admit ({limits}): lower them, or give it more memory"
         ) from None
     return WarmupReport(mode, tuple(cases), peak.result, time.perf_counter() - started)
+
+
+@dataclass(frozen=True)
+class PassChoice:
+    """How many forward passes run side by side, and what decided it."""
+
+    passes: int
+    reason: str
+
+    def line(self) -> str:
+        return f"forward passes: {self.passes} side by side ({self.reason})"
+
+
+def _typical_image(max_pixels: int) -> bytes:
+    """A 640x480 JPEG with a photo's texture (a gradient under noise: its decode costs what a photo's
+    does, where a flat image's costs almost nothing), smaller where ``--max-image-pixels`` is."""
+    scale = min(1.0, math.sqrt(max_pixels / (640 * 480)))
+    size = (max(_MIN_SIDE, int(640 * scale)), max(_MIN_SIDE, int(480 * scale)))
+    gradient = Image.linear_gradient("L").resize(size)
+    noise = Image.effect_noise(size, 40)
+    image = Image.merge("RGB", (gradient, noise, Image.blend(gradient, noise, 0.5)))
+    buffer = io.BytesIO()
+    image.save(buffer, format="JPEG", quality=90)
+    return buffer.getvalue()
+
+
+async def choose_passes(encoder: VisionEncoder, settings: Settings, submit: Submit, run: Run[Any],
+                        passes: int) -> PassChoice:
+    """``--forward-workers 0``'s count once measured (module docstring): ``passes`` or one. The
+    timings go through the real path: ``prepare`` on the preprocessing threads, the pass through
+    the batcher, alone (nothing else is running before the server is ready)."""
+    data = _typical_image(settings.max_image_pixels)
+
+    def prepare() -> tuple[PreparedItem, float]:
+        best, prepared = math.inf, None
+        for _ in range(3):
+            started = time.perf_counter()
+            prepared = encoder.prepare(data, max_pixels=settings.max_image_pixels)
+            best = min(best, time.perf_counter() - started)
+        assert prepared is not None
+        return prepared, best
+
+    prepared, prepare_s = await run(prepare)
+    forward_s = math.inf
+    for _ in range(2):
+        started = time.perf_counter()
+        await submit(prepared, prepared.cost_tokens)
+        forward_s = min(forward_s, time.perf_counter() - started)
+    chosen = auto_passes(passes, forward_s, prepare_s)
+    with Image.open(io.BytesIO(data)) as image:
+        width, height = image.size
+    relation = "at least" if chosen > 1 else "under"
+    return PassChoice(chosen, f"--forward-workers 0: a {width}x{height} JPEG's forward pass took "
+                              f"{forward_s * 1000:.1f} ms, {relation} {FORWARD_SHARE:g} x its decode and "
+                              f"preprocessing ({prepare_s * 1000:.1f} ms)")

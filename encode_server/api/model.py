@@ -41,6 +41,8 @@ def describe_model(service: EncodeService) -> dict[str, Any]:
             "max_batch_tokens": s.max_batch_tokens,
             "max_wait_ms": s.max_wait_ms,
             "max_queue": s.max_queue,
+            "forward_passes": service.passes.passes,
+            "forward_passes_reason": service.passes.reason,
         },
         "limits": {
             "max_request_bytes": s.max_request_bytes,

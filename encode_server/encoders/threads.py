@@ -9,6 +9,17 @@ images, bfloat16, 2 cores, one image a pass): one pass over both cores, 4.8-5.6 
 264-301 ms of CPU an image; two single-threaded passes side by side, 8.0-9.2 images/s at 204-246
 ms; two passes of two threads each (oversubscribed), 8.0-8.3.
 
+Passes side by side pay only where the tower is the work. Where decoding and preprocessing an image
+cost more than its forward pass (a small CLIP: the preprocessing threads already keep the cores
+busy), a second pass only halves the batches and takes cores from the preprocessing threads, so
+``--forward-workers 0`` keeps one pass there, measured at start (``auto_passes``, ``warmup.py``'s
+``choose_passes``). Measured (``bench.serving``'s S1, 640x480 JPEGs, 2 cores, one pass against two,
+alternating, two rounds each, 2026-12-04): a tiny CLIP 224-228 images/s with one pass, 152-209
+with two, and 8.2-8.6 against 9.4-10.1 ms one request at a time; the built-in tower 65-78 against
+71-93 images/s with two; a ViT-B/32-sized CLIP 16.0-17.0 against 17.5. Timed at start as
+``choose_passes`` times them (a lone pass through the batcher, against its image's decode and
+preprocessing): 2.4 against 4.9 ms, 12.3 against 3.9, 80.7 against 4.7.
+
 A lone pass still gets every core, so one request's latency is what it was: torch's thread count
 is process-wide (``torch.set_num_threads``; measured: a pass running in one thread follows a count
 set in another), so it is set to ``cores // passes running`` whenever a pass starts or ends, and a
@@ -23,7 +34,7 @@ from typing import Generic, TypeVar
 
 import torch
 
-__all__ = ["MAX_AUTO_WORKERS", "CoreShare", "forward_workers"]
+__all__ = ["FORWARD_SHARE", "MAX_AUTO_WORKERS", "CoreShare", "auto_passes", "forward_workers"]
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -31,6 +42,9 @@ R = TypeVar("R")
 # The most passes side by side that ``--forward-workers 0`` picks on a CPU: measured on 2 cores
 # only; beyond a few, each pass's Python (under the GIL) and activations grow with the count.
 MAX_AUTO_WORKERS = 4
+# The forward pass's share of an image's decode and preprocessing from which passes run side by
+# side: between the tiny CLIP's 0.49 (one pass better) and the built-in tower's 3.2 (two better).
+FORWARD_SHARE = 1.0
 
 
 def forward_workers(requested: int, device: str, *, batched: bool = False) -> int:
@@ -47,6 +61,14 @@ def forward_workers(requested: int, device: str, *, batched: bool = False) -> in
     if device != "cpu":
         return 1
     return max(1, min(torch.get_num_threads(), MAX_AUTO_WORKERS))
+
+
+def auto_passes(passes: int, forward_s: float, prepare_s: float) -> int:
+    """How many of ``passes`` (``forward_workers``' count) ``--forward-workers 0`` keeps once a
+    typical image's lone forward pass (``forward_s``, every core) and its decode and preprocessing
+    (``prepare_s``) were timed: all of them where the pass takes at least ``FORWARD_SHARE`` of the
+    preprocessing, else one (module docstring)."""
+    return passes if forward_s >= FORWARD_SHARE * prepare_s else 1
 
 
 class CoreShare(Generic[T, R]):

@@ -267,7 +267,15 @@ async def choose_passes(encoder: VisionEncoder, settings: Settings, submit: Subm
     timings go through the real path: ``prepare`` on the preprocessing threads, the pass through
     the batcher, alone (nothing else is running before the server is ready)."""
     data = _typical_image(settings.max_image_pixels)
+    try:
+        return await _timed_choice(encoder, settings, submit, run, passes, data)
+    except Exception as exc:  # a family that refuses the image: not a reason to stop the server
+        return PassChoice(passes, f"--forward-workers 0: one per core torch uses (a typical image could not be "
+                                  f"timed: {type(exc).__name__}: {exc})")
 
+
+async def _timed_choice(encoder: VisionEncoder, settings: Settings, submit: Submit, run: Run[Any], passes: int,
+                        data: bytes) -> PassChoice:
     def prepare() -> tuple[PreparedItem, float]:
         best, prepared = math.inf, None
         for _ in range(3):

@@ -15,8 +15,8 @@ Images are resized and normalised with torch, as transformers' torchvision-backe
 the uint8 image, then the fused rescale and normalisation), whatever backend this venv's
 transformers picked. That is the processor vLLM runs (its environment has torchvision), so the
 rows equal vLLM's tower's for resized images too; the PIL backend's bicubic resize rounds
-differently (2e-2 absolute in the rows, docs/vllm.md) and took 1.7x the CPU (22 against 13 ms for
-a 1280x720 JPEG, decode included, one thread). The fingerprint names the torchvision class.
+differently (2e-2 absolute in the rows, docs/vllm.md) and took 1.8x the CPU (22.6 against 12.2 ms
+for a 1280x720 JPEG within 256 tokens, decode included, one thread). The fingerprint names the torchvision class.
 
 The patch embedding is a Conv3d whose kernel equals its stride: one matrix product over each
 patch's 3 x t x p x p values. It is computed as that product (``PatchLinear``), as vLLM's own

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+from typing import Any
 
 import pytest
 import torch
@@ -29,8 +30,8 @@ def test_passes_run_side_by_side_only_where_the_tower_is_the_work(
     assert auto_passes(1, forward_ms / 1000, prepare_ms / 1000) == 1
 
 
-def _started(workers: int) -> tuple[int, str]:
-    encoder = load_encoder("builtin:tiny", device="cpu")
+def _started(workers: int, encoder: Any = None) -> tuple[int, str]:
+    encoder = encoder or load_encoder("builtin:tiny", device="cpu")
     service = make_service(encoder, Settings(forward_workers=workers, warmup="quick"), Metrics())
 
     async def run() -> tuple[int, str]:
@@ -58,3 +59,22 @@ def test_the_auto_count_is_what_its_own_timing_says() -> None:
 
 def test_a_given_count_is_kept_and_named() -> None:
     assert _started(3) == (3, "--forward-workers 3")
+
+
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="one torch thread: one pass, nothing to choose")
+def test_an_image_the_timing_cannot_prepare_keeps_the_passes_and_says_why() -> None:
+    """The warm-up's image passes; the typical one is refused (as a family might refuse its size):
+    the server still starts, with one pass per core and the reason."""
+    encoder: Any = load_encoder("builtin:tiny", device="cpu")
+    prepare, calls = encoder.prepare, []
+
+    def refusing_after_the_warm_up(data: bytes, **kwargs: Any) -> Any:
+        calls.append(len(data))
+        if len(calls) > 1:
+            raise ValueError("this size is refused")
+        return prepare(data, **kwargs)
+
+    encoder.prepare = refusing_after_the_warm_up
+    passes, reason = _started(0, encoder)
+    assert passes == min(torch.get_num_threads(), 4) and len(calls) == 2
+    assert reason.endswith("(a typical image could not be timed: ValueError: this size is refused)"), reason

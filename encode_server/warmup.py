@@ -248,9 +248,10 @@ class PassChoice:
         return f"forward passes: {self.passes} side by side ({self.reason})"
 
 
-def _typical_image(max_pixels: int) -> bytes:
+def _typical_image(max_pixels: int) -> tuple[bytes, tuple[int, int]]:
     """A 640x480 JPEG with a photo's texture (a gradient under noise: its decode costs what a photo's
-    does, where a flat image's costs almost nothing), smaller where ``--max-image-pixels`` is."""
+    does, where a flat image's costs almost nothing), smaller where ``--max-image-pixels`` is; and
+    its size."""
     scale = min(1.0, math.sqrt(max_pixels / (640 * 480)))
     size = (max(_MIN_SIDE, int(640 * scale)), max(_MIN_SIDE, int(480 * scale)))
     gradient = Image.linear_gradient("L").resize(size)
@@ -258,7 +259,7 @@ def _typical_image(max_pixels: int) -> bytes:
     image = Image.merge("RGB", (gradient, noise, Image.blend(gradient, noise, 0.5)))
     buffer = io.BytesIO()
     image.save(buffer, format="JPEG", quality=90)
-    return buffer.getvalue()
+    return buffer.getvalue(), size
 
 
 async def choose_passes(encoder: VisionEncoder, settings: Settings, submit: Submit, run: Run[Any],
@@ -266,16 +267,23 @@ async def choose_passes(encoder: VisionEncoder, settings: Settings, submit: Subm
     """``--forward-workers 0``'s count once measured (module docstring): ``passes`` or one. The
     timings go through the real path: ``prepare`` on the preprocessing threads, the pass through
     the batcher, alone (nothing else is running before the server is ready)."""
-    data = _typical_image(settings.max_image_pixels)
+    data, (width, height) = _typical_image(settings.max_image_pixels)
     try:
-        return await _timed_choice(encoder, settings, submit, run, passes, data)
+        forward_s, prepare_s = await _timings(encoder, settings, submit, run, data)
     except Exception as exc:  # a family that refuses the image: not a reason to stop the server
         return PassChoice(passes, f"--forward-workers 0: one per core torch uses (a typical image could not be "
                                   f"timed: {type(exc).__name__}: {exc})")
+    chosen = auto_passes(passes, forward_s, prepare_s)
+    relation = "at least" if chosen > 1 else "under"
+    return PassChoice(chosen, f"--forward-workers 0: a {width}x{height} JPEG's forward pass took "
+                              f"{forward_s * 1000:.1f} ms, {relation} {FORWARD_SHARE:g} x its decode and "
+                              f"preprocessing ({prepare_s * 1000:.1f} ms)")
 
 
-async def _timed_choice(encoder: VisionEncoder, settings: Settings, submit: Submit, run: Run[Any], passes: int,
-                        data: bytes) -> PassChoice:
+async def _timings(encoder: VisionEncoder, settings: Settings, submit: Submit, run: Run[Any],
+                   data: bytes) -> tuple[float, float]:
+    """(best of two lone forward passes, best of three ``prepare``) for ``data``, in seconds."""
+
     def prepare() -> tuple[PreparedItem, float]:
         best, prepared = math.inf, None
         for _ in range(3):
@@ -291,10 +299,4 @@ async def _timed_choice(encoder: VisionEncoder, settings: Settings, submit: Subm
         started = time.perf_counter()
         await submit(prepared, prepared.cost_tokens)
         forward_s = min(forward_s, time.perf_counter() - started)
-    chosen = auto_passes(passes, forward_s, prepare_s)
-    with Image.open(io.BytesIO(data)) as image:
-        width, height = image.size
-    relation = "at least" if chosen > 1 else "under"
-    return PassChoice(chosen, f"--forward-workers 0: a {width}x{height} JPEG's forward pass took "
-                              f"{forward_s * 1000:.1f} ms, {relation} {FORWARD_SHARE:g} x its decode and "
-                              f"preprocessing ({prepare_s * 1000:.1f} ms)")
+    return forward_s, prepare_s

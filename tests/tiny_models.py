@@ -231,8 +231,12 @@ def _reference_model(path: Path | str) -> Any:
     references only read it (never what is under test), and a tiny full model takes most of a
     second to load. Keyed by the checkpoint's config mtime too, so a rewritten checkpoint reloads;
     the last four are kept."""
-    config = Path(path) / "config.json"
-    return _cached_full_model(str(Path(path).resolve()), config.stat().st_mtime_ns)
+    return _cached_full_model(*_checkpoint_key(path))
+
+
+def _checkpoint_key(path: Path | str) -> tuple[str, int]:
+    """A checkpoint directory's cache key: its resolved path and its config's mtime."""
+    return str(Path(path).resolve()), (Path(path) / "config.json").stat().st_mtime_ns
 
 
 def _inputs(path: Path | str, image: Image.Image) -> dict[str, torch.Tensor]:
@@ -253,9 +257,7 @@ def qwen_pixels(path: Path | str, image: Image.Image) -> dict[str, torch.Tensor]
     pixels themselves are checked apart: against vLLM's processor exactly (tests/vllm), against
     this venv's up to its resize (tests/unit/encoders/test_qwen.py). The references below run the
     full model on them, so they check the tower, its weights and the split of its output."""
-    config = Path(path) / "config.json"
-    encoder = _cached_encoder(str(Path(path).resolve()), config.stat().st_mtime_ns)
-    return dict(encoder.preprocess(image).inputs)
+    return dict(_cached_encoder(*_checkpoint_key(path)).preprocess(image).inputs)
 
 
 @torch.inference_mode()

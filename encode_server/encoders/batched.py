@@ -37,7 +37,7 @@ from PIL import Image
 from encode_server.core.errors import EncodeServerError
 from encode_server.imaging import decode_image, read_header
 
-__all__ = ["BatchedPipeline", "Pending", "orient", "torchvision_processor"]
+__all__ = ["BatchedPipeline", "Pending", "orient", "torchvision_processor", "torchvision_twin_name"]
 
 # Frames nvJPEG decodes to RGB; CMYK and YCCK JPEGs (and MPO's extra frames) go through Pillow.
 _DEVICE_DECODED_MODES = frozenset({"RGB", "L"})
@@ -125,16 +125,20 @@ class Pending:
         return 0 if held is None else held.numel()
 
 
-def torchvision_processor(processor: Any) -> Any:
-    """The torchvision-backend twin of a transformers image processor (itself if it is one).
+def torchvision_twin_name(processor: Any) -> str:
+    """The class name of a transformers image processor's torchvision-backend twin: transformers 5
+    names the PIL backend ``<Name>Pil`` and the torchvision one ``<Name>``, with the same settings."""
+    return type(processor).__name__.removesuffix("Pil")
 
-    transformers 5 names the PIL backend ``<Name>Pil`` and the torchvision one ``<Name>``, with the
-    same settings; the twin is built from the processor's own settings."""
+
+def torchvision_processor(processor: Any) -> Any:
+    """The torchvision-backend twin of a transformers image processor (itself if it is one), built
+    from the processor's own settings (``torchvision_twin_name``)."""
     if getattr(processor, "backend", None) == "torchvision":
         return processor
     import transformers
 
-    name = type(processor).__name__.removesuffix("Pil")
+    name = torchvision_twin_name(processor)
     cls = getattr(transformers, name, None)
     if cls is None or getattr(cls, "backend", None) is None:
         raise ValueError(f"{type(processor).__name__} has no torchvision-backend twin in transformers")

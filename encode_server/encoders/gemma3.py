@@ -113,9 +113,8 @@ class Gemma3Encoder(FixedResolutionEncoder):
         """The image processor called with the request's pan-and-scan settings, as vLLM's HF
         processor call passes them on: the whole image, then its crops."""
         inputs = self.processor(images=image, return_tensors="pt", **settings)
-        crops = int(inputs["num_crops"][0])
-        return PreparedItem({"pixel_values": inputs["pixel_values"]}, (1 + crops) * self.num_tokens,
-                            (1 + crops) * self.cost_tokens)
+        num_tokens = (1 + int(inputs["num_crops"][0])) * self.num_tokens
+        return PreparedItem({"pixel_values": inputs["pixel_values"]}, num_tokens, self.cost_of(num_tokens, {}))
 
     def count_tokens_with(self, width: int, height: int, settings: Mapping[str, Any]) -> tuple[int, dict[str, Any]]:
         crops = 0
@@ -132,8 +131,8 @@ class Gemma3Encoder(FixedResolutionEncoder):
         """Every crop of the batch in one pass; each item's rows are its crops' in order."""
         with torch.inference_mode():
             embeddings = self._to_host(self._embed(inputs["pixel_values"]))
-        crops = [item.num_tokens // self.num_tokens for item in batch]
-        return [to_encoded(item.flatten(0, 1)) for item in torch.split(embeddings, crops)]
+        images = [item.num_tokens // self.num_tokens for item in batch]  # the whole image and its crops
+        return [to_encoded(item.flatten(0, 1)) for item in torch.split(embeddings, images)]
 
 
 def _check_processor(files: CheckpointFiles, config: Gemma3Config, processor: Any) -> None:

@@ -16,7 +16,8 @@ the uint8 image, then the fused rescale and normalisation), whatever backend thi
 transformers picked. That is the processor vLLM runs (its environment has torchvision), so the
 rows equal vLLM's tower's for resized images too; the PIL backend's bicubic resize rounds
 differently (2e-2 absolute in the rows, docs/vllm.md) and took 1.8x the CPU (22.6 against 12.2 ms
-for a 1280x720 JPEG within 256 tokens, decode included, one thread). The fingerprint names the torchvision class.
+for a 1280x720 JPEG within 256 tokens, decode included, one thread). The fingerprint names the
+torchvision class.
 
 The patch embedding is a Conv3d whose kernel equals its stride: one matrix product over each
 patch's 3 x t x p x p values. It is computed as that product (``PatchLinear``), as vLLM's own
@@ -54,6 +55,7 @@ from encode_server.core.settings import Setting
 from encode_server.core.types import VideoInfo
 
 from .base import EncodedTensor, PreparedItem, VideoPlan
+from .batched import torchvision_twin_name
 from .family import Epd, Family
 from .hf import HFEncoder, LoadSpec, to_encoded
 from .loading import CheckpointFiles, Layout, empty_module, load_vision_weights
@@ -170,7 +172,7 @@ class QwenVisionEncoder(HFEncoder):
             )
         # The image processor's settings, for the torch resize and normalisation (module docstring).
         self.image_pixels = VideoConfig(processor.to_dict(), defaults={})
-        twin = type(processor).__name__.removesuffix("Pil")
+        twin = torchvision_twin_name(processor)
         self.info = replace(self.info, preprocessing={**self.info.preprocessing, "processor_class": twin})
 
     @staticmethod

@@ -276,17 +276,17 @@ def test_request_settings_give_vllms_rows_and_placeholder_counts(
         assert "max_patches" in r.json()["error"]["message"], r.text
         return
     report = []
+    default = _vllm_placeholders(llm, case, case.parity_sizes, dict(case.engine_processor_kwargs))
+    images = _images(case)
     for settings in case.request_settings:
         body = {"sizes": [list(s) for s in case.parity_sizes], "mm_processor_kwargs": settings}
         r = httpx.post(server.url + "/v1/tokens", json=body, timeout=30)
         assert r.status_code == 200, r.text
         ours = [item["num_tokens"] for item in r.json()["items"]]
         theirs = _vllm_placeholders(llm, case, case.parity_sizes, {**case.engine_processor_kwargs, **settings})
-        default = _vllm_placeholders(llm, case, case.parity_sizes, dict(case.engine_processor_kwargs))
         wrong = [(s, a, b) for s, a, b in zip(case.parity_sizes, ours, theirs, strict=True) if a != b]
         assert not wrong, f"{settings}: (size, encode-server N, vLLM N) {wrong}"
         assert theirs != default, f"{settings} changed no parity size's count"
-        images = _images(case)
         embeddings = [e.numpy() for e in client.encode(images, mm_processor_kwargs=settings)]
         for (w, h), data, ours_rows in zip(case.sizes, images, embeddings, strict=True):
             llm.llm_engine.reset_encoder_cache()

@@ -102,8 +102,14 @@ class Plan:
     stacks: tuple[str, ...] = STACKS
     samples: int = 16  # greedy texts compared across stacks, per workload
     seed: int = 0
-    # vLLM's engine in its server's process (VLLM_ENABLE_V1_MULTIPROCESSING=0): starts sooner, but
-    # is not how vLLM serves by default, so only the quick form (whose figures are not kept) uses it.
+    # Every vLLM's engine in its API server's process (VLLM_ENABLE_V1_MULTIPROCESSING=0), alike in
+    # every stack: starts sooner, so the quick form uses it. The matrix runs vLLM's CPU default (its
+    # engine core and a model worker in processes of their own), though that worker and the engine
+    # core busy-poll their shared-memory queue (sched_yield, for 1 s after every message), which on
+    # 2 shared cores takes CPU from whatever else runs: measured (tower79, unique, R = 1) 184 -> 137
+    # ms of CPU per aggregated request and 150 -> 84 per tower-free one in-process. In-process at
+    # R = 2, the two replicas' thread teams fight over the cores (aggregated unique 2.3 req/s
+    # against 13.6 at R = 1), so it is no default either way.
     in_process_engine: bool = False
     # Every server's compute dtype, pinned alike (each one's `auto` may differ: vLLM's picked bfloat16
     # for these float32 checkpoints on this CPU). float32: this CPU has no native bfloat16.
@@ -269,7 +275,11 @@ def _metric_sum(url: str, name: str, text: str | None = None) -> float:
 # and the proxy's hand-off (encode-server's part of an encode-server request, the rewrite included).
 _STAGES = {"vllm": ("vllm:time_to_first_token_seconds", "vllm:request_queue_time_seconds",
                     "vllm:request_prefill_time_seconds"),
-           "encode-epd-proxy": ("encode_epd_proxy_handoff_seconds",)}
+           "encode-epd-proxy": ("encode_epd_proxy_handoff_seconds",),
+           # encode-server's part of the hand-off: a request (its /v1/encode route), an image's wait
+           # for its batch, its decode and preprocessing, a batch's forward pass.
+           "encode-server": ('encode_server_request_seconds{route="/v1/encode"', "encode_server_queue_wait_seconds",
+                             "encode_server_preprocess_seconds", "encode_server_forward_seconds")}
 
 
 def _stage_sums(procs: Sequence[Proc]) -> dict[str, tuple[float, float]]:
@@ -281,8 +291,10 @@ def _stage_sums(procs: Sequence[Proc]) -> dict[str, tuple[float, float]]:
         metrics = _STAGES.get(role, ())
         page = httpx.get(proc.url + "/metrics", timeout=10).text if metrics else ""
         for metric in metrics:
-            total, count = (_metric_sum(proc.url, metric + suffix, page) for suffix in ("_sum", "_count"))
-            key = f"{tag}:{metric.split(':')[-1].removeprefix('encode_epd_proxy_')}"
+            name, brace, labels = metric.partition("{")
+            total, count = (_metric_sum(proc.url, name + suffix + brace + labels, page)
+                            for suffix in ("_sum", "_count"))
+            key = f"{tag}:{name.split(':')[-1].removeprefix('encode_epd_proxy_').removeprefix('encode_server_')}"
             old = sums.get(key, (0.0, 0.0))
             sums[key] = (old[0] + total, old[1] + count)
     return sums
@@ -372,6 +384,8 @@ def figures(saved: dict[str, Any], passes: float | None, prompts: int) -> dict[s
         "throughput_rps": pick("request_throughput"), "duration_s": pick("duration"),
         "tower_passes_per_request": None if passes is None else passes / prompts,
         "texts": list(saved.get("generated_texts") or []),
+        # What each failed request said (vllm bench serve's per-request error), once per distinct text.
+        "errors": sorted({str(e)[:500] for e in saved.get("errors") or [] if e}),
     }
 
 
@@ -461,6 +475,8 @@ def _run_stack(env: Path, checkpoint: Path, model: str, stack_name: str, replica
             log(f"{tag}/{w}: TTFT p50 {figs['ttft_p50_ms']:.0f} ms, p99 {figs['ttft_p99_ms']:.0f} ms, "
                 f"{figs['throughput_rps']:.2f} req/s, failed {figs['failed']}, passes/req "
                 f"{'-' if passes is None else f'{passes / plan.prompts:.2f}'}")
+            for error in figs["errors"]:
+                log(f"{tag}/{w}: a failed request said: {error}")
         matrix.stacks[tag] = {"startup_s": startup, "dtypes": served_dtypes(stack.procs, log_dir),
                               "peak_rss_mb": {p.name: round(tree_memory_mb(p.pid, "VmHWM"), 1) for p in stack.procs},
                               "rss_mb": {p.name: round(tree_memory_mb(p.pid, "VmRSS"), 1) for p in stack.procs}}
@@ -565,6 +581,10 @@ def stages(result: dict[str, Any]) -> str:
             "vllm:request_prefill_time_seconds", "encode-epd-proxy:handoff_seconds"))
         if "vllm-e:time_to_first_token_seconds" in st:
             means += f" (vLLM's E: {st['vllm-e:time_to_first_token_seconds']})"
+        if "encode-server:request_seconds" in st:
+            parts = ("request", "queue_wait", "preprocess", "forward")
+            means += " (encode-server: request / batch wait / preprocess / forward " + " / ".join(
+                str(st.get(f"encode-server:{k}_seconds", "-")) for k in parts) + ")"
         cpu = ", ".join(f"{k} {v:.0f}" for k, v in f.get("cpu_ms_per_request", {}).items())
         lines.append(f"| {model} | {r[1:]} | {w} | {stack} | {means} | {cpu} |")
     return "\n".join(lines)
@@ -651,6 +671,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--stacks", help="comma-separated: " + ",".join(STACKS))
     parser.add_argument("--workloads", help="comma-separated: " + ",".join(WORKLOADS))
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), help="every server's (default: the plan's)")
+    parser.add_argument("--vllm-engine", choices=("in-process", "process"),
+                        help="every vLLM's engine in processes of its own (vLLM's CPU default, the matrix's) or in its "
+                             "API server's process (see Plan.in_process_engine)")
     parser.add_argument("--report", type=Path, help="print the tables of a saved result (no run)")
     args = parser.parse_args(argv)
     if args.report:
@@ -671,6 +694,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         plan = replace(plan, workloads=tuple(args.workloads.split(",")))
     if args.dtype:
         plan = replace(plan, dtype=args.dtype)
+    if args.vllm_engine:
+        plan = replace(plan, in_process_engine=args.vllm_engine == "in-process")
     result = run(plan, log=lambda m: print(m, flush=True))
     merge_into(args.out, result)
     for part in (table, headline, stages, memory):

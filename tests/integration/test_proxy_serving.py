@@ -11,8 +11,10 @@ on demand: hold a request, fail one); tests/vllm/test_proxy.py runs the proxy ag
 from __future__ import annotations
 
 import base64
+import itertools
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -112,6 +114,69 @@ def test_an_upstream_that_refuses_connections_is_skipped() -> None:
     with running([NOWHERE]) as proxy:
         r = post(proxy.url, text_chat())
         assert r.status_code == 502 and r.json()["error"]["type"] == "upstream_unavailable"
+
+
+class _DropsKeptAlive:
+    """A raw HTTP/1.1 upstream that answers the first request on each connection (keeping it alive)
+    and closes the connection on the next without a byte: the moment a server's keep-alive timeout
+    closes an idle connection just as the proxy reuses it. ``always``: every request is dropped."""
+
+    _ANSWER = b'{"id": "x", "object": "chat.completion", "choices": []}'
+
+    def __init__(self, always: bool = False) -> None:
+        self.always, self.answered, self.dropped = always, 0, 0
+        self._sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn, conn.makefile("rb") as reader:
+            for n in itertools.count():
+                head = [line for line in iter(reader.readline, b"\r\n") if line]
+                if not head:
+                    return
+                length = next((int(h.split(b":")[1]) for h in head if h.lower().startswith(b"content-length")), 0)
+                reader.read(length)
+                if n >= 1 or self.always:
+                    self.dropped += 1
+                    return
+                self.answered += 1
+                conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
+                             + str(len(self._ANSWER)).encode() + b"\r\n\r\n" + self._ANSWER)
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+def test_a_kept_alive_connection_closed_under_a_request_is_sent_again_once() -> None:
+    """The proxy uses its 16 pools in turn, so the 17th request reuses the first one's connection,
+    which the upstream closes without answering: sent again on a fresh connection, answered 200,
+    counted; an upstream that closes every connection gets one resend, then a 502."""
+    upstream = _DropsKeptAlive()
+    try:
+        with running([upstream.url]) as proxy:
+            codes = [post(proxy.url, text_chat()).status_code for _ in range(17)]
+            assert codes == [200] * 17
+            assert (upstream.answered, upstream.dropped) == (17, 1)
+            assert metric(proxy, "encode_epd_proxy_retries_total", reason="disconnected") == 1
+    finally:
+        upstream.close()
+    upstream = _DropsKeptAlive(always=True)
+    try:
+        with running([upstream.url]) as proxy:
+            r = post(proxy.url, text_chat())
+            assert r.status_code == 502 and r.json()["error"]["type"] == "upstream_unavailable"
+            assert upstream.dropped == 2
+    finally:
+        upstream.close()
 
 
 def test_a_stream_passes_through_as_it_arrives() -> None:

@@ -35,11 +35,15 @@ class AsyncLanes:
         tls = httpx.create_ssl_context()  # one CA bundle for all lanes (loading it takes ~25 ms each)
         self.clients = [httpx.AsyncClient(timeout=timeout, limits=per_lane, verify=tls) for _ in range(lanes)]
         self._turn = itertools.cycle(self.clients)
+        # No connection kept: a request sent again after its kept-alive connection closed under it
+        # must not meet another such connection.
+        self.fresh = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(
+            max_connections=per_lane.max_connections, max_keepalive_connections=0), verify=tls)
 
     def next(self) -> httpx.AsyncClient:
         """The pool for the next request."""
         return next(self._turn)
 
     async def aclose(self) -> None:
-        for client in self.clients:
+        for client in [*self.clients, self.fresh]:
             await client.aclose()

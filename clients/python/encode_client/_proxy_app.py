@@ -41,6 +41,10 @@ FORWARDED = frozenset(
 OWN_ROUTES = frozenset({("GET", "/health"), ("GET", "/metrics")})  # the proxy's own, never forwarded
 OPEN_PATHS = frozenset({"/health", "/ping", "/version", "/metrics", "/load"})  # probes: no key needed
 _LANES = 16  # httpx pools to vLLM and to encode-server, used in turn (``_lanes``: one pool slows down)
+# How long an idle upstream connection is kept for reuse: well under the 5 s after which vLLM's and
+# encode-server's uvicorn close one (their keep-alive timeout), so the proxy does not send a request
+# on a connection the server is closing at that moment (httpx's default, 5 s, is exactly the race).
+_KEEPALIVE_S = 2.0
 
 
 @dataclass
@@ -82,7 +86,8 @@ class ProxyApp:
 
     async def startup(self) -> None:
         s = self.settings
-        pool = httpx.Limits(max_connections=s.max_connections, max_keepalive_connections=s.max_connections)
+        pool = httpx.Limits(max_connections=s.max_connections, max_keepalive_connections=s.max_connections,
+                            keepalive_expiry=_KEEPALIVE_S)
         timeout = httpx.Timeout(s.timeout, connect=s.connect_timeout, pool=s.connect_timeout)
         self._http = AsyncLanes(_LANES, timeout=timeout, limits=pool)
         self._forwarder = Forwarder(self._http, self.upstreams, self.metrics, timeout=s.timeout, retries=s.retries)

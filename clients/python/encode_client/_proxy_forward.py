@@ -128,15 +128,30 @@ class Forwarder:
         refuses it is marked down and the next is tried."""
         tried: set[str] = set()
         last: Exception | None = None
+        resend = True  # once per request: a connection that closed before any answer
         while (upstream := self.upstreams.pick(tried)) is not None:
             tried.add(upstream.url)
             self.upstreams.started(upstream)
             self.metrics.outstanding.labels(upstream.url).inc()
             started = time.perf_counter()
             try:
-                http = self.http.next()
+                http = self.http.next() if resend else self.http.fresh
                 request = http.build_request(method, upstream.url + target, content=body, headers=headers)
                 answer = await http.send(request, stream=True)
+            except httpx.RemoteProtocolError as exc:
+                # The server closed the connection without a byte of answer: an idle kept-alive
+                # connection whose close raced its reuse (or a server gone mid-request). Sent again
+                # once, on a new connection (``AsyncLanes.fresh``), to the least busy upstream (this
+                # one included).
+                self._finished(upstream)
+                if not resend:
+                    raise upstream_refusal(exc, upstream.url, self.timeout) from None
+                resend = False
+                tried.discard(upstream.url)
+                self.metrics.retries.labels("disconnected").inc()
+                log.info("%s %s: %s closed the connection before answering (%r); sent again", method, target,
+                         upstream.url, exc)
+                continue
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
                 self._finished(upstream)
                 self.upstreams.failed(upstream)

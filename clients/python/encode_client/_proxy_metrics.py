@@ -39,7 +39,8 @@ class ProxyMetrics:
         )
         self.retries = Counter(
             "retries", "Requests sent to vLLM again: prefill_error (vLLM failed it before answering; its images "
-            "were handed off again), connect (an upstream refused the connection; another was tried).",
+            "were handed off again), connect (an upstream refused the connection; another was tried), "
+            "disconnected (a kept-alive connection closed before any answer; sent again on a fresh one).",
             ("reason",), namespace=ns, registry=r,
         )
         self.errors = Counter(

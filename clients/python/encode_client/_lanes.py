@@ -35,15 +35,22 @@ class AsyncLanes:
         tls = httpx.create_ssl_context()  # one CA bundle for all lanes (loading it takes ~25 ms each)
         self.clients = [httpx.AsyncClient(timeout=timeout, limits=per_lane, verify=tls) for _ in range(lanes)]
         self._turn = itertools.cycle(self.clients)
-        # No connection kept: a request sent again after its kept-alive connection closed under it
-        # must not meet another such connection.
-        self.fresh = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(
-            max_connections=per_lane.max_connections, max_keepalive_connections=0), verify=tls)
+        self._timeout, self._max_connections, self._tls = timeout, per_lane.max_connections, tls
+        self._fresh: httpx.AsyncClient | None = None
 
     def next(self) -> httpx.AsyncClient:
         """The pool for the next request."""
         return next(self._turn)
 
+    @property
+    def fresh(self) -> httpx.AsyncClient:
+        """A client that keeps no connection: for a request sent again after its kept-alive
+        connection closed under it, which must not meet another such connection."""
+        if self._fresh is None:
+            limits = httpx.Limits(max_connections=self._max_connections, max_keepalive_connections=0)
+            self._fresh = httpx.AsyncClient(timeout=self._timeout, limits=limits, verify=self._tls)
+        return self._fresh
+
     async def aclose(self) -> None:
-        for client in [*self.clients, self.fresh]:
+        for client in [*self.clients, *([self._fresh] if self._fresh else [])]:
             await client.aclose()

@@ -265,41 +265,6 @@ def test_a_request_vllm_failed_is_handed_off_again_and_retried_once(encoder: Ser
         stub.fail_next = 0
 
 
-def _encode_requests(server: ServerProcess) -> float:
-    text = httpx.get(server.url + "/metrics", timeout=10).text
-    return sum(float(line.rpartition(" ")[2]) for line in text.splitlines()
-               if line.startswith("encode_server_requests_total{") and 'route="/v1/encode"' in line)
-
-
-def test_an_image_sent_again_is_rewritten_from_the_hand_off_memo(encoder: ServerProcess) -> None:
-    """The same image again within --handoff-memo-seconds: the same rewritten request, without a
-    call to encode-server; another caller's key has a memo of its own; with the memo off (0 s, or
-    --retries 0) every request hands its image off."""
-    keys = "alice:key-a,bob:key-b"
-    with StubVllm() as stub, running([stub.url], [encoder.url], api_keys=keys) as proxy:
-        def chat(key: str) -> httpx.Response:
-            return httpx.post(proxy.url + "/v1/chat/completions", json=image_chat(seed=41),
-                              headers={"Authorization": f"Bearer {key}"}, timeout=30)
-
-        before = _encode_requests(encoder)
-        assert chat("key-a").status_code == 200
-        assert _encode_requests(encoder) > before, "the first time, handed off"
-        calls = _encode_requests(encoder)
-        assert chat("key-a").status_code == 200
-        assert _encode_requests(encoder) == calls, "the second time, no call to encode-server"
-        assert stub.bodies[0] == stub.bodies[1]
-        assert metric(proxy, "encode_epd_proxy_handoff_memo_hits_total") == 1
-        assert chat("key-b").status_code == 200
-        assert _encode_requests(encoder) > calls, "another caller's key: its own hand-off"
-    for off in ({"handoff_memo_seconds": 0}, {"retries": 0}):
-        with StubVllm() as stub, running([stub.url], [encoder.url], **off) as proxy:
-            before = _encode_requests(encoder)
-            for _ in range(2):
-                assert post(proxy.url, image_chat(seed=42)).status_code == 200
-            assert _encode_requests(encoder) >= before + 2, off
-            assert metric(proxy, "encode_epd_proxy_handoff_memo_hits_total") == 0
-
-
 def test_health_and_metrics_are_the_proxys_own() -> None:
     with StubVllm() as stub, running([stub.url, NOWHERE]) as proxy:
         health = httpx.get(proxy.url + "/health", timeout=10)

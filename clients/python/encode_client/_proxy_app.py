@@ -18,7 +18,6 @@ from starlette.responses import JSONResponse, Response
 
 from encode_client._callers import Caller, Callers
 from encode_client._client import AsyncClient
-from encode_client._handoff_memo import HandoffMemo, MemoClient, fresh_handoffs
 from encode_client._lanes import AsyncLanes
 from encode_client._proxy_errors import REWRITE_ERRORS, Refused, openai_error, rewrite_refusal
 from encode_client._proxy_forward import HOP_BY_HOP, Forwarder, Prepare, Release
@@ -46,7 +45,6 @@ _LANES = 16  # httpx pools to vLLM and to encode-server, used in turn (``_lanes`
 # encode-server's uvicorn close one (their keep-alive timeout), so the proxy does not send a request
 # on a connection the server is closing at that moment (httpx's default, 5 s, is exactly the race).
 _KEEPALIVE_S = 2.0
-_MEMO_ENTRIES = 16_384  # per caller's key: a few MiB of metadata at most
 
 
 @dataclass
@@ -94,16 +92,11 @@ class ProxyApp:
         self._http = AsyncLanes(_LANES, timeout=timeout, limits=pool)
         self._forwarder = Forwarder(self._http, self.upstreams, self.metrics, timeout=s.timeout, retries=s.retries)
         keys = [c.key for c in self.callers] if self.callers is not None else [s.api_key]
-        options: dict[str, Any] = {"response": "json", "timeout": s.encoder_timeout, "pool": pool, "lanes": _LANES}
         self._encoders = {
-            # one memo per caller's key: one tenant's memo never answers another's
-            k: MemoClient(list(s.encoder_urls), api_key=k, memo=self._memo(), **options) if s.handoff_memo
-            else AsyncClient(list(s.encoder_urls), api_key=k, **options)
+            k: AsyncClient(list(s.encoder_urls), api_key=k, response="json", timeout=s.encoder_timeout, pool=pool,
+                           lanes=_LANES)
             for k in keys
         }
-
-    def _memo(self) -> HandoffMemo:
-        return HandoffMemo(_MEMO_ENTRIES, self.settings.handoff_memo_seconds, on_hit=self.metrics.handoff_memo_hits.inc)
 
     async def shutdown(self) -> None:
         for encoder in self._encoders.values():
@@ -241,24 +234,18 @@ class ProxyApp:
         return b"".join(chunks)
 
     def _preparer(self, request: Request, body: bytes, caller: Caller | None, exchange: _Exchange) -> Prepare:
-        """The body to send vLLM, made afresh by each call (a retry hands the images and videos off
-        again, past the hand-off memo)."""
-        calls = 0
+        """The body to send vLLM, made afresh by each call (a retry hands the images and videos off again)."""
 
         async def prepare() -> bytes:
-            nonlocal calls
             if request.method != "POST":
                 return body
-            calls += 1
             try:
-                with fresh_handoffs(calls > 1):
-                    prepared = await prepare_body(
-                        body, request.url.path, encoder=self.encoder_for(caller),
-                        contract=lambda: self.contract(caller),  # read after the checks, with images or videos
-                        tenant=caller.tenant if caller else None,
-                        trust_client_embeds=self.settings.trust_client_embeds,
-                        trust_request_mm_kwargs=self.settings.trust_request_mm_kwargs,
-                    )
+                prepared = await prepare_body(
+                    body, request.url.path, encoder=self.encoder_for(caller),
+                    contract=lambda: self.contract(caller),  # read after the checks, with images or videos
+                    tenant=caller.tenant if caller else None, trust_client_embeds=self.settings.trust_client_embeds,
+                    trust_request_mm_kwargs=self.settings.trust_request_mm_kwargs,
+                )
             except REWRITE_ERRORS as exc:
                 raise rewrite_refusal(exc) from None
             if prepared.handoff_seconds is not None:

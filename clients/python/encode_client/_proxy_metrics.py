@@ -29,10 +29,6 @@ class ProxyMetrics:
         self.handoff_images = Counter(
             "handoff_images", "Images handed off to encode-server.", namespace=ns, registry=r
         )
-        self.handoff_memo_hits = Counter(
-            "handoff_memo_hits", "Images and videos whose hand-off the proxy's memo answered (the same bytes "
-            "handed off within --handoff-memo-seconds): no round trip to encode-server.", namespace=ns, registry=r,
-        )
         self.handoff_videos = Counter(
             "handoff_videos", "Videos handed off to encode-server (each in a call of its own).", namespace=ns,
             registry=r,

@@ -28,13 +28,6 @@ class ProxySettings:
     drain_seconds: float = 30.0
     keep_alive_timeout: float = 5.0
     down_for: float = 5.0
-    # How long encode-server's answer for an item is reused for the same bytes (``_handoff_memo``);
-    # 0 turns the memo off, as does ``retries`` 0 (a retry is its safety net).
-    handoff_memo_seconds: float = 60.0
-
-    @property
-    def handoff_memo(self) -> bool:
-        return self.handoff_memo_seconds > 0 and self.retries >= 1
 
     def __post_init__(self) -> None:
         if self.api_key and self.api_keys:
@@ -43,5 +36,5 @@ class ProxySettings:
             raise ValueError("at least one encode-server URL (--encoder) is required")
         numbers = (self.timeout, self.connect_timeout, self.encoder_timeout, self.max_concurrency,
                    self.max_connections, self.max_body_bytes)
-        if min(numbers) <= 0 or self.retries < 0 or self.drain_seconds < 0 or self.handoff_memo_seconds < 0:
-            raise ValueError("timeouts, limits and sizes must be > 0; retries, drain and memo seconds >= 0")
+        if min(numbers) <= 0 or self.retries < 0 or self.drain_seconds < 0:
+            raise ValueError("timeouts, limits and sizes must be > 0; retries and drain seconds >= 0")

@@ -152,11 +152,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--drain-seconds", type=float, default=30.0, help="on SIGTERM, how long requests in flight may take to finish"
     )
-    parser.add_argument(
-        "--handoff-memo-seconds", type=float, default=60.0,
-        help="seconds encode-server's answer for an image or video is reused when the same bytes come again "
-        "(no round trip to encode-server); 0, or --retries 0: off",
-    )
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     return parser
 
@@ -172,7 +167,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         "connect_timeout": args.connect_timeout, "encoder_timeout": args.encoder_timeout,
         "max_concurrency": args.max_concurrency, "max_connections": args.max_connections,
         "max_body_bytes": args.max_body_bytes, "retries": args.retries, "drain_seconds": args.drain_seconds,
-        "handoff_memo_seconds": args.handoff_memo_seconds,
     }
     try:
         proxy = EPDProxy(args.listen, args.vllm, args.encoder, **options)

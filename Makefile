@@ -160,7 +160,7 @@ bench: install tools
 
 # EPD as its users see it (bench/epd_system.py): vLLM's own `vllm bench serve` against three stacks
 # (aggregated vLLM, vLLM's own EPD, encode-server's EPD), R = 1 and 2 replicas, three workloads, two
-# models; about 50 minutes on 2 cores, alone on the machine. Writes bench/results/latest.json's sys_*
+# models; about 30 minutes on 2 cores, alone on the machine. Writes bench/results/latest.json's sys_*
 # keys and bench/results/epd_system.png; docs/benchmarks.md has the runs.
 bench-epd: install tools vllm-env
 	$(BIN)/python -m bench.epd_system

@@ -26,8 +26,9 @@ Keys merged into ``bench/results/latest.json``: ``sys_ttft_p50_vs_aggregated_<wo
 for the 7B-proportioned model, the same with ``_tower79`` for the other, and ``epd_system`` with
 every figure. A plot (``bench/results/epd_system.png``) and a markdown table on stdout.
 
-Run: ``make bench-epd`` (about 30 minutes on 2 cores in float32; 50 in bfloat16), ``python -m bench.epd_system [--quick]``;
-``--quick`` (one model, R = 1, 8 prompts) is run by the vLLM suite (tests/vllm/test_bench_epd.py).
+Run: ``make bench-epd`` (about 30 minutes on 2 cores in float32; 50 in bfloat16),
+``python -m bench.epd_system [--quick]``; ``--quick`` (one model, R = 1, 8 prompts) is run by the vLLM
+suite (tests/vllm/test_bench_epd.py).
 """
 
 from __future__ import annotations

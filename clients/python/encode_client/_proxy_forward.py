@@ -1,7 +1,8 @@
 """The proxy's forward: a prepared request to vLLM, and its answer back as it arrives.
 
 Three parts, each on its own: ``Forwarder.send`` picks an upstream and fails over to the next when
-one refuses the connection; ``read_head`` reads an answer only as far as telling whether vLLM
+one refuses the connection (and sends once more, on a new connection, when one closes before any
+answer); ``read_head`` reads an answer only as far as telling whether vLLM
 failed the request before answering (the first SSE event, ``_vllm_failure.StreamGate``, or a 500's
 body); ``Forwarder.forward`` ties them together, sending the request again (after ``prepare`` has
 handed its media off again) while the head says it failed and retries are left.
@@ -128,14 +129,14 @@ class Forwarder:
         refuses it is marked down and the next is tried."""
         tried: set[str] = set()
         last: Exception | None = None
-        resend = True  # once per request: a connection that closed before any answer
+        may_resend = True  # once per request: a connection that closed before any answer
         while (upstream := self.upstreams.pick(tried)) is not None:
             tried.add(upstream.url)
             self.upstreams.started(upstream)
             self.metrics.outstanding.labels(upstream.url).inc()
             started = time.perf_counter()
             try:
-                http = self.http.next() if resend else self.http.fresh
+                http = self.http.next() if may_resend else self.http.fresh
                 request = http.build_request(method, upstream.url + target, content=body, headers=headers)
                 answer = await http.send(request, stream=True)
             except httpx.RemoteProtocolError as exc:
@@ -144,9 +145,9 @@ class Forwarder:
                 # once, on a new connection (``AsyncLanes.fresh``), to the least busy upstream (this
                 # one included).
                 self._finished(upstream)
-                if not resend:
+                if not may_resend:
                     raise upstream_refusal(exc, upstream.url, self.timeout) from None
-                resend = False
+                may_resend = False
                 tried.discard(upstream.url)
                 self.metrics.retries.labels("disconnected").inc()
                 log.info("%s %s: %s closed the connection before answering (%r); sent again", method, target,

@@ -7,7 +7,9 @@ Each check comes before the cost it bounds, and refuses with the errors a client
 - :class:`MemoryCharge`: the request-memory budget (``--max-inflight-mb``) charged with what
   decoding one item holds, from its header, before it is decoded;
 - :func:`plan_video`: a video's container header checked against the video limits and planned by
-  its family (``VisionEncoder.plan_video``), before a frame is decoded.
+  its family (``VisionEncoder.plan_video``), before a frame is decoded;
+- :func:`plan_audio`: an audio file's header checked against ``--max-audio-seconds`` and costed by
+  its family (``VisionEncoder.plan_audio``), before a sample is decoded.
 
 The service (``service.py``) owns single flight and the tiers; it asks this module, never the
 reverse (``tests/unit/test_layering.py``).
@@ -23,12 +25,12 @@ from typing import Any
 from encode_server.config import Settings
 from encode_server.core.budget import ByteBudget
 from encode_server.core.errors import BadInput, TooLarge, Unavailable, UnsupportedMediaType
-from encode_server.core.types import VideoInfo
-from encode_server.encoders.base import VideoPlan, VisionEncoder
+from encode_server.core.types import AudioInfo, VideoInfo
+from encode_server.encoders.base import AudioPlan, VideoPlan, VisionEncoder
 from encode_server.imaging import decoded_nbytes
 from encode_server.metrics import Metrics
 
-__all__ = ["Charge", "MemoryCharge", "QueueBound", "plan_video"]
+__all__ = ["Charge", "MemoryCharge", "QueueBound", "plan_audio", "plan_video"]
 
 
 class QueueBound:
@@ -174,3 +176,15 @@ def plan_video(
         raise TooLarge(f"video needs {decoded} frames decoded ({info.num_frames} at {info.fps:g} fps), above the "
                        f"limit of {s.max_video_decoded_frames}", type="video_too_large", index=index)
     return info, plan
+
+
+def plan_audio(encoder: VisionEncoder, s: Settings, data: bytes, index: int) -> tuple[AudioInfo, AudioPlan]:
+    """An audio file's header read and checked against ``--max-audio-seconds``, and costed by its
+    family, before a sample is decoded."""
+    from encode_server.audio import probe
+
+    info = probe(data, index=index)
+    if info.duration > s.max_audio_seconds:
+        raise TooLarge(f"audio is {info.duration:.1f} s long, above the limit of {s.max_audio_seconds:g} s",
+                       type="audio_too_large", index=index)
+    return info, encoder.plan_audio(info)

@@ -130,6 +130,10 @@ class Settings:
         "from its header (413 video_too_large): bounds the decoding work one video can ask for, whatever frame "
         "rate its header claims"
     )
+    max_audio_seconds: float = _opt(
+        600.0, "longest audio file accepted (vLLM's VLLM_MAX_AUDIO_DECODE_DURATION_S default), from its header "
+        "before any sample is decoded, and again while decoding (413 audio_too_large)"
+    )
     request_timeout: float = _opt(
         60.0, "per-request timeout in seconds (504 timeout past it); the encode itself goes on and is cached"
     )
@@ -305,7 +309,8 @@ def _validate(s: Settings) -> None:
     positive = (
         "max_batch_size", "max_batch_tokens", "max_queue", "max_request_bytes", "max_items", "max_connections",
         "header_timeout", "body_timeout", "keep_alive_timeout", "video_fps", "max_video_seconds", "max_video_frames",
-        "max_video_decoded_frames", "redis_timeout_ms", "redis_max_value_mb", "redis_write_queue", "request_timeout",
+        "max_video_decoded_frames", "max_audio_seconds", "redis_timeout_ms", "redis_max_value_mb", "redis_write_queue",
+        "request_timeout",
     )
     for name in positive:
         if getattr(s, name) <= 0:

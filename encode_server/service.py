@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -18,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, cast
 
-from encode_server.admission import MemoryCharge, QueueBound, plan_video
+from encode_server.admission import MemoryCharge, QueueBound, plan_audio, plan_video
 from encode_server.cache.base import SharedTier
 from encode_server.cache.export import FileExporter
 from encode_server.cache.local import LocalTier
@@ -39,6 +40,7 @@ from encode_server.core.settings import describe as describe_settings
 from encode_server.core.settings import digest as settings_digest
 from encode_server.core.settings import resolve as resolve_settings
 from encode_server.core.types import (
+    AUDIO,
     ENCODER,
     IMAGE,
     VIDEO,
@@ -146,7 +148,7 @@ class EncodeService:
         self.shared = shared
         self.exporter = exporter  # --export-dir: vLLM's stock EC file layout (cache/export.py)
         family = encoder.family
-        self.takes_video = family is not None and VIDEO in family.modalities
+        self.modalities = family.modalities if family is not None else (IMAGE,)
         self.fingerprint = serving_fingerprint(encoder, settings)
         # Per-request processor settings (core/settings.py): the family's keys, the checkpoint's
         # defaults for them, and the server limits that cap them.
@@ -365,6 +367,10 @@ class EncodeService:
                 effective = self.effective_settings(item.settings, VIDEO, item.index)
                 info, plan = plan_video(self.encoder, self.settings, item.data or b"", item.index, effective)
                 counts.append(TokenCount(item.index, info.width, info.height, plan.num_tokens, plan.meta))
+            elif item.modality == AUDIO:  # decoded, within its charge: a compressed header's length is a guess
+                num_tokens, meta = self._decode_audio(item.data or b"", item.index,
+                                                      lambda w, rate: self.encoder.count_audio_tokens(len(w), rate))
+                counts.append(TokenCount(item.index, 0, 0, num_tokens, meta))
             else:
                 effective = self.effective_settings(item.settings, IMAGE, item.index)
                 size = oriented_size(item.data or b"", max_pixels=limit, index=item.index)
@@ -421,9 +427,11 @@ class EncodeService:
                     raise BadInput("an item needs 'data', 'hash' or both", type="invalid_hash")
             except EncodeServerError as exc:
                 raise exc.with_index(item.index) from None
-            if item.modality == VIDEO and not self.takes_video:
-                raise BadInput(f"{self.encoder.info.kind} takes images only, not videos", type="unsupported_modality",
-                               index=item.index)
+            if item.modality not in self.modalities:
+                taken = " and ".join(f"{m}s" if m != AUDIO else m for m in self.modalities)
+                raise BadInput(f"{self.encoder.info.kind} takes {taken} only, not "
+                               f"{item.modality if item.modality == AUDIO else item.modality + 's'}",
+                               type="unsupported_modality", index=item.index)
             effective = self.effective_settings(item.settings, item.modality, item.index)
             key = self.key_for(h, tenant, item.modality, effective)
             out.append(_Identified(item.index, h, key, item.data, item.modality, effective))
@@ -545,6 +553,8 @@ class EncodeService:
     ) -> PreparedItem:
         if modality == VIDEO:
             return self._prepare_video(data, index, settings)
+        if modality == AUDIO:
+            return self._prepare_audio(data, index)
         started = time.perf_counter()
         with self.memory.pixels(data, index) as charge:
             try:
@@ -569,6 +579,27 @@ class EncodeService:
             except ValueError as exc:
                 raise BadInput(f"video cannot be preprocessed: {exc}", type="invalid_video", index=index) from exc
             del frames
+        self.metrics.preprocess.observe(time.perf_counter() - started)
+        return prepared
+
+    def _decode_audio(self, data: bytes, index: int, then: Callable[[Any, int], Any]) -> Any:
+        """``then(waveform, rate)`` on the samples the family reads (one channel, the file's rate),
+        decoded and used within the memory its header was charged for."""
+        from encode_server.audio import decode
+
+        info, plan = plan_audio(self.encoder, self.settings, data, index)
+        keep = None if plan.keep_seconds is None else math.ceil(plan.keep_seconds * info.sample_rate)
+        limit = math.ceil(self.settings.max_audio_seconds * info.sample_rate)
+        with self.memory.bytes(plan.nbytes, index, "decoding this audio"):
+            waveform, rate = decode(data, max_samples=limit, keep_samples=keep, index=index)
+            try:
+                return then(waveform, rate)
+            except ValueError as exc:  # e.g. too short to be represented inside the model
+                raise BadInput(f"audio cannot be preprocessed: {exc}", type="invalid_audio", index=index) from exc
+
+    def _prepare_audio(self, data: bytes, index: int) -> PreparedItem:
+        started = time.perf_counter()
+        prepared: PreparedItem = self._decode_audio(data, index, self.encoder.preprocess_audio)
         self.metrics.preprocess.observe(time.perf_counter() - started)
         return prepared
 

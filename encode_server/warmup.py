@@ -12,7 +12,10 @@ default):
 - **the longest video**, where the family takes video: ``--max-video-seconds`` (fewer where
   ``--max-video-frames`` or ``--max-video-decoded-frames`` allow less), at the largest frame size
   whose decoded frames fit the request-memory budget (``VideoPlan.nbytes``, the figure admission
-  charges) and ``--max-image-pixels``; frames made, preprocessed, split and encoded as a request's.
+  charges) and ``--max-image-pixels``; frames made, preprocessed, split and encoded as a request's;
+- **the longest audio**, for a family that takes audio and no images: as much as the family reads
+  of one file (Qwen2-Audio's 30 s: every item costs that one pass), as many as one forward pass
+  takes, from a synthetic waveform at the family's rate through its own ``preprocess_audio``.
 
 The peak memory over all of it (``VisionEncoder.peak_memory``) is logged and published in ``GET /v1/model``
 (``warmup``). A worst case that fails (out of memory on the device or the host, an input the
@@ -38,7 +41,7 @@ from typing import Any, TypeVar
 from PIL import Image
 
 from encode_server.config import Settings
-from encode_server.core.types import VIDEO, EncodedTensor, VideoInfo
+from encode_server.core.types import AUDIO, IMAGE, VIDEO, AudioInfo, EncodedTensor, VideoInfo
 from encode_server.encoders.base import MemoryPeak, PreparedItem, VideoPlan, VisionEncoder
 from encode_server.encoders.threads import FORWARD_SHARE, auto_passes
 
@@ -83,6 +86,8 @@ class WarmupCase:
                                "num_tokens": self.num_tokens, "cost_tokens": self.cost_tokens}
         if self.modality == VIDEO:
             out.update(frames=self.frames, seconds=round(self.seconds, 3), parts=self.parts)
+        elif self.modality == AUDIO:
+            out.update(seconds=round(self.seconds, 3), items=self.items)
         else:
             out["items"] = self.items
         return out
@@ -91,6 +96,8 @@ class WarmupCase:
         if self.modality == VIDEO:
             return (f"a {self.seconds:g} s video of {self.frames} frames at {self.width}x{self.height}, "
                     f"{self.num_tokens} rows in {self.parts} parts")
+        if self.modality == AUDIO:
+            return f"{self.items} audio item(s) of {self.seconds:g} s, {self.num_tokens} rows each, in one pass"
         return f"{self.items} image(s) of {self.width}x{self.height}, {self.num_tokens} rows each, in one pass"
 
 
@@ -181,6 +188,29 @@ async def _worst_image(encoder: VisionEncoder, settings: Settings, submit: Submi
     return WarmupCase("image", width, height, prepared.num_tokens, prepared.cost_tokens, items=items)
 
 
+def _audio(encoder: VisionEncoder) -> tuple[Any, int]:
+    """The longest waveform the family reads of one file (a tone under noise, at its own rate)."""
+    import numpy as np
+
+    rate = 16_000
+    plan = encoder.plan_audio(AudioInfo(rate, 1, rate * 3600))
+    samples = int((plan.keep_seconds or 30.0) * plan.sample_rate)
+    t = np.arange(samples, dtype=np.float32) / plan.sample_rate
+    noise = np.random.default_rng(0).standard_normal(samples).astype(np.float32)
+    return 0.3 * np.sin(2 * np.pi * 440 * t) + 0.05 * noise, plan.sample_rate
+
+
+async def _longest_audio(encoder: VisionEncoder, settings: Settings, submit: Submit, run: Run[Any], *,
+                         full: bool) -> WarmupCase:
+    waveform, rate = await run(lambda: _audio(encoder))
+    prepared: PreparedItem = await run(lambda: encoder.preprocess_audio(waveform, rate))
+    cost = max(1, prepared.cost_tokens)
+    items = max(1, min(settings.max_batch_size, settings.max_batch_tokens // cost)) if full else 1
+    await asyncio.gather(*(submit(prepared, prepared.cost_tokens) for _ in range(items)))
+    return WarmupCase(AUDIO, 0, 0, prepared.num_tokens, prepared.cost_tokens, items=items,
+                      seconds=len(waveform) / rate)
+
+
 async def _longest_video(
     encoder: VisionEncoder, settings: Settings, submit: Submit, run: Run[Any], budget: int | None
 ) -> WarmupCase:
@@ -215,13 +245,16 @@ async def warm_up(
     started = time.perf_counter()
     cases: list[WarmupCase] = []
     step = "the 64x64 image" if mode == "quick" else "the worst image"
+    family = encoder.family
     try:
         with encoder.peak_memory() as peak:
-            if mode == "quick":
+            if family is not None and IMAGE not in family.modalities:  # an audio family
+                step = "the longest audio"
+                cases.append(await _longest_audio(encoder, settings, submit, run, full=mode != "quick"))
+            elif mode == "quick":
                 cases.append(await _quick(encoder, settings, submit, run))
             else:
                 cases.append(await _worst_image(encoder, settings, submit, run))
-                family = encoder.family
                 if family is not None and VIDEO in family.modalities:
                     step = "the longest video"
                     cases.append(await _longest_video(encoder, settings, submit, run, budget))
@@ -267,28 +300,35 @@ async def choose_passes(encoder: VisionEncoder, settings: Settings, submit: Subm
     """``--forward-workers 0``'s count once measured (module docstring): ``passes`` or one. The
     timings go through the real path: ``prepare`` on the preprocessing threads, the pass through
     the batcher, alone (nothing else is running before the server is ready)."""
-    data, (width, height) = _typical_image(settings.max_image_pixels)
+    family = encoder.family
+    if family is not None and IMAGE not in family.modalities:  # an audio family: its longest item
+        waveform, rate = await run(lambda: _audio(encoder))
+        name, what = "the longest audio item", f"a {len(waveform) / rate:g} s audio item's"
+        made: Callable[[], PreparedItem] = lambda: encoder.preprocess_audio(waveform, rate)  # noqa: E731
+    else:
+        data, (width, height) = _typical_image(settings.max_image_pixels)
+        name, what = "a typical image", f"a {width}x{height} JPEG's"
+        made = lambda: encoder.prepare(data, max_pixels=settings.max_image_pixels)  # noqa: E731
     try:
-        forward_s, prepare_s = await _timings(encoder, settings, submit, run, data)
-    except Exception as exc:  # a family that refuses the image: not a reason to stop the server
-        return PassChoice(passes, f"--forward-workers 0: one per core torch uses (a typical image could not be "
+        forward_s, prepare_s = await _timings(submit, run, made)
+    except Exception as exc:  # a family that refuses the input: not a reason to stop the server
+        return PassChoice(passes, f"--forward-workers 0: one per core torch uses ({name} could not be "
                                   f"timed: {type(exc).__name__}: {exc})")
     chosen = auto_passes(passes, forward_s, prepare_s)
     relation = "at least" if chosen > 1 else "under"
-    return PassChoice(chosen, f"--forward-workers 0: a {width}x{height} JPEG's forward pass took "
+    return PassChoice(chosen, f"--forward-workers 0: {what} forward pass took "
                               f"{forward_s * 1000:.1f} ms, {relation} {FORWARD_SHARE:g} x its decode and "
                               f"preprocessing ({prepare_s * 1000:.1f} ms)")
 
 
-async def _timings(encoder: VisionEncoder, settings: Settings, submit: Submit, run: Run[Any],
-                   data: bytes) -> tuple[float, float]:
-    """(best of two lone forward passes, best of three ``prepare``) for ``data``, in seconds."""
+async def _timings(submit: Submit, run: Run[Any], made: Callable[[], PreparedItem]) -> tuple[float, float]:
+    """(best of two lone forward passes, best of three ``made()``: decode and preprocessing), in seconds."""
 
     def prepare() -> tuple[PreparedItem, float]:
         best, prepared = math.inf, None
         for _ in range(3):
             started = time.perf_counter()
-            prepared = encoder.prepare(data, max_pixels=settings.max_image_pixels)
+            prepared = made()
             best = min(best, time.perf_counter() - started)
         assert prepared is not None
         return prepared, best

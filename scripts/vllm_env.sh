@@ -9,7 +9,10 @@
 # has only CUDA builds of them for x86_64 Linux: their native libraries need libtorch_cuda.so,
 # which the CPU torch lacks. torchaudio and torchcodec are removed (vLLM imports them only for
 # audio and video, and copes with their absence); torchvision stays, made importable by
-# tests/vllm/env/torchvision_cpu_shim.py (see its docstring).
+# tests/vllm/env/torchvision_cpu_shim.py (see its docstring). torchaudio comes back as its newest
+# PyPI release without its dependencies (it pins another torch) and without its native libraries:
+# vLLM resamples audio with torchaudio.transforms.Resample by default, which is pure torch, and
+# torchaudio imports without the libraries when they are absent (not when they fail to load).
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 reqs="$repo/tests/vllm/env/requirements.txt"
@@ -28,10 +31,12 @@ if [ ! -f "$env/.complete" ]; then
     "$env/bin/python" -m pip install --quiet --upgrade pip >&2
     "$env/bin/python" -m pip install --quiet -r "$reqs" >&2
     "$env/bin/python" -m pip uninstall --quiet -y torchaudio torchcodec >&2
+    "$env/bin/python" -m pip install --quiet --no-deps torchaudio==2.11.1 >&2
     site=$("$env/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    rm -f "$site"/torchaudio/lib/*.so
     cp "$shim" "$site/"
     echo "import torchvision_cpu_shim; torchvision_cpu_shim.install()" > "$site/torchvision_cpu_shim.pth"
-    "$env/bin/python" -c 'import torchvision, vllm.multimodal; from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize' >&2
+    "$env/bin/python" -c 'import torchvision, vllm.multimodal; from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize; import soundfile; from vllm.multimodal.audio import resample_audio_torchaudio as r; import numpy as n; assert r(n.zeros(441, n.float32), orig_sr=44100, target_sr=16000).shape == (160,)' >&2
     touch "$env/.complete"
 fi
 echo "$env"

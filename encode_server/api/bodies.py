@@ -30,7 +30,7 @@ from encode_server.api.frontdoor import check_count, item_settings, request_item
 from encode_server.api.schemas import EncodeItemIn, EncodeRequestIn, LookupRequestIn, TokensRequestIn
 from encode_server.core.budget import Hold
 from encode_server.core.errors import BadInput, InvalidRequest, TooLarge, UnsupportedMediaType
-from encode_server.core.types import IMAGE, VIDEO, RequestItem, Return
+from encode_server.core.types import AUDIO, IMAGE, VIDEO, RequestItem, Return
 
 __all__ = [
     "EncodeBody",
@@ -43,7 +43,7 @@ __all__ = [
     "read_body",
 ]
 
-_DATA_URL = re.compile(r"data:(image|video)/[\w.+-]+(;[\w.+-]+=[\w.+-]+)*;base64,", re.IGNORECASE)
+_DATA_URL = re.compile(r"data:(image|video|audio)/[\w.+-]+(;[\w.+-]+=[\w.+-]+)*;base64,", re.IGNORECASE)
 # Line wrapping (MIME, PEM) that some encoders insert; removed with bytes.translate, not a regex.
 _WHITESPACE = b" \t\n\r\v\f"
 
@@ -159,7 +159,7 @@ def decode_base64(text: str, index: int, hold: Hold | None = None) -> bytes:
     if text[:5].lower() == "data:":
         match = _DATA_URL.match(text, 0, 256)
         if match is None:
-            raise BadInput("only data:image/...;base64, and data:video/...;base64, URLs are accepted",
+            raise BadInput("only data:image/, data:video/ and data:audio/...;base64, URLs are accepted",
                        type="invalid_base64", index=index)
         with _transient(hold, len(text)):  # the slice is a copy
             return _decode_base64_copying(text[match.end():], index, hold)
@@ -203,14 +203,16 @@ def _decode_items(
     items = []
     for index, item in enumerate(parsed):
         data = decode_base64(item.data, index, hold) if item.data is not None else None
-        modality = item.modality or (VIDEO if (item.data or "")[:11].lower() == "data:video/" else IMAGE)
+        modality = item.modality or _modality((item.data or "")[5:11] if (item.data or "")[:5].lower() == "data:"
+                                              else None)
         items.append(request_item(index, item.hash, data, modality, item_settings(settings, item.mm_processor_kwargs)))
     return items
 
 
 def _modality(content_type: str | None) -> str:
-    """A part or body sent as ``video/*`` is a video; anything else an image."""
-    return VIDEO if (content_type or "").split(";", 1)[0].strip().lower().startswith("video/") else IMAGE
+    """A part or body sent as ``video/*`` is a video, as ``audio/*`` an audio file; anything else an image."""
+    kind = (content_type or "").split(";", 1)[0].strip().lower()
+    return VIDEO if kind.startswith("video/") else AUDIO if kind.startswith("audio/") else IMAGE
 
 
 async def _multipart_items(request: Request, max_items: int, max_bytes: int) -> EncodeBody:
@@ -265,10 +267,11 @@ async def _parse_encode_body(request: Request, *, max_items: int, max_bytes: int
         # The parser hands each part on as one slice of the body: a copy, while it is parsed.
         with _transient(body_hold(request.scope), len(body)):
             return await _multipart_items(Request(request.scope, replay), max_items, max_bytes)
-    if kind not in ("application/json", "application/octet-stream") and not kind.startswith(("image/", "video/")):
+    media = ("image/", "video/", "audio/")
+    if kind not in ("application/json", "application/octet-stream") and not kind.startswith(media):
         raise UnsupportedMediaType(
             f"unsupported content type {kind!r}: use application/json, multipart/form-data, "
-            "image/*, video/* or application/octet-stream"
+            "image/*, video/*, audio/* or application/octet-stream"
         )
     body = await read_body(request, max_bytes)
     if kind == "application/json":
@@ -276,7 +279,8 @@ async def _parse_encode_body(request: Request, *, max_items: int, max_bytes: int
         # holding the GIL, so a thread would only add a hop and a GIL hand-off, not overlap.
         return _json_items(body, max_items, body_hold(request.scope))
     if not body:
-        raise BadInput("empty body: expected the bytes of one image or video", type="invalid_image", index=0)
+        raise BadInput("empty body: expected the bytes of one image, video or audio file", type="invalid_image",
+                       index=0)
     return EncodeBody([RequestItem(index=0, data=body, modality=_modality(kind))], Return.EMBEDDINGS)
 
 

@@ -52,7 +52,7 @@ from encode_server.core.errors import (
     Unavailable,
     UnsupportedMediaType,
 )
-from encode_server.core.types import IMAGE, VIDEO, ItemResult, RequestItem, Return
+from encode_server.core.types import AUDIO, IMAGE, VIDEO, ItemResult, RequestItem, Return
 from encode_server.service import EncodeService
 
 __all__ = ["CODES", "SERVICE_NAME", "GrpcApi", "HealthApi", "code_for", "start_grpc_server"]
@@ -95,7 +95,7 @@ def error_metadata(exc: EncodeServerError) -> tuple[tuple[str, str], ...]:
     return tuple(md)
 
 
-_MODALITIES = {pb.MODALITY_IMAGE: IMAGE, pb.MODALITY_VIDEO: VIDEO}
+_MODALITIES = {pb.MODALITY_IMAGE: IMAGE, pb.MODALITY_VIDEO: VIDEO, pb.MODALITY_AUDIO: AUDIO}
 
 
 def _modality(item: pb.Item | pb.LookupRequest, index: int | None) -> str:

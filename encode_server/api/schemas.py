@@ -33,9 +33,10 @@ class EncodeItemIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     hash: str | None = Field(None, description="lowercase hex BLAKE3-256 of the image file's bytes")
-    data: str | None = Field(None, description="standard base64 of the image or video file, or a data: URL")
-    modality: Literal["image", "video"] | None = Field(
-        None, description="image (default) or video (one item, all its frames); a data:video/ URL implies video"
+    data: str | None = Field(None, description="standard base64 of the image, video or audio file, or a data: URL")
+    modality: Literal["image", "video", "audio"] | None = Field(
+        None, description="image (default), video (one item, all its frames) or audio (one item, one file); a "
+        "data:video/ or data:audio/ URL implies it"
     )
     mm_processor_kwargs: SettingsIn = Field(None, description=_SETTINGS_DOC + "; over the request's, key by key")
 
@@ -71,7 +72,7 @@ class LookupRequestIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     hashes: list[str] = Field(..., min_length=1)
-    modality: Literal["image", "video"] = Field(
+    modality: Literal["image", "video", "audio"] = Field(
         "image", description="what the hashes are: a file's bytes as a video are another entry than as an image"
     )
     mm_processor_kwargs: SettingsIn = Field(None, description=_SETTINGS_DOC + ": the entries under these settings")

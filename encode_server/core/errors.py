@@ -6,14 +6,16 @@ HTTP.
 
     EncodeServerError
     ├── BadInput                 400  invalid_json, invalid_base64, invalid_hash, hash_mismatch,
-    │                                 invalid_image, unsupported_image, invalid_video,
+    │                                 invalid_image, unsupported_image, invalid_video, invalid_audio,
     │                                 unsupported_modality (a video for a model that takes images only),
     │                                 invalid_setting (an mm_processor_kwargs key, type or value refused),
     │                                 settings_disabled (mm_processor_kwargs without --trust-request-mm-kwargs)
     ├── InvalidRequest           422  invalid_request (body does not match the schema)
-    ├── TooLarge                 413  payload_too_large, image_too_large, video_too_large, too_many_items,
+    ├── TooLarge                 413  payload_too_large, image_too_large, video_too_large, audio_too_large,
+    │                                 too_many_items,
     │                                 value_too_large (metadata hand-off: above --redis-max-value-mb)
-    ├── UnsupportedMediaType     415  unsupported_media_type, unsupported_video (a codec not decodable)
+    ├── UnsupportedMediaType     415  unsupported_media_type, unsupported_video, unsupported_audio (a codec
+    │                                 not decodable)
     ├── Unauthorized             401  unauthorized
     ├── Conflict                 409  no_shared_tier
     ├── Unavailable              503  overloaded, not_ready, shared_tier_unavailable (metadata
@@ -68,8 +70,8 @@ class BadInput(EncodeServerError):
     type = "invalid_image"
     types = (
         "invalid_image", "invalid_json", "invalid_base64", "invalid_hash",
-        "hash_mismatch", "unsupported_image", "invalid_video", "unsupported_modality", "invalid_setting",
-        "settings_disabled",
+        "hash_mismatch", "unsupported_image", "invalid_video", "invalid_audio", "unsupported_modality",
+        "invalid_setting", "settings_disabled",
     )
 
 
@@ -80,12 +82,13 @@ class InvalidRequest(EncodeServerError):
 
 class TooLarge(EncodeServerError):
     type = "payload_too_large"
-    types = ("payload_too_large", "image_too_large", "video_too_large", "too_many_items", "value_too_large")
+    types = ("payload_too_large", "image_too_large", "video_too_large", "audio_too_large", "too_many_items",
+             "value_too_large")
 
 
 class UnsupportedMediaType(EncodeServerError):
     type = "unsupported_media_type"
-    types = ("unsupported_media_type", "unsupported_video")
+    types = ("unsupported_media_type", "unsupported_video", "unsupported_audio")
 
 
 class Unauthorized(EncodeServerError):

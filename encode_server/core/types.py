@@ -10,13 +10,14 @@ if TYPE_CHECKING:
     from encode_server.core.hashing import CacheKey
 
 __all__ = [
-    "ENCODER", "IMAGE", "MODALITIES", "VIDEO", "Embedding", "EncodedTensor", "ItemResult", "RequestItem", "Resolved",
-    "Return", "VideoInfo",
+    "AUDIO", "ENCODER", "IMAGE", "MODALITIES", "VIDEO", "AudioInfo", "Embedding", "EncodedTensor", "ItemResult",
+    "RequestItem", "Resolved", "Return", "VideoInfo",
 ]
 
 IMAGE = "image"
 VIDEO = "video"
-MODALITIES = (IMAGE, VIDEO)
+AUDIO = "audio"
+MODALITIES = (IMAGE, VIDEO, AUDIO)
 
 ENCODER = "encoder"
 """The ``source`` of an embedding this server computed (the other sources are tier names)."""
@@ -87,6 +88,22 @@ class VideoInfo:
     @property
     def duration(self) -> float:
         return self.num_frames / self.fps
+
+
+@dataclass(frozen=True)
+class AudioInfo:
+    """What an audio file's container header says, read without decoding a sample: the first
+    audio stream's rate, channels and codec, and its length in samples at that rate (from the
+    stream's or the container's duration: a header can lie, so decoding stops at the limit)."""
+
+    sample_rate: int
+    channels: int
+    num_samples: int
+    codec: str = ""
+
+    @property
+    def duration(self) -> float:
+        return self.num_samples / self.sample_rate
 
 
 @dataclass(frozen=True)

@@ -19,13 +19,16 @@ import torch
 from PIL import Image
 
 from encode_server.core.errors import EncodeServerError
-from encode_server.core.types import EncodedTensor, VideoInfo
+from encode_server.core.types import AudioInfo, EncodedTensor, VideoInfo
 from encode_server.imaging import decode_image
 
 from .family import Family
 from .memory import MemoryPeak, PeakMemory
 
-__all__ = ["EncodedTensor", "EncoderInfo", "MemoryPeak", "PeakMemory", "PreparedItem", "VideoPlan", "VisionEncoder"]
+__all__ = [
+    "AudioPlan", "EncodedTensor", "EncoderInfo", "MemoryPeak", "PeakMemory", "PreparedItem", "VideoPlan",
+    "VisionEncoder",
+]
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,21 @@ class VideoPlan:
     cost_tokens: int
     nbytes: int
     meta: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class AudioPlan:
+    """How one audio file becomes rows, decided from its header alone (the memory charge).
+
+    ``sample_rate``: the rate the family's feature extractor takes (the waveform is resampled to
+    it); ``keep_seconds``: how much of the file the family reads (Qwen2-Audio's 30 s window), None
+    for all of it; ``cost_tokens`` as for an image; ``nbytes``: the peak host memory of decoding,
+    resampling and featurising it, charged before a sample is decoded."""
+
+    sample_rate: int
+    keep_seconds: float | None
+    cost_tokens: int
+    nbytes: int
 
 
 class VisionEncoder(ABC):
@@ -150,6 +168,21 @@ class VisionEncoder(ABC):
     def preprocess_video(self, frames: Any, plan: VideoPlan) -> PreparedItem:
         """The decoded frames (``[T, H, W, 3]`` uint8, ``plan.indices``) to model inputs."""
         raise NotImplementedError(f"{type(self).__name__} takes no video")
+
+    # -- audio: a family that takes audio (``"audio" in family.modalities``) overrides these ------
+
+    def plan_audio(self, info: AudioInfo) -> AudioPlan:
+        """What an audio file (``info``: its header) costs, without decoding a sample."""
+        raise NotImplementedError(f"{type(self).__name__} takes no audio")
+
+    def preprocess_audio(self, waveform: Any, sample_rate: int) -> PreparedItem:
+        """A mono float32 waveform at ``sample_rate`` (the file's own) to model inputs, its rows and
+        meta. Raises ``ValueError`` for audio the model cannot represent (too short)."""
+        raise NotImplementedError(f"{type(self).__name__} takes no audio")
+
+    def count_audio_tokens(self, num_samples: int, sample_rate: int) -> tuple[int, dict[str, Any]]:
+        """(N, meta) for ``num_samples`` decoded samples at ``sample_rate``, without the model."""
+        raise NotImplementedError(f"{type(self).__name__} takes no audio")
 
     def split(self, prepared: PreparedItem, max_cost: int) -> list[PreparedItem]:
         """``prepared`` cut into parts of at most ``max_cost`` (where the model allows it) whose

@@ -77,6 +77,7 @@ class Family:
     ``settings``: the keys of vLLM's per-request ``mm_processor_kwargs`` this family's encoder
     applies (its ``setting_defaults``, ``preprocess_with`` and ``count_tokens_with``), in vLLM's
     names; a request naming any other key is refused, never silently preprocessed the default way.
+    ``modalities``: what its items may be (``image``, ``video``, ``audio``); any other is refused.
     """
 
     name: str
@@ -85,6 +86,9 @@ class Family:
     modalities: tuple[str, ...] = ("image",)
     epd: Epd | None = None
     settings: tuple[Setting, ...] = ()
+    # How the checkpoint's preprocessor loads from its directory; None: its image processor
+    # (``AutoImageProcessor``). An audio family loads its feature extractor.
+    processor: Callable[[Any], Any] | None = None
 
     def describe(self) -> dict[str, Any]:
         settings = {s.name: {"type": s.kind, "modalities": list(s.modalities), "meaning": s.meaning}

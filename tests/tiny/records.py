@@ -20,6 +20,7 @@ from tests.tiny.internvl import make_tiny_internvl
 from tests.tiny.llava_next import make_tiny_llava_next
 from tests.tiny.llava_onevision import make_tiny_llava_onevision
 from tests.tiny.mistral3 import make_tiny_mistral3
+from tests.tiny.qwen2_audio import make_tiny_qwen2_audio
 
 __all__ = ["RECORDS", "Builder", "TinyFamily", "builder"]
 
@@ -31,7 +32,8 @@ class TinyFamily:
     name: str  # the family's name in encoders.FAMILIES (what GET /v1/model publishes)
     # model_type -> its tiny full checkpoint; the first is the one the per-family tests serve.
     builders: dict[str, Builder]
-    # How tests/integration/test_families.py computes the full model's features for one image.
+    # How tests/integration/test_families.py (an image family) or test_audio.py (an audio family)
+    # computes the full model's features for one item.
     reference: str
     # Whether the token count varies with the image (False: a fixed-resolution family, one N).
     variable_tokens: bool
@@ -63,6 +65,7 @@ RECORDS: dict[str, TinyFamily] = {
         TinyFamily("glm4v", {"glm4v": make_tiny_glm4v}, "qwen", True),  # the same get_image_features and meta
         TinyFamily("llava_next", {"llava_next": make_tiny_llava_next}, "anyres", True),
         TinyFamily("llava_onevision", {"llava_onevision": make_tiny_llava_onevision}, "anyres", True),
+        TinyFamily("qwen2_audio", {"qwen2_audio": make_tiny_qwen2_audio}, "qwen2_audio", True),  # audio only
     )
 }
 

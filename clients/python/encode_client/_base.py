@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 from blake3 import blake3
 
 from encode_client._errors import MissingExtra, ReplicaUnavailable, ServerError
-from encode_client._images import IMAGE, VIDEO, ImageInput, Media, WireItem, media, mm_hash
+from encode_client._images import AUDIO, IMAGE, VIDEO, ImageInput, Media, WireItem, media, mm_hash
 from encode_client._retry import Limits, RetryPolicy
 from encode_client._types import LookupItem, Result, TokenCount, UploadStats, WarmItem
 
@@ -329,8 +329,8 @@ class BaseClient:
     ) -> Flow[list[LookupItem]]:
         """Which tier holds each hash as a ``modality`` item (a file's bytes as a video are
         another entry than as an image), under ``settings``."""
-        if modality not in (IMAGE, VIDEO):
-            raise ValueError(f"modality must be {IMAGE!r} or {VIDEO!r}, not {modality!r}")
+        if modality not in (IMAGE, VIDEO, AUDIO):
+            raise ValueError(f"modality must be {IMAGE!r}, {VIDEO!r} or {AUDIO!r}, not {modality!r}")
         settings = self._settings(settings)
         keys = [h.lower() for h in hashes]
         found = yield from self._rounds(

@@ -10,7 +10,7 @@ from typing import Any
 import grpc
 
 from encode_client._errors import ReplicaUnavailable, ServerError
-from encode_client._images import VIDEO, WireItem
+from encode_client._images import AUDIO, VIDEO, WireItem
 from encode_client._proto import encoder_pb2 as pb
 from encode_client._types import LookupItem, Result, TokenCount
 
@@ -29,14 +29,17 @@ _HTTP_STATUS = {
 _BY_TYPE = {"invalid_request": 422, "unsupported_media_type": 415, "unsupported_video": 415}
 
 
+_MODALITIES = {VIDEO: pb.MODALITY_VIDEO, AUDIO: pb.MODALITY_AUDIO}  # an image is the default, unset
+
+
 def _item(wire: WireItem) -> Any:
     item = pb.Item()
     if wire.hash is not None:
         item.hash = wire.hash
     if wire.data is not None:
         item.data = wire.data
-    if wire.modality == VIDEO:
-        item.modality = pb.MODALITY_VIDEO
+    if wire.modality in _MODALITIES:
+        item.modality = _MODALITIES[wire.modality]
     if wire.settings:
         item.mm_processor_kwargs_json = json.dumps(dict(wire.settings))
     return item
@@ -50,7 +53,7 @@ def build(op: str, payload: Any) -> Any:
         return pb.EncodeRequest(items=[_item(item) for item in payload], return_kind=pb.RETURN_METADATA)
     if op == "lookup":
         modality, hashes, settings = payload
-        kind = pb.MODALITY_VIDEO if modality == VIDEO else pb.MODALITY_IMAGE
+        kind = _MODALITIES.get(modality, pb.MODALITY_IMAGE)
         lookup = pb.LookupRequest(hashes=list(hashes), modality=kind)
         if settings:
             lookup.mm_processor_kwargs_json = json.dumps(dict(settings))

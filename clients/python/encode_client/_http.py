@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from encode_client._errors import ServerError
-from encode_client._images import VIDEO, WireItem
+from encode_client._images import IMAGE, WireItem
 from encode_client._types import LookupItem, Result, TokenCount
 from encode_client.safetensors import load_safetensors
 
@@ -32,15 +32,15 @@ class HttpRequest:
 
 
 def _item(item: WireItem) -> dict[str, Any]:
-    """A JSON item; ``"modality"`` only for a video and ``"mm_processor_kwargs"`` only with
+    """A JSON item; ``"modality"`` only for a video or audio and ``"mm_processor_kwargs"`` only with
     settings, so an image's item is what it always was."""
     out: dict[str, Any] = {}
     if item.hash is not None:
         out["hash"] = item.hash
     if item.data is not None:
         out["data"] = base64.b64encode(item.data).decode("ascii")
-    if item.modality == VIDEO:
-        out["modality"] = VIDEO
+    if item.modality != IMAGE:
+        out["modality"] = item.modality
     if item.settings:
         out["mm_processor_kwargs"] = dict(item.settings)
     return out
@@ -75,8 +75,8 @@ def build(base_url: str, op: str, payload: Any, *, response: str, api_key: str |
         handoff = {"items": [_item(item) for item in payload], "return": "metadata"}
         return HttpRequest("POST", base + "/v1/encode", handoff, {**headers, "Accept": "application/json"})
     if op == "lookup":
-        modality, hashes, settings = payload  # "modality" only for a video: an image's body is as it always was
-        lookup = {"hashes": list(hashes), **({"modality": modality} if modality == VIDEO else {})}
+        modality, hashes, settings = payload  # "modality" only for a video or audio: an image's body is as it was
+        lookup = {"hashes": list(hashes), **({"modality": modality} if modality != IMAGE else {})}
         return HttpRequest("POST", base + "/v1/lookup", _with_settings(lookup, settings), headers)
     if op == "tokens":
         kind, entries, settings = payload

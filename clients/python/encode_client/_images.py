@@ -19,12 +19,13 @@ from typing import Any, NamedTuple, Union
 from blake3 import blake3
 
 __all__ = [
-    "IMAGE", "VIDEO", "VIDEO_SUFFIXES", "ImageInput", "Media", "Video", "WireItem", "image_bytes", "media",
-    "mm_hash", "video_type",
+    "AUDIO", "AUDIO_SUFFIXES", "IMAGE", "VIDEO", "VIDEO_SUFFIXES", "ImageInput", "Media", "Video", "WireItem",
+    "image_bytes", "media", "mm_hash", "video_type",
 ]
 
 IMAGE = "image"
 VIDEO = "video"
+AUDIO = "audio"
 
 # Suffix -> the Content-Type an upload of it carries (the server reads any video/* part as a video).
 _SUFFIX_TYPES = {
@@ -32,6 +33,12 @@ _SUFFIX_TYPES = {
     ".mkv": "video/x-matroska", ".avi": "video/x-msvideo",
 }
 VIDEO_SUFFIXES = frozenset(_SUFFIX_TYPES)
+# Suffix -> the Content-Type of an audio file (the server reads any audio/* part as an audio item).
+_AUDIO_TYPES = {
+    ".wav": "audio/wav", ".flac": "audio/flac", ".mp3": "audio/mpeg", ".ogg": "audio/ogg", ".opus": "audio/ogg",
+    ".m4a": "audio/mp4", ".aac": "audio/aac", ".webm": "audio/webm",
+}
+AUDIO_SUFFIXES = frozenset(_AUDIO_TYPES) - VIDEO_SUFFIXES  # a .webm is a video unless said otherwise
 _UNKNOWN_VIDEO = "video/octet-stream"  # a wrapped video of no known container: still a video/* upload
 _UPLOAD_IMAGE = "application/octet-stream"  # the server sniffs the image format itself
 # ISO-BMFF brands of still images (AVIF, HEIF): an ``ftyp`` box alone does not make a video.
@@ -103,12 +110,19 @@ def image_bytes(image: ImageInput) -> bytes:
     raise TypeError(f"an item is bytes, a path, a PIL image or a Video, not {type(image).__name__}")
 
 
+def _suffix(item: ImageInput) -> str:
+    return os.path.splitext(os.fspath(item))[1].lower() if isinstance(item, (str, os.PathLike)) else ""
+
+
 def media(item: ImageInput, modality: str | None = None) -> Media:
     """An input's bytes, modality and upload ``Content-Type`` (see the module doc for the rule);
-    ``modality`` given (``"image"`` or ``"video"``) says it instead of the rule: the EPD proxy's
-    ``image_url`` part is an image whatever its bytes look like."""
-    if modality not in (None, IMAGE, VIDEO):
-        raise ValueError(f"modality must be {IMAGE!r} or {VIDEO!r}, not {modality!r}")
+    ``modality`` given (``"image"``, ``"video"`` or ``"audio"``) says it instead of the rule: the EPD
+    proxy's ``image_url`` part is an image whatever its bytes look like. An audio file is one by its
+    name's suffix (``.wav``, ``.flac``, ``.mp3``...) or by ``modality="audio"``."""
+    if modality not in (None, IMAGE, VIDEO, AUDIO):
+        raise ValueError(f"modality must be {IMAGE!r}, {VIDEO!r} or {AUDIO!r}, not {modality!r}")
+    if not isinstance(item, Video) and (modality == AUDIO or (modality is None and _suffix(item) in AUDIO_SUFFIXES)):
+        return Media(image_bytes(item), AUDIO, _AUDIO_TYPES.get(_suffix(item), "audio/octet-stream"))
     if modality == IMAGE and not isinstance(item, Video):
         return Media(image_bytes(item), IMAGE, _UPLOAD_IMAGE)
     if modality == VIDEO and not isinstance(item, Video):

@@ -14,6 +14,7 @@ store key after the fingerprint, so that the key is always ``{prefix}:v1:{finger
   the connector reads each from its own tenant's key;
 - ``video:{mm_hash}`` (``t:{tenant_digest}:video:{mm_hash}`` for a tenant): a video. One file's
   bytes sent as a video are another entry than as an image, in the store and in vLLM's caches;
+  ``audio:{mm_hash}`` likewise an audio file;
 - ``p:{settings_digest}:`` ahead of the modality (after a tenant's part): an item preprocessed with
   per-request settings (``mm_processor_kwargs``) other than the server's defaults, named by the
   server's digest of the effective settings. One image under two settings is two entries, in the
@@ -49,13 +50,13 @@ __all__ = [
 KEY_VERSION = "v1"
 IMAGE = "image"
 # The modalities a key names by a segment of their own (an image's key has none: as it always was).
-_KEYED_MODALITIES = ("video",)
+_KEYED_MODALITIES = ("video", "audio")
 _TENANT_DOMAIN = "encode-server/tenant/v1"
 # BLAKE3's derive_key mode: a context string, globally unique and fixed (the BLAKE3 paper's rule).
 _EMBEDS_CONTEXT = "encode-server 2025-12 EPD client embeddings identifier v1"
 _LOWER_HEX64 = re.compile(r"[0-9a-f]{64}")
 _STORED_IDENTIFIER = re.compile(
-    r"(?:t:(?P<tenant>[0-9a-f]{64}):)?(?:p:(?P<settings>[0-9a-f]{64}):)?(?:(?P<modality>video):)?"
+    r"(?:t:(?P<tenant>[0-9a-f]{64}):)?(?:p:(?P<settings>[0-9a-f]{64}):)?(?:(?P<modality>video|audio):)?"
     r"(?P<mm_hash>[0-9a-f]{64})"
 )
 

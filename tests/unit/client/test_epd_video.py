@@ -145,7 +145,7 @@ def test_a_video_hand_off_says_video_on_every_item_and_an_image_one_does_not() -
     image = _http.build("http://e", "handoff", [WireItem(h, None, forced.modality)], response="json", api_key=None)
     assert image.json == {"items": [{"hash": h}], "return": "metadata"}
     with pytest.raises(ValueError, match="modality must be"):
-        media(MP4, "audio")
+        media(MP4, "text")
 
 
 QWEN25 = EpdContract("pixel_free", {"image": ("image_grid_thw",), "video": ("video_grid_thw",)},

@@ -52,14 +52,14 @@ def test_a_video_and_an_image_of_the_same_bytes_get_two_identifiers() -> None:
 
 @pytest.mark.parametrize(
     "key",
-    [f"encode:v1:{FP}:audio:{H}", f"encode:v1:{FP}:video:video:{H}", f"encode:v1:{FP}:{H}:video", f"video:{H}"],
+    [f"encode:v1:{FP}:text:{H}", f"encode:v1:{FP}:video:video:{H}", f"encode:v1:{FP}:{H}:video", f"video:{H}"],
 )
 def test_a_key_with_an_unknown_or_misplaced_modality_is_refused(key: str) -> None:
     with pytest.raises(ValueError):
         epd_identifier(key, H)
 
 
-@pytest.mark.parametrize("identifier", [f"audio:{H}", f"video:{H[:-1]}", f"video:t:{FP}:{H}", "e:" + H, f"VIDEO:{H}"])
+@pytest.mark.parametrize("identifier", [f"text:{H}", f"video:{H[:-1]}", f"video:t:{FP}:{H}", "e:" + H, f"VIDEO:{H}"])
 def test_an_identifier_that_names_no_stored_item_parses_to_none(identifier: str) -> None:
     assert parse_identifier(identifier) is None
     assert identifier_key(FP, identifier) is None

@@ -479,7 +479,7 @@ def test_a_prefix_named_like_a_modality_reads_unambiguously() -> None:
     assert cache_key(FP, H, prefix="video", modality="video").split(":")[-2] == "video"
 
 
-@pytest.mark.parametrize("modality", ["", "Video", "audio", "images"])
+@pytest.mark.parametrize("modality", ["", "Video", "text", "images", "Audio"])
 def test_cache_key_refuses_an_unknown_modality(modality: str) -> None:
     with pytest.raises(ValueError, match="modality"):
         cache_key(FP, H, modality=modality)

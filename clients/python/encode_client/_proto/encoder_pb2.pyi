@@ -11,6 +11,7 @@ class Modality(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     MODALITY_IMAGE: _ClassVar[Modality]
     MODALITY_VIDEO: _ClassVar[Modality]
+    MODALITY_AUDIO: _ClassVar[Modality]
 
 class Return(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -18,6 +19,7 @@ class Return(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     RETURN_METADATA: _ClassVar[Return]
 MODALITY_IMAGE: Modality
 MODALITY_VIDEO: Modality
+MODALITY_AUDIO: Modality
 RETURN_EMBEDDINGS: Return
 RETURN_METADATA: Return
 

@@ -11,13 +11,14 @@ What vLLM 0.32's ``qwen2_audio.py`` does with an audio item, done the same way h
   ``_process_audio_input``: a ``-inf`` mask over the 1500 positions after the strided conv), the
   projector maps each position to the language model's width, and the first
   ``((frames - 1) // 2 + 1 - 2) // 2 + 1`` rows are the item's: vLLM's placeholder count, at most 750.
+  ``meta`` is ``{"audio_num_tokens": [N]}``: the field vLLM's parser declares, as the one-element
+  list its chat parser turns into the integer tensor it requires (a bare number is refused).
 
 So every item costs the same pass (1,500 positions), whatever its length: batches are of items.
 
-EPD: vLLM's parser declares ``audio_embeds`` (values) and ``audio_num_tokens`` (metadata), so a
-prefill could take these rows without its audio tower; the connector and proxy do not carry audio
-yet, so the family publishes no EPD contract (``epd`` None), and the server serves ``/v1/encode``
-and ``/v1/tokens`` for it.
+EPD: pixel-free. vLLM's parser declares ``audio_embeds`` (values) and ``audio_num_tokens``
+(metadata), so the prefill request carries ``{"audio_num_tokens": N}`` and the uuid, and the prefill
+worker runs without its audio tower (``--limit-mm-per-prompt '{"audio": 0}'``).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from transformers.models.qwen2_audio.modeling_qwen2_audio import Qwen2AudioEncod
 from encode_server.core.types import AudioInfo
 
 from .base import AudioPlan, EncodedTensor, PreparedItem
-from .family import Family
+from .family import Epd, Family
 from .hf import HFEncoder, LoadSpec, to_encoded
 from .loading import CheckpointFiles, Layout, empty_module, load_vision_weights
 from .resample import resample
@@ -106,7 +107,7 @@ class Qwen2AudioEncoderAdapter(HFEncoder):
         if tokens <= 0:
             raise ValueError(f"the audio ({samples} samples at {self.sample_rate} Hz) is too short to be "
                              "represented inside the model")
-        return tokens, {"audio_num_tokens": tokens}
+        return tokens, {"audio_num_tokens": [tokens]}
 
     def preprocess_audio(self, waveform: Any, sample_rate: int) -> PreparedItem:
         audio = resample(waveform, sample_rate, self.sample_rate)
@@ -155,5 +156,6 @@ FAMILY = Family(
     model_types=("qwen2_audio",),
     load=load_qwen2_audio,
     modalities=("audio",),
+    epd=Epd("pixel_free", {"audio": ("audio_num_tokens",)}, vllm_model="qwen2_audio.py"),
     processor=AutoFeatureExtractor.from_pretrained,
 )

@@ -69,7 +69,7 @@ def test_rows_equal_the_full_models_and_the_hash_is_the_files(family: tuple[str,
         got = _rows(item)
         assert got.shape == expected.shape, (seconds, got.shape, expected.shape)
         assert np.abs(got - expected).max() <= 1e-5 * max(1.0, float(np.abs(expected).max())), seconds
-        assert item["num_tokens"] == got.shape[0] and item["meta"] == {"audio_num_tokens": got.shape[0]}
+        assert item["num_tokens"] == got.shape[0] and item["meta"] == {"audio_num_tokens": [got.shape[0]]}
         hit = _encode(server, [{"hash": item["hash"], "modality": "audio"}]).json()["items"][0]
         assert (hit["status"], hit["source"], hit["embedding"]) == ("hit", "local", item["embedding"])
         # the same bytes as an image are another entry (and a kind this family refuses)

@@ -25,7 +25,7 @@ import pytest
 from tests.audios import make_audio
 from tests.server import ServerProcess, start_server
 from tests.tiny.qwen2_audio import SPECIAL, make_tiny_qwen2_audio
-from tests.vllm.conftest import engine, model_runner, tiny_checkpoint
+from tests.vllm.conftest import REDIS_URL, connector_config, engine, model_runner, tiny_checkpoint
 
 TOLERANCE = 1e-5  # of max(1, the largest magnitude), as for the image families
 
@@ -66,6 +66,11 @@ def server(checkpoint: Path, logs: Path) -> Iterator[ServerProcess]:
     proc.stop()
 
 
+def _audio_tower_parameters(llm: Any) -> int:
+    model = model_runner(llm).get_model()
+    return sum(p.numel() for name, p in model.named_parameters() if name.startswith("audio_tower."))
+
+
 @pytest.fixture(scope="module")
 def vllm_side(checkpoint: Path) -> dict[str, Any]:
     """vLLM's rows and placeholder count for every clip, from one chat each (a uuid per clip)."""
@@ -74,6 +79,7 @@ def vllm_side(checkpoint: Path) -> dict[str, Any]:
     audio_id = None
     rows, counts = {}, {}
     with engine(checkpoint, tower=True, limit_mm_per_prompt={"audio": 1, "image": 0, "video": 0}) as llm:
+        tower = _audio_tower_parameters(llm)
         audio_id = llm.get_tokenizer().convert_tokens_to_ids("<|AUDIO|>")
         for clip in CLIPS:
             url = "data:audio/" + clip.fmt + ";base64," + base64.b64encode(clip.data()).decode()
@@ -85,7 +91,19 @@ def vllm_side(checkpoint: Path) -> dict[str, Any]:
             counts[str(clip)] = out[0].prompt_token_ids.count(audio_id)
             rows[str(clip)] = model_runner(llm).encoder_cache[f"own-{clip}"].float().cpu().numpy()
     assert "<|AUDIO|>" in SPECIAL and audio_id is not None
-    return {"rows": rows, "counts": counts}
+    return {"rows": rows, "counts": counts, "tower_parameters": tower}
+
+
+def test_a_prefill_with_audio_limit_0_builds_no_audio_tower(checkpoint: Path, server: ServerProcess,
+                                                            vllm_side: dict[str, Any]) -> None:
+    """The tower-free EC consumer of docs/vllm.md (``--limit-mm-per-prompt '{"audio": 0}'``) holds
+    none of the audio tower's parameters; vLLM with its tower holds them (tests/vllm/test_proxy_audio.py
+    proves the consumer answers as vLLM with its tower does)."""
+    config = connector_config(REDIS_URL, server.url, "test-vllm-audio-tower-free")
+    with engine(checkpoint, config, limit_mm_per_prompt={"audio": 0, "image": 0, "video": 0}) as llm:
+        assert _audio_tower_parameters(llm) == 0
+    assert vllm_side["tower_parameters"] > 0
+    print(f"\naudio tower: {vllm_side['tower_parameters']} parameters with it, 0 without")
 
 
 def _post(server: ServerProcess, path: str, clip: Clip) -> dict[str, Any]:
@@ -112,6 +130,6 @@ def test_token_counts_are_vllms_placeholder_counts(clip: Clip, server: ServerPro
                                                     vllm_side: dict[str, Any]) -> None:
     """``/v1/tokens`` and the encode's ``num_tokens`` == the audio placeholders vLLM put in the prompt."""
     counted = _post(server, "/v1/tokens", clip)
-    assert counted["num_tokens"] == vllm_side["counts"][str(clip)] == counted["meta"]["audio_num_tokens"]
+    assert counted["num_tokens"] == vllm_side["counts"][str(clip)] == counted["meta"]["audio_num_tokens"][0]
     expected = min(750, ((math.ceil(min(clip.seconds, 30.0) * 16_000 / 160) - 1) // 2 + 1 - 2) // 2 + 1)
     assert abs(counted["num_tokens"] - expected) <= 1, (counted, expected)  # the rule, within a rounding

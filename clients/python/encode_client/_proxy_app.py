@@ -57,6 +57,7 @@ class _Exchange:
     status: int = 0
     images: int = 0
     videos: int = 0
+    audios: int = 0
     tenant: str | None = None
     cleanup: list[Release] = field(default_factory=list)
 
@@ -155,8 +156,8 @@ class ProxyApp:
         self.metrics.request_seconds.labels(route).observe(time.perf_counter() - exchange.started)
         if exchange.path not in OPEN_PATHS:
             log.info(
-                "%s %s %d images=%d videos=%d tenant=%s %.1f ms", exchange.method, exchange.path, exchange.status,
-                exchange.images, exchange.videos, exchange.tenant or "-",
+                "%s %s %d images=%d videos=%d audios=%d tenant=%s %.1f ms", exchange.method, exchange.path,
+                exchange.status, exchange.images, exchange.videos, exchange.audios, exchange.tenant or "-",
                 (time.perf_counter() - exchange.started) * 1000,
             )
 
@@ -201,8 +202,8 @@ class ProxyApp:
         exchange.cleanup.append(self._left)
         body = await self._body(request)
         prepare = self._preparer(request, body, caller, exchange)
-        prepared = await prepare()  # counts the request's images and videos
-        retryable = exchange.images or exchange.videos
+        prepared = await prepare()  # counts the request's images, videos and audio
+        retryable = exchange.images or exchange.videos or exchange.audios
         assert self._forwarder is not None  # made at startup
         target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
         response, release = await self._forwarder.forward(
@@ -252,7 +253,8 @@ class ProxyApp:
                 self.metrics.handoff_seconds.observe(prepared.handoff_seconds)
                 self.metrics.handoff_images.inc(prepared.images)
                 self.metrics.handoff_videos.inc(prepared.videos)
-            exchange.images, exchange.videos = prepared.images, prepared.videos
+                self.metrics.handoff_audios.inc(prepared.audios)
+            exchange.images, exchange.videos, exchange.audios = prepared.images, prepared.videos, prepared.audios
             return prepared.body
 
         return prepare

@@ -23,7 +23,8 @@ class ProxyMetrics:
             namespace=ns, registry=r, buckets=_LATENCY,
         )
         self.handoff_seconds = Histogram(
-            "handoff_seconds", "Time to hand a chat request's images and videos off to encode-server and rewrite it.",
+            "handoff_seconds", "Time to hand a chat request's images, videos and audio off to encode-server and "
+            "rewrite it.",
             namespace=ns, registry=r, buckets=_LATENCY,
         )
         self.handoff_images = Counter(
@@ -31,6 +32,10 @@ class ProxyMetrics:
         )
         self.handoff_videos = Counter(
             "handoff_videos", "Videos handed off to encode-server (each in a call of its own).", namespace=ns,
+            registry=r,
+        )
+        self.handoff_audios = Counter(
+            "handoff_audios", "Audio files handed off to encode-server (each in a call of its own).", namespace=ns,
             registry=r,
         )
         self.upstream_seconds = Histogram(

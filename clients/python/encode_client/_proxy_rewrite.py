@@ -33,6 +33,7 @@ class Prepared:
     images: int = 0
     videos: int = 0
     handoff_seconds: float | None = None
+    audios: int = 0
 
 
 async def prepare_body(
@@ -45,14 +46,14 @@ async def prepare_body(
     trust_client_embeds: bool,
     trust_request_mm_kwargs: bool = False,
 ) -> Prepared:
-    """``raw``, a POST to ``path``, checked and rewritten: a chat's images and videos handed off
+    """``raw``, a POST to ``path``, checked and rewritten: a chat's images, videos and audio handed off
     (``epd``; ``contract`` is read after the checks, only for a request with media), the fields
     that steer vLLM's caches refused (``mm_processor_kwargs`` taken when trusted), and ``cache_salt``
     derived from ``tenant``."""
     parsed: Any = json.loads(raw)
     if not isinstance(parsed, dict):
         raise EPDError("the body must be a JSON object")
-    images = videos = 0
+    images = videos = audios = 0
     seconds: float | None = None
     if path == CHAT:
         started = time.perf_counter()
@@ -61,9 +62,9 @@ async def prepare_body(
         rewritten, results = await rewrite_chat_plan_async(parsed, plan, encoder, contract=contract)
         if results:
             seconds = time.perf_counter() - started
-        images, videos = len(plan.images), len(plan.videos)
+        images, videos, audios = len(plan.images), len(plan.videos), len(plan.audios)
     else:
         check_request_fields(parsed, trust_request_mm_kwargs=trust_request_mm_kwargs)
         rewritten = dict(parsed)
     rewritten["cache_salt"] = cache_salt(tenant, parsed.get("cache_salt"))
-    return Prepared(json.dumps(rewritten).encode(), images, videos, seconds)
+    return Prepared(json.dumps(rewritten).encode(), images, videos, seconds, audios)

@@ -1,4 +1,4 @@
-"""The EPD request path: an OpenAI chat-completions request with images and videos, rewritten for a
+"""The EPD request path: an OpenAI chat-completions request with images, videos and audio, rewritten for a
 prefill worker that takes their embeddings from encode-server (an EC consumer, see
 ``encode_client.vllm_connector``).
 
@@ -41,10 +41,18 @@ the item's ``meta`` has it::
     {"type": "video_embeds", "video_embeds": {"video_grid_thw": [2, 4, 4], "second_per_grid_ts": "k05VTVBZ..."},
      "uuid": "<identifier>"}
 
-A video for a family whose contract has no pixel-free video item (a ``pixels_uuid`` family, or one
-that declares no ``video`` fields) is refused, naming the part, before anything is handed off: it is
-never forwarded with its frames. A video encode-server refuses (unreadable, too long, a codec its
-FFmpeg lacks: its 4xx names the item) is an ``EPDError`` naming the part, with the server's reason.
+Every audio part (``{"type": "audio_url", "audio_url": {"url": "data:audio/wav;base64,..."}}``, or
+OpenAI's ``{"type": "input_audio", "input_audio": {"data": "<base64>", "format": "wav"}}``) is
+handed off the same way, as an audio item, each in a call of its own, and becomes the family's
+pixel-free audio part (Qwen2-Audio's parser: ``audio_num_tokens``)::
+
+    {"type": "audio_embeds", "audio_embeds": {"audio_num_tokens": 92}, "uuid": "<identifier>"}
+
+A video or audio part for a family whose contract has no pixel-free item of its modality (a
+``pixels_uuid`` family, or one that declares no ``video`` / ``audio`` fields) is refused, naming the
+part, before anything is handed off: it is never forwarded with its frames or samples. A video or
+audio file encode-server refuses (unreadable, too long, a codec its FFmpeg lacks: its 4xx names the
+item) is an ``EPDError`` naming the part, with the server's reason.
 
 vLLM keeps what it computed for an item (encoder output, processed inputs, prefix blocks) under
 the item's identifier, for every later request that names it. So the rewrite lets no client name
@@ -75,7 +83,7 @@ an item (``check_chat_request``; each refusal is an ``EPDError`` naming the part
   ``ec_transfer_params`` are refused: they steer vLLM's transfer connectors, which only the
   serving system may do.
 
-Only ``data:`` URLs are accepted, for images and videos: fetching ``http(s)://`` URLs would make the
+Only ``data:`` URLs are accepted, for images, videos and audio: fetching ``http(s)://`` URLs would make the
 proxy an open fetcher (SSRF), so such a part is refused with a clear error naming it.
 """
 
@@ -103,6 +111,7 @@ from encode_client.epd_tensor import tensor_string
 from encode_client.keys import embeds_identifier, epd_identifier, own_identifier
 
 __all__ = [
+    "AUDIO_PARTS",
     "EMBEDS_PARTS",
     "IMAGE_PARTS",
     "MEDIA_IO_FIELD",
@@ -130,6 +139,7 @@ __all__ = [
 
 IMAGE_PARTS = frozenset({"image_url", "input_image"})
 VIDEO_PARTS = frozenset({"video_url"})
+AUDIO_PARTS = frozenset({"audio_url", "input_audio"})
 EMBEDS_PARTS = frozenset({"image_embeds", "video_embeds", "audio_embeds"})
 SETTINGS_FIELD = "mm_processor_kwargs"
 MEDIA_IO_FIELD = "media_io_kwargs"
@@ -187,8 +197,8 @@ class EpdContract:
         mode, fields = epd.get("mode"), epd.get("fields") or {}
         if mode not in ("pixel_free", "pixels_uuid") or not isinstance(fields, Mapping):
             raise EpdContractError(f"encode-server's EPD contract is not one this client knows: {dict(epd)}")
-        if mode == "pixel_free" and not fields.get("image"):
-            raise EpdContractError("encode-server's pixel-free contract names no image fields")
+        if mode == "pixel_free" and not any(fields.values()):
+            raise EpdContractError("encode-server's pixel-free contract names no fields")
         tensors = epd.get("tensors") or {}  # a server older than tensor fields publishes none
         if not isinstance(tensors, Mapping) or not all(
             isinstance(named, Mapping) and all(dtype in TENSOR_DTYPES for dtype in named.values())
@@ -244,12 +254,12 @@ class EpdContract:
 
 @dataclass(frozen=True)
 class MediaPart:
-    """An image or video part, its file decoded from its data: URL."""
+    """An image, video or audio part, its file decoded from its data: URL (or ``input_audio``'s data)."""
 
     message: int
     part: int
     data: bytes
-    kind: str = "image_url"  # or the Responses form, "input_image", or "video_url"
+    kind: str = "image_url"  # or the Responses form, "input_image", or "video_url", "audio_url", "input_audio"
     url: str = ""  # the data: URL, as the client sent it
 
     @property
@@ -258,7 +268,7 @@ class MediaPart:
 
     @property
     def modality(self) -> str:
-        return "video" if self.kind in VIDEO_PARTS else "image"
+        return "video" if self.kind in VIDEO_PARTS else "audio" if self.kind in AUDIO_PARTS else "image"
 
 
 @dataclass(frozen=True)
@@ -273,18 +283,19 @@ class EmbedsPart:
 
 @dataclass(frozen=True)
 class ChatPlan:
-    """What the rewrite will do: the images and videos to hand off, the trusted embeddings to re-key."""
+    """What the rewrite will do: the images, videos and audio to hand off, the trusted embeddings to re-key."""
 
     images: list[MediaPart]
     embeds: list[EmbedsPart]
     videos: list[MediaPart] = field(default_factory=list)
     settings: Mapping[str, Any] | None = None  # the body's mm_processor_kwargs, when trusted and given
     video_settings: Mapping[str, Any] | None = None  # the body's media_io_kwargs.video, likewise
+    audios: list[MediaPart] = field(default_factory=list)
 
     @property
     def media(self) -> list[MediaPart]:
-        """Every part to hand off, images then videos: the order of the rewrite's results."""
-        return [*self.images, *self.videos]
+        """Every part to hand off, images, videos, then audio: the order of the rewrite's results."""
+        return [*self.images, *self.videos, *self.audios]
 
 
 def _where(message: int, part: int) -> str:
@@ -299,7 +310,8 @@ def _data_url_bytes(url: object, where: str, modality: str = "image") -> bytes:
         raise EPDError(f"only data: URLs are accepted (the proxy fetches nothing), got {scheme}", where)
     header, sep, payload = url.partition(",")
     if not sep or not header.endswith(";base64"):
-        example = "data:video/mp4;base64,..." if modality == "video" else "data:image/png;base64,..."
+        example = {"video": "data:video/mp4;base64,...", "audio": "data:audio/wav;base64,..."}.get(
+            modality, "data:image/png;base64,...")
         raise EPDError(f"a data: URL must be base64 ({example})", where)
     try:
         return base64.b64decode(payload, validate=True)
@@ -352,6 +364,7 @@ def check_chat_request(
         raise EPDError("messages must be a list")
     images: list[MediaPart] = []
     videos: list[MediaPart] = []
+    audios: list[MediaPart] = []
     embeds: list[EmbedsPart] = []
     for m, message in enumerate(messages):
         content = message.get("content") if isinstance(message, Mapping) else None
@@ -390,13 +403,31 @@ def check_chat_request(
                 video_url = part.get("video_url")
                 url = video_url.get("url") if isinstance(video_url, Mapping) else video_url
                 videos.append(MediaPart(m, p, _data_url_bytes(url, where, "video"), kind, str(url)))
-    return ChatPlan(images, embeds, videos, settings, video)
+            elif kind in AUDIO_PARTS:
+                audios.append(_audio_part(m, p, kind, part.get(kind), where))
+    return ChatPlan(images, embeds, videos, settings, video, audios)
+
+
+def _audio_part(m: int, p: int, kind: str, payload: object, where: str) -> MediaPart:
+    """``audio_url`` (``{"url": "data:audio/...;base64,..."}``) or OpenAI's ``input_audio``
+    (``{"data": "<base64>", "format": "wav"}``): the file's bytes."""
+    if kind == "audio_url":
+        url = payload.get("url") if isinstance(payload, Mapping) else payload
+        return MediaPart(m, p, _data_url_bytes(url, where, "audio"), kind, str(url))
+    data = payload.get("data") if isinstance(payload, Mapping) else None
+    if not isinstance(data, str):
+        raise EPDError("input_audio.data must be a base64 string", where)
+    try:
+        return MediaPart(m, p, base64.b64decode(data, validate=True), kind)
+    except (binascii.Error, ValueError):
+        raise EPDError("input_audio.data is not valid base64", where) from None
 
 
 def check_contract(plan: ChatPlan, contract: EpdContract) -> None:
-    """Refuse a video the served family cannot take pixel-free (a ``pixels_uuid`` family, or no
-    ``video`` fields in its contract): forwarding its frames would have a prefill worker run its
-    own tower on them (or fail, tower-free), outside encode-server's cache and bounds. Refuse
+    """Refuse an item the served family cannot take (a video or audio file for a ``pixels_uuid``
+    family; any item of a modality whose fields a pixel-free contract does not name: an image for
+    Qwen2-Audio, audio for a vision family): forwarding its frames or samples would have a prefill
+    worker run its own tower on them (or fail, tower-free), outside encode-server's cache and bounds. Refuse
     settings the family would refuse (``EpdContract.check_settings``), and settings on a pixels +
     uuid family's images (module docstring: vLLM would never ask the store for them)."""
     if plan.video_settings:
@@ -409,14 +440,16 @@ def check_contract(plan: ChatPlan, contract: EpdContract) -> None:
                 "per-request mm_processor_kwargs, so it would never read encode-server's embedding; send the chat "
                 "to vLLM without the proxy, or set them as vLLM's and encode-server's defaults", SETTINGS_FIELD,
             )
-    for video in plan.videos:
-        if contract.mode != "pixel_free" or not contract.fields.get("video"):
+    for part in plan.media:
+        if part.modality == "image" and contract.mode == "pixels_uuid":
+            continue
+        if contract.mode != "pixel_free" or not contract.fields.get(part.modality):
             why = (
                 "its EPD mode is pixels + uuid (vLLM takes no metadata-only item for it)"
                 if contract.mode != "pixel_free"
-                else "its EPD contract declares no pixel-free video item"
+                else f"its EPD contract declares no pixel-free {part.modality} item"
             )
-            raise EPDError(f"the served model takes no video through the EPD path: {why}", video.where)
+            raise EPDError(f"the served model takes no {part.modality} through the EPD path: {why}", part.where)
 
 
 def find_image_parts(body: Mapping[str, Any], *, trust_client_embeds: bool = False) -> list[MediaPart]:
@@ -453,8 +486,8 @@ def _identifier(part: MediaPart, result: Result) -> str:
 
 
 def _media_part(part: MediaPart, result: Result, contract: EpdContract) -> dict[str, Any]:
-    """The part vLLM gets for one image or video, rebuilt from what was checked only (no other key
-    of the client's)."""
+    """The part vLLM gets for one image, video or audio file, rebuilt from what was checked only (no
+    other key of the client's)."""
     identifier = _identifier(part, result)
     if part.modality == "image" and contract.mode == "pixels_uuid":
         image_url: Any = {"url": part.url} if part.kind == "image_url" else part.url
@@ -499,11 +532,12 @@ def apply_results(
     return out
 
 
-def _refused_video(part: MediaPart, exc: ServerError) -> EPDError | ServerError:
-    """A video encode-server refused (a 4xx naming the item): the request's fault, named by its part.
-    Anything else (overload, no shared tier, a key refused) stays the server's error."""
+def _refused_item(part: MediaPart, exc: ServerError) -> EPDError | ServerError:
+    """A video or audio file encode-server refused (a 4xx naming the item): the request's fault,
+    named by its part. Anything else (overload, no shared tier, a key refused) stays the server's error."""
     if 400 <= exc.status < 500 and exc.index is not None and exc.status not in (401, 403, 409, 429):
-        return EPDError(f"encode-server refused this video: {exc.status} {exc.type}: {exc.message}", part.where)
+        return EPDError(f"encode-server refused this {part.modality}: {exc.status} {exc.type}: {exc.message}",
+                        part.where)
     return exc
 
 
@@ -519,9 +553,10 @@ RewriteFlow = Generator[list[Job], list[Any], tuple[dict[str, Any], list[Result]
 
 
 def _rewrite_flow(body: Mapping[str, Any], plan: ChatPlan, client: BaseClient, contract: ContractSource) -> RewriteFlow:
-    """The contract read, its check, the hand-offs (the images in one, each video in one of its own,
-    all at once) and ``apply_results``. The first failure in ``plan.media`` order is raised, a video
-    encode-server refused as an ``EPDError`` naming its part (``_refused_video``)."""
+    """The contract read, its check, the hand-offs (the images in one, each video and each audio file
+    in one of its own, all at once) and ``apply_results``. The first failure in ``plan.media`` order
+    is raised, a video or audio file encode-server refused as an ``EPDError`` naming its part
+    (``_refused_item``)."""
     if not plan.media:
         return apply_results(body, plan, [], None), []
     if contract is None:
@@ -540,11 +575,12 @@ def _rewrite_flow(body: Mapping[str, Any], plan: ChatPlan, client: BaseClient, c
     )
     sampled = {**(settings or {}), **(plan.video_settings or {})} or None  # the server's keys never clash
     jobs += [client._encode_flow([v.data], "handoff", "video", sampled) for v in plan.videos]
+    jobs += [client._encode_flow([a.data], "handoff", "audio", settings) for a in plan.audios]
     outcomes = yield jobs
     results: list[Result] = []
-    for video, outcome in zip([*named, *plan.videos], outcomes, strict=True):
-        if video is not None and isinstance(outcome, ServerError):
-            raise _refused_video(video, outcome)
+    for part, outcome in zip([*named, *plan.videos, *plan.audios], outcomes, strict=True):
+        if part is not None and isinstance(outcome, ServerError):
+            raise _refused_item(part, outcome)
         results += _value(outcome)
     return apply_results(body, plan, results, contract), results
 

@@ -30,7 +30,7 @@ def test_both_modes_are_read_with_their_fields() -> None:
         ({"id": "old"}, "names no model family"),
         ({"id": "clip", "family": {"name": "clip", "epd": None}}, "no vLLM prefill consumes"),
         ({"family": {"name": "x", "epd": {"mode": "tower"}}}, "not one this client knows"),
-        ({"family": {"name": "x", "epd": {"mode": "pixel_free", "fields": {}}}}, "names no image fields"),
+        ({"family": {"name": "x", "epd": {"mode": "pixel_free", "fields": {}}}}, "names no fields"),
     ],
 )
 def test_a_model_without_a_usable_contract_is_a_deployment_error(model: dict[str, Any], words: str) -> None:

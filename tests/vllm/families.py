@@ -8,7 +8,7 @@ equals vLLM's placeholder count over many sizes and processor settings. Adding a
 checkpoint builder (tests/tiny/) and a ``FamilyCase`` here.
 
 ``PROXY_CASES``: one record per family with an EPD contract (every one in ``encoders.FAMILIES``,
-pixel-free or pixels + uuid), for ``test_proxy_families.py``: its chats through
+pixel-free or pixels + uuid, images or audio), for ``test_proxy_families.py``: its chats through
 ``encode-epd-proxy`` and a vLLM OpenAI server. A family without one fails that module.
 """
 
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.tiny import gemma3, glm4v, internvl, llava, llava_next, llava_onevision, mistral3
+from tests.tiny import gemma3, glm4v, internvl, llava, llava_next, llava_onevision, mistral3, qwen2_audio
 from tests.vllm.tiny_qwen import make_tiny_qwen2_5_vl
 from tests.vllm.tiny_qwen3 import make_tiny_qwen3
 
@@ -157,6 +157,8 @@ class ProxyCase:
     sizes: list[tuple[int, int]]  # the chat's images (width, height): at most 4
     clip: tuple[int, float, int, int] | None = None  # (frames, fps, width, height) of its videos
     vllm_args: tuple[str, ...] = ()  # more of `vllm serve`'s flags
+    # An audio family's chat: (seconds, rate, channels, format) of its audio files (tests/audios.py)
+    audio: list[tuple[float, int, int, str]] = field(default_factory=list)
 
 
 def _proxy_case(case: FamilyCase) -> ProxyCase:
@@ -176,4 +178,7 @@ PROXY_CASES: dict[str, ProxyCase] = {
     "qwen3_vl": ProxyCase("qwen3_vl", functools.partial(make_tiny_qwen3, kind="qwen3_vl"), [(64, 64), (128, 96)],
                           clip=(4, 2.0, 64, 64)),
     **{case.name: _proxy_case(case) for case in CASES},
+    # Qwen2-Audio, audio only: a 16 kHz WAV and a 44.1 kHz stereo FLAC (resampled) in one chat.
+    "qwen2_audio": ProxyCase("qwen2_audio", qwen2_audio.make_tiny_qwen2_audio, [],
+                             audio=[(1.5, 16_000, 1, "wav"), (2.2, 44_100, 2, "flac")]),
 }

@@ -5,9 +5,9 @@ encode-server and Redis beside them, a recording relay in front of vLLM. The lis
 without a record in ``families.PROXY_CASES`` fails here.
 
 Per family, one stack at a time (its tiny checkpoint, encode-server, one vLLM OpenAI server): the
-chat's images (and a video, where the family takes video) through the proxy answer as plain vLLM
-does on the pixels, the repeat is a hit in encode-server, and zeros stored under the items' keys
-change the answer. The consumer keeps its tower, so it is also the oracle: the same chat sent to it
+chat's images (its audio files, for an audio family; and a video, where the family takes video)
+through the proxy answer as plain vLLM does on the pixels (the samples), the repeat is a hit in
+encode-server, and zeros stored under the items' keys change the answer. The consumer keeps its tower, so it is also the oracle: the same chat sent to it
 straight, with its pixels and no ``uuid``, is named by vLLM's own hash, which the store never holds,
 so vLLM runs its own tower on the pixels and its own loader on the file (as ``test_image_families``
 does in-process). Pixel-free families' tower-free consumers are proven in ``test_proxy.py``,
@@ -33,6 +33,7 @@ from encode_client.keys import own_identifier, store_key
 from encode_client.proxy import EPDProxy
 
 from encode_server.encoders import FAMILIES, Family
+from tests.audios import make_audio
 from tests.redis_procs import delete_prefix
 from tests.server import ServerProcess, start_server
 from tests.vllm.conftest import REDIS_URL, metric, png, running_proxy, stored_value, tiny_checkpoint
@@ -55,11 +56,13 @@ pytestmark = pytest.mark.timeout(600)
 
 
 def test_every_family_with_an_epd_contract_has_a_proxy_case() -> None:
-    """The records follow the registry: none missing, none for a family that has gone, and a clip
-    wherever the family takes video."""
+    """The records follow the registry: none missing, none for a family that has gone, a clip
+    wherever the family takes video, images wherever it takes images, audio files wherever audio."""
     assert set(PROXY_CASES) == set(EPD_FAMILIES), "tests/vllm/families.py's PROXY_CASES against encoders.FAMILIES"
     for name, family in EPD_FAMILIES.items():
         assert ("video" in family.modalities) == (PROXY_CASES[name].clip is not None), name
+        assert ("image" in family.modalities) == bool(PROXY_CASES[name].sizes), name
+        assert ("audio" in family.modalities) == bool(PROXY_CASES[name].audio), name
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,11 @@ class Stack:
     def pixel_free(self) -> bool:
         assert self.family.epd is not None
         return self.family.epd.mode == "pixel_free"
+
+    @property
+    def kind(self) -> str:
+        """What the family's chats carry: images, or (an audio family) audio files."""
+        return "image" if "image" in self.family.modalities else "audio"
 
 
 @pytest.fixture(scope="module", params=sorted(EPD_FAMILIES))
@@ -97,6 +105,8 @@ def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     try:
         extra = {"redis_url": REDIS_URL, "encoder_url": server.url, "prefix": prefix}
         limits = {"image": len(case.sizes), "video": 1 if clips else 0}
+        if case.audio:
+            limits = {"audio": len(case.audio)}
         with (
             vllm_openai_server(model, extra, logs, case.vllm_args, tower=True, limits=limits) as consumer,
             Relay(consumer["port"]) as relay,
@@ -117,6 +127,18 @@ def any_clip(tmp_path_factory: pytest.TempPathFactory) -> bytes:
 
 def _images(stack: Stack, seed: int) -> list[bytes]:
     return [png(w, h, seed=seed + i) for i, (w, h) in enumerate(stack.case.sizes)]
+
+
+def _media_chat(stack: Stack, seed: int) -> tuple[dict[str, Any], list[bytes]]:
+    """The family's chat and its items: its images, or an audio family's files as ``audio_url`` parts."""
+    if stack.kind == "image":
+        images = _images(stack, seed)
+        return chat(images), images
+    files = [make_audio(s, r, c, f, seed=seed + i) for i, (s, r, c, f) in enumerate(stack.case.audio)]
+    urls = [f"data:audio/{spec[3]};base64," + base64.b64encode(d).decode()
+            for d, spec in zip(files, stack.case.audio, strict=True)]
+    parts = [{"type": "audio_url", "audio_url": {"url": url}} for url in urls]
+    return chat([], *parts), files
 
 
 def _encoded_and_hits(server: ServerProcess) -> tuple[float, float]:
@@ -153,8 +175,9 @@ def _through_the_proxy_as_plain_vllm(stack: Stack, body: dict[str, Any], media: 
 
 
 def test_images_through_the_proxy_answer_as_plain_vllm_and_the_repeat_is_a_hit(stack: Stack) -> None:
-    images = _images(stack, seed=400)
-    _through_the_proxy_as_plain_vllm(stack, chat(images), images, "image")
+    """An audio family's chat is of audio files, through the same proof."""
+    body, media = _media_chat(stack, seed=400)
+    _through_the_proxy_as_plain_vllm(stack, body, media, stack.kind)
 
 
 def test_a_video_through_the_proxy_answers_as_plain_vllm_or_is_refused_naming_its_part(
@@ -164,7 +187,9 @@ def test_a_video_through_the_proxy_answers_as_plain_vllm_or_is_refused_naming_it
     answer. Where it does not: a 400 naming the part, and nothing reaches vLLM."""
     if "video" not in stack.family.modalities:
         mark = stack.relay.mark()
-        r = post_chat(stack.proxy.url, chat(_images(stack, seed=450)[:1], video_url_part(any_clip)))
+        first, _ = _media_chat(stack, seed=450)
+        content = first["messages"][0]["content"]
+        r = post_chat(stack.proxy.url, chat([], content[0], video_url_part(any_clip)))
         assert r.status_code == 400, r.text
         error = r.json()["error"]
         assert error["param"] == "messages[0].content[1]", error
@@ -188,9 +213,9 @@ def _zeros_under_the_keys(stack: Stack, body: dict[str, Any], media: list[bytes]
     with Client(stack.server.url, response="json", timeout=60) as client:
         rewritten, results = rewrite_chat_request(body, client)
         fingerprint = str(client.model()["fingerprint"])
-        embeddings = [r.numpy() for r in client.encode(media)]  # a video is told by its bytes
-    for result, embedding in zip(results, embeddings, strict=True):
-        zeros = stored_value(np.zeros_like(embedding), fingerprint, result.hash, result.meta)
+    assert len(results) == len(media)
+    for result in results:
+        zeros = stored_value(np.zeros(result.shape, dtype=np.float32), fingerprint, result.hash, result.meta)
         assert result.key == store_key(fingerprint, result.hash, prefix=stack.prefix, modality=kind)
         store.set(result.key, zeros)  # the key the hand-off wrote
     poisoned = answer_text(post_chat(stack.consumer["url"], rewritten))
@@ -198,5 +223,6 @@ def _zeros_under_the_keys(stack: Stack, body: dict[str, Any], media: list[bytes]
 
 
 def test_zeros_stored_under_an_images_key_change_the_answer(stack: Stack) -> None:
-    images = _images(stack, seed=500)
-    _zeros_under_the_keys(stack, chat(images), images, "image")
+    """(An audio family: under its audio files' keys.)"""
+    body, media = _media_chat(stack, seed=500)
+    _zeros_under_the_keys(stack, body, media, stack.kind)

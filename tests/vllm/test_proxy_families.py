@@ -7,11 +7,12 @@ without a record in ``families.PROXY_CASES`` fails here.
 Per family, one stack at a time (its tiny checkpoint, encode-server, one vLLM OpenAI server): the
 chat's images (its audio files, for an audio family; and a video, where the family takes video)
 through the proxy answer as plain vLLM does on the pixels (the samples), the repeat is a hit in
-encode-server, and zeros stored under the items' keys change the answer. The consumer keeps its tower, so it is also the oracle: the same chat sent to it
-straight, with its pixels and no ``uuid``, is named by vLLM's own hash, which the store never holds,
-so vLLM runs its own tower on the pixels and its own loader on the file (as ``test_image_families``
-does in-process). Pixel-free families' tower-free consumers are proven in ``test_proxy.py``,
-``test_proxy_qwen25_video.py`` and ``test_tower_free_qwen3.py``.
+encode-server, and zeros stored under the items' keys change the answer. The consumer keeps its
+tower, so it is also the oracle: the same chat sent to it straight, with its pixels and no
+``uuid``, is named by vLLM's own hash, which the store never holds, so vLLM runs its own tower on
+the pixels and its own loader on the file (as ``test_image_families`` does in-process). Pixel-free
+families' tower-free consumers are proven in ``test_proxy.py``, ``test_proxy_qwen25_video.py``,
+``test_tower_free_qwen3.py`` and ``test_proxy_audio.py``.
 """
 
 from __future__ import annotations

@@ -148,7 +148,8 @@ openapi: install
 # then encode-server against vLLM's own encoder instance (its keys merged into latest.json; builds
 # the vLLM environment first when missing), then the request-memory burst, then the latency
 # encode-epd-proxy adds against vLLM directly (64 concurrent streaming chats), then what a video
-# costs (bench/video.py: seconds of encode per second of video, its stages). The older benches run
+# costs (bench/video.py: seconds of encode per second of video, its stages), then what an audio file
+# costs (bench/audio.py: seconds of encode per second of audio, its stages). The older benches run
 # alone: python -m bench.batching, python -m bench.tiers. A GPU: bench/gpu_check.sh (make gpu-wheels
 # first; make gpu-rehearsal here).
 bench: install tools
@@ -157,6 +158,7 @@ bench: install tools
 	$(BIN)/python -m bench.memory_burst
 	$(BIN)/python -m bench.proxy
 	$(BIN)/python -m bench.video
+	$(BIN)/python -m bench.audio
 
 # EPD as its users see it (bench/epd_system.py): vLLM's own `vllm bench serve` against three stacks
 # (aggregated vLLM, vLLM's own EPD, encode-server's EPD), R = 1 and 2 replicas, three workloads, two

@@ -367,10 +367,8 @@ class EncodeService:
                 effective = self.effective_settings(item.settings, VIDEO, item.index)
                 info, plan = plan_video(self.encoder, self.settings, item.data or b"", item.index, effective)
                 counts.append(TokenCount(item.index, info.width, info.height, plan.num_tokens, plan.meta))
-            elif item.modality == AUDIO:  # decoded, within its charge: a compressed header's length is a guess
-                num_tokens, meta = self._decode_audio(item.data or b"", item.index,
-                                                      lambda w, rate: self.encoder.count_audio_tokens(len(w), rate))
-                counts.append(TokenCount(item.index, 0, 0, num_tokens, meta))
+            elif item.modality == AUDIO:
+                counts.append(self._count_audio(item.data or b"", item.index))
             else:
                 effective = self.effective_settings(item.settings, IMAGE, item.index)
                 size = oriented_size(item.data or b"", max_pixels=limit, index=item.index)
@@ -596,6 +594,21 @@ class EncodeService:
                 return then(waveform, rate)
             except ValueError as exc:  # e.g. too short to be represented inside the model
                 raise BadInput(f"audio cannot be preprocessed: {exc}", type="invalid_audio", index=index) from exc
+
+    def _count_audio(self, data: bytes, index: int) -> TokenCount:
+        """From the header where it states the length exactly (PCM, FLAC: no sample decoded);
+        otherwise decoded, within its charge: an MP3's or AAC's header only estimates it (an AAC
+        file's said 33,024 samples and decoded to 33,792)."""
+        info, _ = plan_audio(self.encoder, self.settings, data, index)
+        count = self.encoder.count_audio_tokens
+        try:
+            if info.codec.startswith("pcm_") or info.codec == "flac":
+                num_tokens, meta = count(info.num_samples, info.sample_rate)
+            else:
+                num_tokens, meta = self._decode_audio(data, index, lambda w, rate: count(len(w), rate))
+        except ValueError as exc:  # too short to be represented inside the model
+            raise BadInput(f"audio cannot be preprocessed: {exc}", type="invalid_audio", index=index) from exc
+        return TokenCount(index, 0, 0, num_tokens, meta)
 
     def _prepare_audio(self, data: bytes, index: int) -> PreparedItem:
         started = time.perf_counter()

@@ -82,7 +82,8 @@ def test_every_container_and_rate_encodes_and_counts_as_its_tokens_say(family: t
     and for rates the feature extractor does not take (resampled), lengths across the 30 s window."""
     _, _, server = family
     files = [make_audio(2.0, 44_100, 2, fmt, seed=i) for i, fmt in enumerate(FORMATS) if fmt != "opus"]
-    files += [make_audio(2.0, 48_000, 1, "opus"), make_audio(0.4, 8_000), make_audio(29.9, 22_050)]
+    files += [make_audio(2.0, 48_000, 1, "opus"), make_audio(0.4, 8_000), make_audio(29.9, 22_050),
+              truncated_wav(3.0, 0.37), make_audio(31.0, 44_100, 1, "flac")]
     items = [{"data": _b64(d), "modality": "audio"} for d in files]
     encoded = _encode(server, items).json()["items"]
     counted = _encode(server, items, "/v1/tokens").json()["items"]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import io
 import math
+from fractions import Fraction
 
 import numpy as np
 
@@ -62,20 +63,20 @@ def probe(data: bytes, *, index: int | None = None) -> AudioInfo:
             )
         rate = int(stream.rate or (ctx.sample_rate if ctx is not None else 0) or 0)
         channels = int(ctx.channels) if ctx is not None and ctx.channels else 0
-        if stream.duration and stream.time_base:
-            seconds = float(stream.duration * stream.time_base)
+        if stream.duration and stream.time_base:  # exact, as a fraction: a PCM or FLAC header's own count
+            samples = math.ceil(Fraction(stream.duration) * stream.time_base * rate)
         elif container.duration:
-            seconds = float(container.duration) / 1_000_000  # AV_TIME_BASE
+            samples = math.ceil(Fraction(container.duration, 1_000_000) * rate)  # AV_TIME_BASE
         else:
-            seconds = 0.0
+            samples = 0
     finally:
         container.close()
-    if rate <= 0 or channels <= 0 or seconds <= 0:
+    if rate <= 0 or channels <= 0 or samples <= 0:
         raise BadInput(
             f"the audio header gives no usable rate, channels or duration ({rate} Hz, {channels} channels, "
-            f"{seconds:g} s){_hint(data)}", type="invalid_audio", index=index,
+            f"{samples} samples){_hint(data)}", type="invalid_audio", index=index,
         )
-    return AudioInfo(sample_rate=rate, channels=channels, num_samples=math.ceil(seconds * rate), codec=codec)
+    return AudioInfo(sample_rate=rate, channels=channels, num_samples=samples, codec=codec)
 
 
 def decode(data: bytes, *, max_samples: int, keep_samples: int | None = None,

@@ -60,6 +60,8 @@ __all__ = ["EncodeService", "LookupResult", "TokenCount", "model_fingerprint", "
 
 log = logging.getLogger(__name__)
 
+_PLURAL = {IMAGE: "images", VIDEO: "videos", AUDIO: "audio"}  # for refusals: "takes images only, not videos"
+
 # Hashing a large upload takes a few ms per MiB; above this it leaves the event loop.
 _HASH_OFF_LOOP_BYTES = 1 << 20
 # asyncio.timeout (3.11+) times the current task; wait_for runs the work as a task of its own,
@@ -426,9 +428,8 @@ class EncodeService:
             except EncodeServerError as exc:
                 raise exc.with_index(item.index) from None
             if item.modality not in self.modalities:
-                taken = " and ".join(f"{m}s" if m != AUDIO else m for m in self.modalities)
-                raise BadInput(f"{self.encoder.info.kind} takes {taken} only, not "
-                               f"{item.modality if item.modality == AUDIO else item.modality + 's'}",
+                taken = " and ".join(_PLURAL[m] for m in self.modalities)
+                raise BadInput(f"{self.encoder.info.kind} takes {taken} only, not {_PLURAL[item.modality]}",
                                type="unsupported_modality", index=item.index)
             effective = self.effective_settings(item.settings, item.modality, item.index)
             key = self.key_for(h, tenant, item.modality, effective)

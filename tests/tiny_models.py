@@ -28,6 +28,7 @@ from transformers import (
     CLIPImageProcessorPil,
     CLIPModel,
     Gemma3ForConditionalGeneration,
+    Gemma4ForConditionalGeneration,
     Glm4vForConditionalGeneration,
     InternVLForConditionalGeneration,
     LlamaConfig,
@@ -64,6 +65,7 @@ __all__ = [
     "reference_anyres_features",
     "reference_clip_features",
     "reference_gemma3_features",
+    "reference_gemma4_features",
     "reference_internvl_features",
     "reference_llava_features",
     "reference_mistral3_features",
@@ -198,6 +200,7 @@ def load_full_model(path: Path | str, *, conv_patch_embed: bool = False) -> PreT
     classes: dict[str, type[PreTrainedModel]] = {
         "internvl": InternVLForConditionalGeneration,
         "gemma3": Gemma3ForConditionalGeneration,
+        "gemma4": Gemma4ForConditionalGeneration,
         "mistral3": Mistral3ForConditionalGeneration,
         "glm4v": Glm4vForConditionalGeneration,
         "llava_onevision": LlavaOnevisionForConditionalGeneration,
@@ -337,6 +340,15 @@ def reference_gemma3_features(path: Path | str, images: list[Image.Image]) -> to
     model = _reference_model(path)
     pixel_values = AutoImageProcessor.from_pretrained(path)(images=images, return_tensors="pt")["pixel_values"]
     return model.get_image_features(pixel_values).pooler_output
+
+
+@torch.inference_mode()
+def reference_gemma4_features(path: Path | str, images: list[Image.Image]) -> list[torch.Tensor]:
+    """``Gemma4ForConditionalGeneration.get_image_features`` for a batch of images, with the
+    patches and positions its image processor makes: each image's rows x D_llm."""
+    model = _reference_model(path)
+    inputs = AutoImageProcessor.from_pretrained(path)(images=images, return_tensors="pt")
+    return list(model.get_image_features(inputs["pixel_values"], inputs["image_position_ids"]).pooler_output)
 
 
 @torch.inference_mode()

@@ -88,6 +88,8 @@ def _reference(name: str, path: Path, data: bytes) -> tuple[torch.Tensor, dict]:
         return features, {}
     if kind == "gemma3":
         return tiny_models.reference_gemma3_features(path, [image])[0], {}
+    if kind == "gemma4":
+        return tiny_models.reference_gemma4_features(path, [image])[0], {}
     if kind == "internvl":
         [features] = tiny_models.reference_internvl_features(path, [image])
         return features, {"image_num_patches": features.shape[0] // 4}

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from tests import tiny_models
 from tests.tiny.gemma3 import make_tiny_gemma3
+from tests.tiny.gemma4 import make_tiny_gemma4
 from tests.tiny.glm4v import make_tiny_glm4v
 from tests.tiny.internvl import make_tiny_internvl
 from tests.tiny.llava_next import make_tiny_llava_next
@@ -61,6 +62,7 @@ RECORDS: dict[str, TinyFamily] = {
                    "qwen3", True),
         TinyFamily("internvl", {"internvl": make_tiny_internvl}, "internvl", True),
         TinyFamily("gemma3", {"gemma3": make_tiny_gemma3}, "gemma3", False),
+        TinyFamily("gemma4", {"gemma4": make_tiny_gemma4}, "gemma4", True),
         TinyFamily("mistral3", {"mistral3": make_tiny_mistral3}, "mistral3", True),
         TinyFamily("glm4v", {"glm4v": make_tiny_glm4v}, "qwen", True),  # the same get_image_features and meta
         TinyFamily("llava_next", {"llava_next": make_tiny_llava_next}, "anyres", True),

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.tiny import gemma3, glm4v, internvl, llava, llava_next, llava_onevision, mistral3, qwen2_audio
+from tests.tiny import gemma3, gemma4, glm4v, internvl, llava, llava_next, llava_onevision, mistral3, qwen2_audio
 from tests.vllm.tiny_qwen import make_tiny_qwen2_5_vl
 from tests.vllm.tiny_qwen3 import make_tiny_qwen3
 
@@ -92,6 +92,14 @@ CASES = [
         request_settings=[{"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 32},
                           {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 16, "pan_and_scan_max_num_crops": 2,
                            "pan_and_scan_min_ratio_to_activate": 1.0}],
+    ),
+    FamilyCase(
+        name="gemma4",
+        build=gemma4.make_tiny_gemma4,
+        prompt=gemma4.prompt,
+        # a pooled-unit multiple (not resized); resized up, down; a one-row strip, capped at the budget
+        sizes=[(72, 48), (112, 56), (300, 200), (1000, 20)],
+        parity_sizes=PARITY_SIZES,
     ),
     FamilyCase(
         name="mistral3",

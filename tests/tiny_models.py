@@ -31,6 +31,7 @@ from transformers import (
     Gemma4ForConditionalGeneration,
     Glm4vForConditionalGeneration,
     InternVLForConditionalGeneration,
+    Llama4ForConditionalGeneration,
     LlamaConfig,
     LlavaConfig,
     LlavaForConditionalGeneration,
@@ -67,6 +68,7 @@ __all__ = [
     "reference_gemma3_features",
     "reference_gemma4_features",
     "reference_internvl_features",
+    "reference_llama4_features",
     "reference_llava_features",
     "reference_mistral3_features",
     "reference_qwen3_features",
@@ -199,6 +201,7 @@ def load_full_model(path: Path | str, *, conv_patch_embed: bool = False) -> PreT
     model_type = AutoConfig.from_pretrained(path).model_type
     classes: dict[str, type[PreTrainedModel]] = {
         "internvl": InternVLForConditionalGeneration,
+        "llama4": Llama4ForConditionalGeneration,
         "gemma3": Gemma3ForConditionalGeneration,
         "gemma4": Gemma4ForConditionalGeneration,
         "mistral3": Mistral3ForConditionalGeneration,
@@ -332,6 +335,17 @@ def reference_internvl_features(path: Path | str, images: list[Image.Image]) -> 
         inputs["pixel_values"], vision_feature_layer=-1, vision_feature_select_strategy="default"
     ).pooler_output
     return [tiles.flatten(0, 1) for tiles in torch.split(features, inputs["num_patches"].tolist())]
+
+
+@torch.inference_mode()
+def reference_llama4_features(path: Path | str, image: Image.Image) -> torch.Tensor:
+    """``Llama4ForConditionalGeneration.get_image_features`` for one image's tiles (global tile
+    last), flattened as vLLM's ``embed_multimodal`` hands them on: rows x D_llm. The tiles are
+    encode-server's: this venv has no torchvision, which Llama 4's only image processor needs; they
+    are checked against that processor's, exactly, in tests/vllm/test_llama4_pixels.py."""
+    model = _reference_model(path)
+    tiles = _cached_encoder(*_checkpoint_key(path)).preprocess(image).inputs["pixel_values"]
+    return model.get_image_features(tiles.float()).pooler_output.flatten(0, 1)
 
 
 @torch.inference_mode()

@@ -26,7 +26,21 @@ from typing import Any
 
 from transformers import AutoConfig, AutoImageProcessor
 
-from . import clip, gemma3, gemma4, glm4v, internvl, llava, llava_next, mistral3, qwen, qwen2_audio, qwen3_vl, siglip2
+from . import (
+    clip,
+    gemma3,
+    gemma4,
+    glm4v,
+    internvl,
+    llama4,
+    llava,
+    llava_next,
+    mistral3,
+    qwen,
+    qwen2_audio,
+    qwen3_vl,
+    siglip2,
+)
 from .base import EncodedTensor, EncoderInfo, PreparedItem, VisionEncoder
 from .batched import BatchedPipeline
 from .builtin import BUILTIN_MODELS, load_builtin
@@ -55,6 +69,7 @@ log = logging.getLogger(__name__)
 FAMILIES: tuple[Family, ...] = (
     clip.FAMILY, siglip2.FAMILY, llava.FAMILY, qwen.FAMILY, qwen3_vl.FAMILY, internvl.FAMILY, gemma3.FAMILY,
     gemma4.FAMILY, mistral3.FAMILY, glm4v.FAMILY, llava_next.NEXT, llava_next.ONEVISION, qwen2_audio.FAMILY,
+    llama4.FAMILY,
 )
 _BY_MODEL_TYPE = by_model_type(FAMILIES)
 SUPPORTED_MODEL_TYPES = tuple(_BY_MODEL_TYPE)

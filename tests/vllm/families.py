@@ -21,7 +21,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.tiny import gemma3, gemma4, glm4v, internvl, llava, llava_next, llava_onevision, mistral3, qwen2_audio
+from tests.tiny import (
+    gemma3,
+    gemma4,
+    glm4v,
+    internvl,
+    llama4,
+    llava,
+    llava_next,
+    llava_onevision,
+    mistral3,
+    qwen2_audio,
+)
 from tests.vllm.tiny_qwen import make_tiny_qwen2_5_vl
 from tests.vllm.tiny_qwen3 import make_tiny_qwen3
 
@@ -79,6 +90,19 @@ CASES = [
         image_embeds=lambda embedding, meta: [embedding],  # a whole tensor; its rows size the placeholder
         variants={"max_patches_12": Variant({"max_patches": 12, "min_patches": 2})},
         request_settings=[{"max_patches": 2}, {"min_patches": 3, "max_patches": 4}],
+    ),
+    FamilyCase(
+        name="llama4",
+        build=llama4.make_tiny_llama4,
+        prompt=llama4.prompt,
+        # one tile (not resized); 1x2 tiles + global; 3x5 + global (resized down); a tall 8x1 + global
+        sizes=[(56, 56), (112, 56), (300, 200), (30, 400)],
+        parity_sizes=PARITY_SIZES,
+        # image_embeds reach no HF processor call: no aspect_ratios to size the placeholder from
+        refusal=(KeyError, "Modality 'image' not found"),
+        # vLLM's processor for Llama 4 is torchvision's (there is no PIL one); encode-server makes its
+        # pixels (encoders/llama4.py)
+        engine_processor_kwargs={},
     ),
     FamilyCase(
         name="gemma3",

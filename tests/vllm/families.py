@@ -121,8 +121,8 @@ CASES = [
         name="gemma4",
         build=gemma4.make_tiny_gemma4,
         prompt=gemma4.prompt,
-        # a pooled-unit multiple (not resized); resized up, down; a one-row strip, capped at the budget
-        sizes=[(72, 48), (112, 56), (300, 200), (1000, 20)],
+        # the largest size of its aspect ratio within the budget (not resized); scaled up, down; one row of 59
+        sizes=[(240, 144), (112, 56), (300, 200), (1000, 20)],
         parity_sizes=PARITY_SIZES,
     ),
     FamilyCase(

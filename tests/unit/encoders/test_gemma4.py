@@ -26,9 +26,9 @@ from tests.unit.encoders.util import decode, noise_image, num_parameters
 # comparisons are with the float32 full model.
 CPU32: dict[str, str] = {"device": "cpu", "dtype": "float32"}
 
-# a pooled-unit multiple (not resized); resized down, up; a single pixel; extreme aspect ratios (one
-# pooled row or column, capped at the budget)
-SIZES = [(72, 48), (112, 56), (300, 200), (30, 400), (1, 1), (5000, 3), (3, 5000), (61, 47)]
+# the largest size of its aspect ratio within the budget (not resized); scaled up, down; a single
+# pixel; extreme aspect ratios (one pooled row or column, capped at the budget); odd sides
+SIZES = [(240, 144), (112, 56), (300, 200), (30, 400), (1, 1), (5000, 3), (3, 5000), (61, 47)]
 
 
 def test_output_is_bit_identical_to_get_image_features(gemma4_dir: Path) -> None:

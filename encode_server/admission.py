@@ -9,7 +9,8 @@ Each check comes before the cost it bounds, and refuses with the errors a client
 - :func:`plan_video`: a video's container header checked against the video limits and planned by
   its family (``VisionEncoder.plan_video``), before a frame is decoded;
 - :func:`plan_audio`: an audio file's header checked against ``--max-audio-seconds`` and costed by
-  its family (``VisionEncoder.plan_audio``), before a sample is decoded.
+  its family (``VisionEncoder.plan_audio``: a rate it cannot resample in bounded memory is refused),
+  before a sample is decoded.
 
 The service (``service.py``) owns single flight and the tiers; it asks this module, never the
 reverse (``tests/unit/test_layering.py``).
@@ -187,4 +188,7 @@ def plan_audio(encoder: VisionEncoder, s: Settings, data: bytes, index: int) -> 
     if info.duration > s.max_audio_seconds:
         raise TooLarge(f"audio is {info.duration:.1f} s long, above the limit of {s.max_audio_seconds:g} s",
                        type="audio_too_large", index=index)
-    return info, encoder.plan_audio(info)
+    try:
+        return info, encoder.plan_audio(info)
+    except ValueError as exc:  # e.g. a rate the resampler cannot take within bounded memory
+        raise UnsupportedMediaType(f"audio cannot be taken: {exc}", type="unsupported_audio", index=index) from exc

@@ -117,7 +117,7 @@ def decode(data: bytes, *, max_samples: int, keep_samples: int | None = None,
                        index=index) from None
     finally:
         container.close()
-    if keep_samples is None and total > max_samples:
+    if total > max_samples:  # the file is longer than the limit, whatever its header said
         raise TooLarge(f"the audio decodes to more than the {max_samples} samples its header and the limits allow",
                        type="audio_too_large", index=index)
     if total == 0 or rate <= 0:

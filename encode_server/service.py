@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -19,7 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, cast
 
-from encode_server.admission import MemoryCharge, QueueBound, plan_audio, plan_video
+from encode_server.admission import MemoryCharge, QueueBound, plan_video
+from encode_server.audio_items import AudioItems
 from encode_server.cache.base import SharedTier
 from encode_server.cache.export import FileExporter
 from encode_server.cache.local import LocalTier
@@ -173,6 +173,7 @@ class EncodeService:
                else "--forward-workers 0: one per core torch uses, before the warm-up's measurement")
         self.passes = PassChoice(batcher.concurrency, why)  # forward passes side by side (``start``)
         self.memory = MemoryCharge(budget, metrics, max_pixels=settings.max_image_pixels)
+        self.audio = AudioItems(encoder, settings, self.memory)
         metrics.queue_depth.set_function(lambda: self.queue.pending)
         info = encoder.info
         metrics.model_info.labels(
@@ -350,6 +351,9 @@ class EncodeService:
         """
         if bool(items) == bool(sizes):
             raise InvalidRequest("give either image uploads or sizes, not both and not neither")
+        if sizes and IMAGE not in self.modalities:
+            raise BadInput(f"{self.encoder.info.kind} takes {' and '.join(_PLURAL[m] for m in self.modalities)} only: "
+                           "an image size counts nothing for it", type="unsupported_modality", index=0)
         if sizes:
             return [self._count(i, *self._size(i, raw), self.effective_settings(settings, IMAGE, i))
                     for i, raw in enumerate(sizes)]
@@ -370,7 +374,7 @@ class EncodeService:
                 info, plan = plan_video(self.encoder, self.settings, item.data or b"", item.index, effective)
                 counts.append(TokenCount(item.index, info.width, info.height, plan.num_tokens, plan.meta))
             elif item.modality == AUDIO:
-                counts.append(self._count_audio(item.data or b"", item.index))
+                counts.append(TokenCount(item.index, 0, 0, *self.audio.count(item.data or b"", item.index)))
             else:
                 effective = self.effective_settings(item.settings, IMAGE, item.index)
                 size = oriented_size(item.data or b"", max_pixels=limit, index=item.index)
@@ -581,39 +585,9 @@ class EncodeService:
         self.metrics.preprocess.observe(time.perf_counter() - started)
         return prepared
 
-    def _decode_audio(self, data: bytes, index: int, then: Callable[[Any, int], Any]) -> Any:
-        """``then(waveform, rate)`` on the samples the family reads (one channel, the file's rate),
-        decoded and used within the memory its header was charged for."""
-        from encode_server.audio import decode
-
-        info, plan = plan_audio(self.encoder, self.settings, data, index)
-        keep = None if plan.keep_seconds is None else math.ceil(plan.keep_seconds * info.sample_rate)
-        limit = math.ceil(self.settings.max_audio_seconds * info.sample_rate)
-        with self.memory.bytes(plan.nbytes, index, "decoding this audio"):
-            waveform, rate = decode(data, max_samples=limit, keep_samples=keep, index=index)
-            try:
-                return then(waveform, rate)
-            except ValueError as exc:  # e.g. too short to be represented inside the model
-                raise BadInput(f"audio cannot be preprocessed: {exc}", type="invalid_audio", index=index) from exc
-
-    def _count_audio(self, data: bytes, index: int) -> TokenCount:
-        """From the header where it states the length exactly (PCM, FLAC: no sample decoded);
-        otherwise decoded, within its charge: an MP3's or AAC's header only estimates it (an AAC
-        file's said 33,024 samples and decoded to 33,792)."""
-        info, _ = plan_audio(self.encoder, self.settings, data, index)
-        count = self.encoder.count_audio_tokens
-        try:
-            if info.codec.startswith("pcm_") or info.codec == "flac":
-                num_tokens, meta = count(info.num_samples, info.sample_rate)
-            else:
-                num_tokens, meta = self._decode_audio(data, index, lambda w, rate: count(len(w), rate))
-        except ValueError as exc:  # too short to be represented inside the model
-            raise BadInput(f"audio cannot be preprocessed: {exc}", type="invalid_audio", index=index) from exc
-        return TokenCount(index, 0, 0, num_tokens, meta)
-
     def _prepare_audio(self, data: bytes, index: int) -> PreparedItem:
         started = time.perf_counter()
-        prepared: PreparedItem = self._decode_audio(data, index, self.encoder.preprocess_audio)
+        prepared = self.audio.prepare(data, index)
         self.metrics.preprocess.observe(time.perf_counter() - started)
         return prepared
 

@@ -78,3 +78,13 @@ def truncated_wav(seconds: float = 2.0, keep: float = 0.5) -> bytes:
 def cut_header(fmt: str = "flac") -> bytes:
     """A file cut inside its header: nothing a decoder can open."""
     return make_audio(1.0, fmt=fmt)[:30]
+
+
+def understated_flac(seconds: float = 20.0, claimed: int = 16_000, rate: int = 16_000) -> bytes:
+    """A FLAC whose STREAMINFO claims ``claimed`` samples while its frames hold ``seconds`` of audio:
+    libsndfile (vLLM's reader) stops at the claim, so must the server."""
+    data = bytearray(make_audio(seconds, rate, fmt="flac"))
+    assert data[:4] == b"fLaC" and data[4] & 0x7F == 0  # STREAMINFO first
+    packed = int.from_bytes(data[18:26], "big")  # rate 20 bits, channels 3, bits 5, total samples 36
+    data[18:26] = ((packed & ~((1 << 36) - 1)) | claimed).to_bytes(8, "big")
+    return bytes(data)

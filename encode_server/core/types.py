@@ -105,6 +105,12 @@ class AudioInfo:
     def duration(self) -> float:
         return self.num_samples / self.sample_rate
 
+    @property
+    def exact_length(self) -> bool:
+        """Whether the header states the length exactly (PCM, FLAC's STREAMINFO), rather than
+        estimating it from a bitrate (MP3, AAC, Opus)."""
+        return self.codec.startswith("pcm_") or self.codec == "flac"
+
 
 @dataclass(frozen=True)
 class Resolved:

@@ -38,7 +38,7 @@ from .base import AudioPlan, EncodedTensor, PreparedItem
 from .family import Epd, Family
 from .hf import HFEncoder, LoadSpec, to_encoded
 from .loading import CheckpointFiles, Layout, empty_module, load_vision_weights
-from .resample import resample
+from .resample import MAX_KERNEL_ELEMENTS, kernel_elements, resample
 
 __all__ = ["FAMILY", "Qwen2AudioEncoderAdapter", "load_qwen2_audio", "num_audio_tokens"]
 
@@ -93,8 +93,13 @@ class Qwen2AudioEncoderAdapter(HFEncoder):
     # -- audio --------------------------------------------------------------------------------
 
     def plan_audio(self, info: AudioInfo) -> AudioPlan:
+        if (taps := kernel_elements(info.sample_rate, self.sample_rate)) > MAX_KERNEL_ELEMENTS:
+            raise ValueError(f"{info.sample_rate} Hz cannot be resampled to {self.sample_rate} Hz within bounded "
+                             f"memory (a {taps}-tap filter bank); resample it to a common rate first")
         keep = self.window / self.sample_rate + RESAMPLE_MARGIN_S
-        heard = min(info.num_samples, math.ceil(keep * info.sample_rate))
+        heard = math.ceil(keep * info.sample_rate)  # a header that only estimates the length may understate it
+        if info.exact_length:
+            heard = min(info.num_samples, heard)
         resampled = min(self.window, math.ceil(heard * self.sample_rate / info.sample_rate))
         features = 2 * int(self.processor.feature_size) * int(self.processor.nb_max_frames) * 4
         # decoded planar float32 (all channels), its mean, the resampled copy and the padded window

@@ -17,10 +17,23 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-__all__ = ["resample"]
+__all__ = ["MAX_KERNEL_ELEMENTS", "kernel_elements", "resample"]
 
 ZERO_CROSSINGS = 6  # torchaudio's lowpass_filter_width
 ROLLOFF = 0.99
+# The filter bank is new x (orig + 2 width) taps after the gcd: 76 k for 44.1 -> 16 kHz, 291 k for
+# 11.025 kHz, but 7e8 for a header claiming 44,101 Hz (5.6 GB per float64 temporary; vLLM's
+# torchaudio builds it too). Rates whose bank passes this are refused before anything is decoded.
+MAX_KERNEL_ELEMENTS = 1 << 20
+
+
+def kernel_elements(orig_rate: int, new_rate: int) -> int:
+    """The taps of the filter bank for ``orig_rate`` -> ``new_rate`` (0 when they agree)."""
+    if orig_rate == new_rate:
+        return 0
+    gcd = math.gcd(orig_rate, new_rate)
+    orig, new = orig_rate // gcd, new_rate // gcd
+    return new * (orig + 2 * math.ceil(ZERO_CROSSINGS * orig / (min(orig, new) * ROLLOFF)))
 
 
 @lru_cache(maxsize=16)

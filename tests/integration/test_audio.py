@@ -20,7 +20,7 @@ import torch
 from blake3 import blake3
 
 from encode_server.encoders import FAMILIES
-from tests.audios import FORMATS, cut_header, make_audio, samples, truncated_wav, unknown_codec_wav
+from tests.audios import FORMATS, cut_header, make_audio, samples, truncated_wav, understated_flac, unknown_codec_wav
 from tests.images import image_bytes
 from tests.server import ServerProcess, start_server
 from tests.tiny import qwen2_audio
@@ -117,6 +117,8 @@ BAD = {
     "zero length": (b"", 400, "invalid_audio"),
     "cut inside its header": (cut_header(), 400, "invalid_audio"),
     "an unknown codec": (unknown_codec_wav(), 415, "unsupported_audio"),
+    # 44,101 Hz -> 16 kHz is a 7e8-tap filter bank: refused before decoding, not 5.6 GB allocated
+    "an odd rate": (make_audio(0.2, 44_101), 415, "unsupported_audio"),
     "a video with no sound": (make_video(8, 4.0, 64, 48), 400, "invalid_audio"),
     "an image": (image_bytes("PNG", 32, 32), 400, "invalid_audio"),
     "too short for one row": (make_audio(0.01), 400, "invalid_audio"),
@@ -140,12 +142,18 @@ def test_bad_audio_gets_its_own_4xx_naming_the_item_and_nothing_else_is_lost(
     assert _encode(server, [{"data": _b64(good), "modality": "audio"}]).status_code == 200
 
 
-def test_a_truncated_file_is_what_it_holds(family: tuple[str, Path, ServerProcess]) -> None:
-    """A WAV cut short reads as the shorter clip it holds, as vLLM's libsndfile reads it."""
+def test_a_truncated_file_is_what_it_holds_and_a_header_is_read_as_libsndfile_reads_it(
+    family: tuple[str, Path, ServerProcess]
+) -> None:
+    """A WAV cut to 1 s of its 2 s reads as the 1 s it holds (25 rows: Qwen2-Audio's 25 a second);
+    a FLAC of 20 s whose header claims 1 s reads as 1 s, as vLLM's libsndfile reads it, and its
+    token count (from the header, nothing decoded) is its encode's."""
     _, _, server = family
-    whole, cut = make_audio(2.0), truncated_wav(2.0, 0.5)
-    got = _encode(server, [{"data": _b64(d), "modality": "audio"} for d in (whole, cut)]).json()["items"]
-    assert got[1]["num_tokens"] < got[0]["num_tokens"]
+    for data in (truncated_wav(2.0, 0.5), understated_flac(20.0, 16_000)):
+        item = {"data": _b64(data), "modality": "audio"}
+        encoded = _encode(server, [item]).json()["items"][0]
+        counted = _encode(server, [item], "/v1/tokens").json()["items"][0]
+        assert encoded["num_tokens"] == counted["num_tokens"] == 25, (encoded["num_tokens"], counted)
 
 
 @pytest.fixture(scope="module")
@@ -153,6 +161,12 @@ def builtin(server_logs: Path) -> Iterator[ServerProcess]:
     server = start_server("--grpc-port", "0", log_dir=server_logs)
     yield server
     assert server.stop() == 0, server.log()
+
+
+def test_image_sizes_count_nothing_for_an_audio_family(family: tuple[str, Path, ServerProcess]) -> None:
+    _, _, server = family
+    r = httpx.post(server.url + "/v1/tokens", json={"sizes": [[64, 64]]}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "unsupported_modality", r.text
 
 
 def test_an_image_model_refuses_audio_naming_the_item(builtin: ServerProcess) -> None:

@@ -26,7 +26,7 @@ _HTTP_STATUS = {
     grpc.StatusCode.UNAVAILABLE: 503,
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,
 }
-_BY_TYPE = {"invalid_request": 422, "unsupported_media_type": 415, "unsupported_video": 415}
+_BY_TYPE = {"invalid_request": 422, "unsupported_media_type": 415, "unsupported_video": 415, "unsupported_audio": 415}
 
 
 _MODALITIES = {VIDEO: pb.MODALITY_VIDEO, AUDIO: pb.MODALITY_AUDIO}  # an image is the default, unset

@@ -76,6 +76,10 @@ SKIP: dict[tuple[str, str], str] = {
     ("docs/vllm.md", "vllm serve /models/Qwen2.5-VL-7B-Instruct --limit-mm-per-prompt '{\"image\":0,\"video\":0}' "
      "--ec-transfer-config '{"):
         "vLLM serving a real model; tests/vllm runs it on a tiny one (make test-vllm)",
+    ("docs/vllm.md", "encode-server --model /models/Qwen2-Audio-7B-Instruct --redis-url redis://redis:6379/0 --host "
+     "0.0.0.0"):
+        "a Qwen2-Audio stack on a real model directory and named hosts, run until stopped; tests/vllm/"
+        "test_proxy_audio.py runs it on a tiny one",
     ("docs/vllm.md",
      "encode-epd-proxy --listen 0.0.0.0:8080 --vllm http://prefill-a:8000 --vllm http://prefill-b:8000 \\"):
         "proxies in front of vLLMs and encode-servers on named hosts, run until stopped; tests/vllm runs the "

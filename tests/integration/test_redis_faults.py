@@ -65,10 +65,11 @@ def test_redis_killed_under_200_requests_in_flight_then_restarted(
 
     async def burst() -> tuple[list[tuple[int, float]], list[int], float]:
         limits = httpx.Limits(max_connections=256)
-        # The bodies are made before any is sent: made one by one between the sends, they reached a
-        # server that kept up with them, and the 150 in flight never came (CI, 2026-12-05).
+        # The bodies are made before any is sent, and each image is large enough (256 px) that the
+        # 200 take the server seconds: with 48 px images made between the sends, the server kept up
+        # with them and the 150 in flight never came (CI, 2026-12-05).
         bodies = [
-            {"items": [{"data": b64(image_bytes("PNG", 96 + i % 16, 96, seed=10_000 + i))}, {"hash": known}]}
+            {"items": [{"data": b64(image_bytes("PNG", 256 + i % 16, 256, seed=10_000 + i))}, {"hash": known}]}
             for i in range(200)
         ]
         async with httpx.AsyncClient(base_url=server.url, timeout=60, limits=limits) as client:
@@ -149,6 +150,9 @@ def test_evicted_values_under_maxmemory_are_misses_then_re_encoded(
     server: ServerProcess, own_redis: RedisProcess
 ) -> None:
     client = own_redis.client()
+    # The earlier tests' entries (the burst's 200, written back once Redis returned) would be the
+    # least recently used and go first: only this test's values are to compete for the room.
+    client.flushall()
     used = int(client.info("memory")["used_memory"])
     client.config_set("maxmemory-policy", "allkeys-lru")
     client.config_set("maxmemory", str(used + 1_500_000))  # room for ~10 values of 128 KiB

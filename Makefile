@@ -12,7 +12,7 @@ PORT ?= $(or $(ENCODE_SERVER_PORT),8000)
 GRPC_PORT ?= $(or $(ENCODE_SERVER_GRPC_PORT),50051)
 
 .PHONY: install tools serve test test-quick test-container test-vllm vllm-env lint bench bench-epd bench-tower-memory soak clean proto openapi \
-	docs test-docs gpu-wheels gpu-rehearsal test-lane-server test-lane-vllm test-lane-vllm-families
+	docs test-docs gpu-wheels gpu-rehearsal test-lane-server test-lane-vllm
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -55,15 +55,13 @@ tools:
 # and the start-up seconds of every process it started (tests/startups.py).
 DURATIONS ?= --durations=30
 
-# The whole suite, in three lanes side by side: one lane alone left about 40% of the two cores idle
-# (most of a suite's time is processes starting), and two left a third (2026-12-05: 31.5 CPU-minutes
-# in 24.3 minutes). The server's lane: ruff, the server's suite, the container. vLLM's lane: its
-# environment (minutes on a fresh machine, mostly downloads; the other vLLM lane waits for it), the
-# vLLM suite but the family modules, the GPU check rehearsed. The families' lane: those modules.
-# Each lane takes ports from a range of its own (tests/server.py), and prints its output whole when
-# it ends (make -O); `make test` fails when any lane does.
+# The whole suite, in two lanes side by side: one lane alone left about 40% of the two cores idle
+# (most of a suite's time is processes starting). The server's lane: ruff, the server's suite, the
+# container. vLLM's lane: its environment (minutes on a fresh machine, mostly downloads), the vLLM
+# suite, the GPU check rehearsed. Each lane takes ports from a range of its own (tests/server.py), and
+# prints its output whole when it ends (make -O); `make test` fails when either lane does.
 test: install tools
-	@$(MAKE) --no-print-directory -j3 --output-sync=target test-lane-server test-lane-vllm test-lane-vllm-families
+	@$(MAKE) --no-print-directory -j2 --output-sync=target test-lane-server test-lane-vllm
 
 test-lane-server: install tools
 	$(BIN)/ruff check .
@@ -71,15 +69,8 @@ test-lane-server: install tools
 	@ENCODE_SERVER_TEST_LANE=0 $(MAKE) --no-print-directory test-container
 
 test-lane-vllm: install tools gpu-wheels
-	@ENCODE_SERVER_TEST_LANE=1 $(MAKE) --no-print-directory test-vllm VLLM_TESTS="tests/vllm $(VLLM_FAMILY_TESTS:%=--ignore=%)"
+	@ENCODE_SERVER_TEST_LANE=1 $(MAKE) --no-print-directory test-vllm
 	@ENCODE_SERVER_TEST_LANE=1 $(MAKE) --no-print-directory gpu-rehearsal
-
-# The two modules derived from encoders.FAMILIES (every family through vLLM's engine and through the
-# proxy: a third of the vLLM suite's time, and growing with each family) in a lane of their own.
-VLLM_FAMILY_TESTS := tests/vllm/test_image_families.py tests/vllm/test_proxy_families.py
-
-test-lane-vllm-families: install tools
-	@ENCODE_SERVER_TEST_LANE=2 $(MAKE) --no-print-directory test-vllm VLLM_TESTS="$(VLLM_FAMILY_TESTS)"
 
 # The quick tier, for working between full runs (about 2 minutes on the 2-core machine): ruff, the
 # unit, docs and deploy tests, and the integration tests of the two front doors and the limits
@@ -104,12 +95,10 @@ test-container: install tools
 vllm-env:
 	@scripts/vllm_env.sh >/dev/null
 
-VLLM_TESTS ?= tests/vllm
-
 test-vllm: install tools
 	@env=$$(scripts/vllm_env.sh) && \
 	ENCODE_SERVER_PYTHON=$(abspath $(BIN))/python PYTHONPATH=$(CURDIR)/clients/python:$(CURDIR) \
-	"$$env/bin/python" -m pytest -q -p no:cacheprovider $(DURATIONS) $(VLLM_TESTS)
+	"$$env/bin/python" -m pytest -q -p no:cacheprovider $(DURATIONS) tests/vllm
 
 # The GPU check's luggage (bench/gpu_check.sh on the lent GPU machine, which reaches no registry):
 # the wheels its python3 (3.12) lacks, derived from the pyproject files against

@@ -32,18 +32,18 @@ from tests.forkserver import ForkedProcess, import_environment
 __all__ = ["ServerProcess", "fork_servers", "free_port", "run_server_to_exit", "start_module", "start_server"]
 
 
-# `make test` runs three lanes side by side (the server's suite and the vLLM suite in two, Makefile): each
+# `make test` runs two lanes side by side (the server's suite and the vLLM suite, Makefile): each
 # takes its ports from a range of its own, below the kernel's ephemeral range (32768-60999 here,
 # where bind(0) and every outgoing connection take theirs), so that neither lane is handed a port
 # the other has just picked and not yet bound (a picked port is free only until its process binds).
 LANE_ENV = "ENCODE_SERVER_TEST_LANE"
-_LANE_PORTS = {"0": range(20000, 26000), "1": range(26000, 32000), "2": range(10000, 15000)}
+_LANE_PORTS = {"0": range(20000, 26000), "1": range(26000, 32000)}
 _handed: deque[int] = deque(maxlen=256)  # this process's recent picks, never handed out twice in a row
 _pick = random.SystemRandom()  # a test that seeds ``random`` must not make processes pick alike
 
 
 def free_port() -> int:
-    """A port free now: from this lane's range when ``ENCODE_SERVER_TEST_LANE`` is 0, 1 or 2, else the
+    """A port free now: from this lane's range when ``ENCODE_SERVER_TEST_LANE`` is 0 or 1, else the
     kernel's pick (bind to port 0)."""
     ports = _LANE_PORTS.get(os.environ.get(LANE_ENV, ""))
     if ports is None:

@@ -136,7 +136,9 @@ def test_500_mixed_requests_from_64_clients_over_http_and_grpc(robust_server: Se
 
         async def storm_run() -> float:
             sem = asyncio.Semaphore(CLIENTS)
-            limits = httpx.Limits(max_connections=CLIENTS)
+            # Idle connections dropped after 2 s, under the server's 5 s keep-alive: at httpx's default 5 s a
+            # request could go out on a connection the server was closing (a ReadError under load).
+            limits = httpx.Limits(max_connections=CLIENTS, keepalive_expiry=2.0)
             async with httpx.AsyncClient(base_url=storm.url, timeout=120, limits=limits) as client, \
                     grpc.aio.insecure_channel(storm.grpc_target) as channel:
                 stub = pb_grpc.EncoderStub(channel)

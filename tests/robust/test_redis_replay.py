@@ -72,6 +72,7 @@ def test_replay_buffer_is_bounded_in_bytes_keeps_the_newest_and_replays_them() -
             assert present == keys[-2:]
             for k in present:
                 assert parse_value(k, reader.get(k), fingerprint=FP).meta["i"] == keys.index(k)
+            deadline = time.monotonic() + 10  # a wait of its own: the keys' above can take most of theirs under load
             while time.monotonic() < deadline and _count(metrics, "replayed") < 2:
                 await asyncio.sleep(0.05)  # counted once the pipeline's answer is back
             assert _count(metrics, "replayed") == 2

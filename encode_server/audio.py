@@ -15,6 +15,7 @@ to planar float is the same scaling, so a WAV or FLAC decodes to the same sample
 from __future__ import annotations
 
 import io
+import itertools
 import math
 from fractions import Fraction
 
@@ -100,18 +101,13 @@ def decode(data: bytes, *, max_samples: int, keep_samples: int | None = None,
         rate = int(stream.rate or 0)
         # Planar float32 at the stream's own rate and layout: FFmpeg's scaling (int16 x / 32768)
         to_float = av.AudioResampler(format="fltp")
-        for frame in container.decode(stream):
+        for frame in itertools.chain(container.decode(stream), [None]):  # None: the resampler's flush
             for out in to_float.resample(frame):
                 arr = out.to_ndarray()
                 chunks.append(arr.mean(axis=0, dtype=np.float32) if arr.shape[0] > 1 else arr[0])
                 total += arr.shape[-1]
             if total > stop:
                 break
-        else:
-            for out in to_float.resample(None):
-                arr = out.to_ndarray()
-                chunks.append(arr.mean(axis=0, dtype=np.float32) if arr.shape[0] > 1 else arr[0])
-                total += arr.shape[-1]
     except (av.error.FFmpegError, ValueError, EOFError) as exc:
         raise BadInput(f"the audio cannot be decoded after {total} samples: {exc}", type="invalid_audio",
                        index=index) from None

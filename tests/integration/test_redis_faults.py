@@ -7,6 +7,7 @@ The server has no local tier (``--cache-mb 0``), so every hit it reports came fr
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import time
 from collections.abc import Iterator
@@ -23,7 +24,7 @@ from tests.server import ServerProcess, start_server
 pytestmark = pytest.mark.integration
 
 TIMEOUT_MS = 100
-INFLIGHT_AT_KILL = 150  # of the 200 requests (the /metrics scrape itself counts as one)
+INFLIGHT_AT_KILL = 200  # the 200 held requests (the /metrics scrape itself counts as one more)
 
 
 @pytest.fixture(scope="module")
@@ -62,21 +63,35 @@ def test_redis_killed_under_200_requests_in_flight_then_restarted(
     server: ServerProcess, own_redis: RedisProcess
 ) -> None:
     known = stored(server, image_bytes("PNG", 64, 64, seed=500))
+    host, port = server.url.removeprefix("http://").split(":")
 
     async def burst() -> tuple[list[tuple[int, float]], list[int], float]:
-        limits = httpx.Limits(max_connections=256)
-        # The bodies are made before any is sent, and each image is large enough (256 px) that the
-        # 200 take the server seconds: with 48 px images made between the sends, the server kept up
-        # with them and the 150 in flight never came (CI, 2026-12-05).
-        bodies = [
-            {"items": [{"data": b64(image_bytes("PNG", 256 + i % 16, 256, seed=10_000 + i))}, {"hash": known}]}
-            for i in range(200)
-        ]
-        async with httpx.AsyncClient(base_url=server.url, timeout=60, limits=limits) as client:
-            async def one(i: int) -> tuple[int, float]:
-                r = await client.post("/v1/encode", json=bodies[i])
-                return r.status_code, time.monotonic()
+        # 200 requests are held in the server by their last byte, so they are in flight however
+        # fast it encodes: racing senders against the server came to 1 in flight on a loaded CI
+        # machine (2026-12-05), the server answering each as fast as the client sent it. A quarter
+        # are let go just before the kill (they meet Redis dying), the rest after it.
+        images = [image_bytes("PNG", 48 + i % 16, 48, seed=10_000 + i) for i in range(200)]
+        bodies = [json.dumps({"items": [{"data": b64(data)}, {"hash": known}]}).encode() for data in images]
 
+        async def open_one(body: bytes) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+            reader, writer = await asyncio.open_connection(host, int(port))
+            head = (
+                f"POST /v1/encode HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+            )
+            writer.write(head.encode() + body[:-1])
+            await writer.drain()
+            return reader, writer
+
+        async def finish(conn: tuple[asyncio.StreamReader, asyncio.StreamWriter], body: bytes) -> tuple[int, float]:
+            reader, writer = conn
+            writer.write(body[-1:])
+            await writer.drain()
+            answer = await asyncio.wait_for(reader.read(), 60)
+            writer.close()
+            return int(answer.split(b" ", 2)[1]), time.monotonic()
+
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
             async def ready_probes() -> list[int]:
                 codes = []
                 for _ in range(20):
@@ -88,15 +103,18 @@ def test_redis_killed_under_200_requests_in_flight_then_restarted(
                 text = (await client.get("/metrics")).text
                 return float(re.search(r"^encode_server_inflight_requests\s+(\S+)$", text, re.M).group(1))  # type: ignore[union-attr]
 
-            tasks = [asyncio.create_task(one(i)) for i in range(200)]
-            probes = asyncio.create_task(ready_probes())
-            deadline = time.monotonic() + 10
+            conns = await asyncio.gather(*(open_one(b) for b in bodies))
+            deadline = time.monotonic() + 30
             while (now := await inflight()) < INFLIGHT_AT_KILL:
                 assert time.monotonic() < deadline, f"only {now} requests in flight, never {INFLIGHT_AT_KILL}"
                 await asyncio.sleep(0.01)
+            probes = asyncio.create_task(ready_probes())
+            early = [asyncio.create_task(finish(c, b)) for c, b in zip(conns[:50], bodies[:50], strict=True)]
+            await asyncio.sleep(0)
             own_redis.kill()  # SIGKILL by PID while the requests are in flight
             killed_at = time.monotonic()
-            return list(await asyncio.gather(*tasks)), await probes, killed_at
+            late = [asyncio.create_task(finish(c, b)) for c, b in zip(conns[50:], bodies[50:], strict=True)]
+            return list(await asyncio.gather(*early, *late)), await probes, killed_at
 
     done, ready, killed_at = asyncio.run(burst())
     assert [code for code, _ in done] == [200] * 200

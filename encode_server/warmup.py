@@ -13,9 +13,10 @@ default):
   ``--max-video-frames`` or ``--max-video-decoded-frames`` allow less), at the largest frame size
   whose decoded frames fit the request-memory budget (``VideoPlan.nbytes``, the figure admission
   charges) and ``--max-image-pixels``; frames made, preprocessed, split and encoded as a request's;
-- **the longest audio**, for a family that takes audio and no images: as much as the family reads
-  of one file (Qwen2-Audio's 30 s: every item costs that one pass), as many as one forward pass
-  takes, from a synthetic waveform at the family's rate through its own ``preprocess_audio``.
+- **the longest audio**, for a family that takes audio (after the image and video cases where it
+  takes those too, as Qwen2.5-Omni does): as much as the family reads of one file (30 s for both
+  Qwen audio families), as many as one forward pass takes, from a synthetic waveform at the
+  family's rate through its own ``preprocess_audio``.
 
 The peak memory over all of it (``VisionEncoder.peak_memory``) is logged and published in ``GET /v1/model``
 (``warmup``). A worst case that fails (out of memory on the device or the host, an input the
@@ -258,6 +259,9 @@ async def warm_up(
                 if family is not None and VIDEO in family.modalities:
                     step = "the longest video"
                     cases.append(await _longest_video(encoder, settings, submit, run, budget))
+                if family is not None and AUDIO in family.modalities:  # Qwen2.5-Omni: audio beside images
+                    step = "the longest audio"
+                    cases.append(await _longest_audio(encoder, settings, submit, run, full=True))
     except (MemoryError, RuntimeError, ValueError) as exc:  # torch's OutOfMemoryError is a RuntimeError
         limits = (f"--max-image-pixels {settings.max_image_pixels}, --max-batch-size {settings.max_batch_size}, "
                   f"--max-batch-tokens {settings.max_batch_tokens}")

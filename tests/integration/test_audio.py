@@ -23,14 +23,23 @@ from encode_server.encoders import FAMILIES
 from tests.audios import FORMATS, cut_header, make_audio, samples, truncated_wav, understated_flac, unknown_codec_wav
 from tests.images import image_bytes
 from tests.server import ServerProcess, start_server
-from tests.tiny import qwen2_audio
+from tests.tiny import qwen2_5_omni, qwen2_audio
 from tests.tiny.records import RECORDS
 from tests.videos import make_video
 
 pytestmark = pytest.mark.integration
 
 AUDIO_FAMILIES = sorted(f.name for f in FAMILIES if "audio" in f.modalities)
-REFERENCES = {"qwen2_audio": qwen2_audio.reference_features}  # record.reference -> the full model's rows
+
+
+def _qwen2_audio(path: Path, waveform: np.ndarray) -> tuple[torch.Tensor, dict[str, Any]]:
+    rows = qwen2_audio.reference_features(path, waveform)
+    return rows, {"audio_num_tokens": [rows.shape[0]]}
+
+
+# record.reference -> the full model's rows and the item's meta
+REFERENCES = {"qwen2_audio": _qwen2_audio, "qwen2_5_omni": qwen2_5_omni.reference_audio_features}
+TAKES_IMAGES = {f.name for f in FAMILIES if "image" in f.modalities}
 MAX_SECONDS = 40
 
 
@@ -65,16 +74,20 @@ def test_rows_equal_the_full_models_and_the_hash_is_the_files(family: tuple[str,
         assert (item["status"], item["hash"]) == ("encoded", blake3(data).hexdigest())
         pcm = (samples(seconds, 16_000, channels, seed=int(seconds * 100)) * 32767).astype(np.int16)
         waveform = (pcm.astype(np.float32) / 32768).mean(axis=1, dtype=np.float32)
-        expected = REFERENCES[RECORDS[name].reference](path, waveform).numpy()
+        reference, meta = REFERENCES[RECORDS[name].reference](path, waveform)
+        expected = reference.numpy()
         got = _rows(item)
         assert got.shape == expected.shape, (seconds, got.shape, expected.shape)
         assert np.abs(got - expected).max() <= 1e-5 * max(1.0, float(np.abs(expected).max())), seconds
-        assert item["num_tokens"] == got.shape[0] and item["meta"] == {"audio_num_tokens": [got.shape[0]]}
+        assert item["num_tokens"] == got.shape[0] and item["meta"] == meta
         hit = _encode(server, [{"hash": item["hash"], "modality": "audio"}]).json()["items"][0]
         assert (hit["status"], hit["source"], hit["embedding"]) == ("hit", "local", item["embedding"])
-        # the same bytes as an image are another entry (and a kind this family refuses)
-        refused = _encode(server, [{"hash": item["hash"]}])
-        assert refused.status_code == 400 and refused.json()["error"]["type"] == "unsupported_modality"
+        # the same bytes as an image are another entry (and a kind an audio-only family refuses)
+        other = _encode(server, [{"hash": item["hash"]}])
+        if name in TAKES_IMAGES:
+            assert other.status_code == 200 and other.json()["items"][0]["status"] == "miss", other.text
+        else:
+            assert other.status_code == 400 and other.json()["error"]["type"] == "unsupported_modality"
 
 
 def test_every_container_and_rate_encodes_and_counts_as_its_tokens_say(family: tuple[str, Path, ServerProcess]) -> None:
@@ -163,10 +176,13 @@ def builtin(server_logs: Path) -> Iterator[ServerProcess]:
     assert server.stop() == 0, server.log()
 
 
-def test_image_sizes_count_nothing_for_an_audio_family(family: tuple[str, Path, ServerProcess]) -> None:
-    _, _, server = family
+def test_image_sizes_count_nothing_for_an_audio_only_family(family: tuple[str, Path, ServerProcess]) -> None:
+    name, _, server = family
     r = httpx.post(server.url + "/v1/tokens", json={"sizes": [[64, 64]]}, timeout=30)
-    assert r.status_code == 400 and r.json()["error"]["type"] == "unsupported_modality", r.text
+    if name in TAKES_IMAGES:  # Qwen2.5-Omni: images are its too
+        assert r.status_code == 200 and r.json()["items"][0]["num_tokens"] > 0, r.text
+    else:
+        assert r.status_code == 400 and r.json()["error"]["type"] == "unsupported_modality", r.text
 
 
 def test_an_image_model_refuses_audio_naming_the_item(builtin: ServerProcess) -> None:

@@ -22,6 +22,7 @@ from tests.tiny.llama4 import make_tiny_llama4
 from tests.tiny.llava_next import make_tiny_llava_next
 from tests.tiny.llava_onevision import make_tiny_llava_onevision
 from tests.tiny.mistral3 import make_tiny_mistral3
+from tests.tiny.qwen2_5_omni import make_tiny_qwen2_5_omni
 from tests.tiny.qwen2_audio import make_tiny_qwen2_audio
 
 __all__ = ["RECORDS", "Builder", "TinyFamily", "builder"]
@@ -70,6 +71,8 @@ RECORDS: dict[str, TinyFamily] = {
         TinyFamily("llava_next", {"llava_next": make_tiny_llava_next}, "anyres", True),
         TinyFamily("llava_onevision", {"llava_onevision": make_tiny_llava_onevision}, "anyres", True),
         TinyFamily("qwen2_audio", {"qwen2_audio": make_tiny_qwen2_audio}, "qwen2_audio", True),  # audio only
+        # images, videos and audio: in test_families.py and test_audio.py both
+        TinyFamily("qwen2_5_omni", {"qwen2_5_omni": make_tiny_qwen2_5_omni}, "qwen2_5_omni", True),
     )
 }
 

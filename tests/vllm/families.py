@@ -8,7 +8,7 @@ equals vLLM's placeholder count over many sizes and processor settings. Adding a
 checkpoint builder (tests/tiny/) and a ``FamilyCase`` here.
 
 ``PROXY_CASES``: one record per family with an EPD contract (every one in ``encoders.FAMILIES``,
-pixel-free or pixels + uuid, images or audio), for ``test_proxy_families.py``: its chats through
+pixel-free or pixels + uuid, images, videos or audio), for ``test_proxy_families.py``: its chats through
 ``encode-epd-proxy`` and a vLLM OpenAI server. A family without one fails that module.
 """
 
@@ -31,6 +31,7 @@ from tests.tiny import (
     llava_next,
     llava_onevision,
     mistral3,
+    qwen2_5_omni,
     qwen2_audio,
 )
 from tests.vllm.tiny_qwen import make_tiny_qwen2_5_vl
@@ -213,4 +214,8 @@ PROXY_CASES: dict[str, ProxyCase] = {
     # Qwen2-Audio, audio only: a 16 kHz WAV and a 44.1 kHz stereo FLAC (resampled) in one chat.
     "qwen2_audio": ProxyCase("qwen2_audio", qwen2_audio.make_tiny_qwen2_audio, [],
                              audio=[(1.5, 16_000, 1, "wav"), (2.2, 44_100, 2, "flac")]),
+    # Qwen2.5-Omni's thinker: images (one unresized, one resized), a clip (its frames resized up to
+    # the processor's 128-token minimum), audio files at two rates; and a chat mixing all three.
+    "qwen2_5_omni": ProxyCase("qwen2_5_omni", qwen2_5_omni.make_tiny_qwen2_5_omni, [(56, 56), (150, 100)],
+                              clip=(4, 2.0, 56, 56), audio=[(1.5, 16_000, 1, "wav"), (2.2, 44_100, 2, "flac")]),
 }

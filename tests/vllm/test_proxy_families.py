@@ -5,14 +5,15 @@ encode-server and Redis beside them, a recording relay in front of vLLM. The lis
 without a record in ``families.PROXY_CASES`` fails here.
 
 Per family, one stack at a time (its tiny checkpoint, encode-server, one vLLM OpenAI server): the
-chat's images (its audio files, for an audio family; and a video, where the family takes video)
-through the proxy answer as plain vLLM does on the pixels (the samples), the repeat is a hit in
-encode-server, and zeros stored under the items' keys change the answer. The consumer keeps its
-tower, so it is also the oracle: the same chat sent to it straight, with its pixels and no
-``uuid``, is named by vLLM's own hash, which the store never holds, so vLLM runs its own tower on
-the pixels and its own loader on the file (as ``test_image_families`` does in-process). Pixel-free
+chat's images (its audio files, for an audio family; both for Qwen2.5-Omni; and a video, where the
+family takes video; one chat mixing all three where it takes all three) through the proxy answer
+as plain vLLM does on the pixels (the samples), the repeat is a hit in encode-server, and zeros
+stored under the items' keys change the answer. The consumer keeps its tower, so it is also the
+oracle: the same chat sent to it straight, with its pixels and no ``uuid``, is named by vLLM's own
+hash, which the store never holds, so vLLM runs its own tower on the pixels and its own loader on
+the file (as ``test_image_families`` does in-process). Pixel-free
 families' tower-free consumers are proven in ``test_proxy.py``, ``test_proxy_qwen25_video.py``,
-``test_tower_free_qwen3.py`` and ``test_proxy_audio.py``.
+``test_tower_free_qwen3.py``, ``test_proxy_audio.py`` and ``test_qwen2_5_omni.py``.
 """
 
 from __future__ import annotations
@@ -83,9 +84,9 @@ class Stack:
         return self.family.epd.mode == "pixel_free"
 
     @property
-    def kind(self) -> str:
-        """What the family's chats carry: images, or (an audio family) audio files."""
-        return "image" if "image" in self.family.modalities else "audio"
+    def kinds(self) -> list[str]:
+        """What the family's chats carry: images, audio files, or (Qwen2.5-Omni) each in a chat of its own."""
+        return [kind for kind in ("image", "audio") if kind in self.family.modalities]
 
 
 @pytest.fixture(scope="module", params=sorted(EPD_FAMILIES))
@@ -107,7 +108,7 @@ def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
         extra = {"redis_url": REDIS_URL, "encoder_url": server.url, "prefix": prefix}
         limits = {"image": len(case.sizes), "video": 1 if clips else 0}
         if case.audio:
-            limits = {"audio": len(case.audio)}
+            limits = {"audio": len(case.audio)} | ({k: v for k, v in limits.items() if v} if case.sizes else {})
         with (
             vllm_openai_server(model, extra, logs, case.vllm_args, tower=True, limits=limits) as consumer,
             Relay(consumer["port"]) as relay,
@@ -130,15 +131,20 @@ def _images(stack: Stack, seed: int) -> list[bytes]:
     return [png(w, h, seed=seed + i) for i, (w, h) in enumerate(stack.case.sizes)]
 
 
-def _media_chat(stack: Stack, seed: int) -> tuple[dict[str, Any], list[bytes]]:
-    """The family's chat and its items: its images, or an audio family's files as ``audio_url`` parts."""
-    if stack.kind == "image":
-        images = _images(stack, seed)
-        return chat(images), images
+def _audio_parts(stack: Stack, seed: int) -> tuple[list[dict[str, Any]], list[bytes]]:
+    """The family's audio files (its case's), as ``audio_url`` parts."""
     files = [make_audio(s, r, c, f, seed=seed + i) for i, (s, r, c, f) in enumerate(stack.case.audio)]
     urls = [f"data:audio/{spec[3]};base64," + base64.b64encode(d).decode()
             for d, spec in zip(files, stack.case.audio, strict=True)]
-    parts = [{"type": "audio_url", "audio_url": {"url": url}} for url in urls]
+    return [{"type": "audio_url", "audio_url": {"url": url}} for url in urls], files
+
+
+def _media_chat(stack: Stack, seed: int, kind: str) -> tuple[dict[str, Any], list[bytes]]:
+    """The family's chat of ``kind`` and its items: its images, or its audio files."""
+    if kind == "image":
+        images = _images(stack, seed)
+        return chat(images), images
+    parts, files = _audio_parts(stack, seed)
     return chat([], *parts), files
 
 
@@ -176,9 +182,10 @@ def _through_the_proxy_as_plain_vllm(stack: Stack, body: dict[str, Any], media: 
 
 
 def test_images_through_the_proxy_answer_as_plain_vllm_and_the_repeat_is_a_hit(stack: Stack) -> None:
-    """An audio family's chat is of audio files, through the same proof."""
-    body, media = _media_chat(stack, seed=400)
-    _through_the_proxy_as_plain_vllm(stack, body, media, stack.kind)
+    """An audio family's chat is of audio files, through the same proof (Qwen2.5-Omni: both chats)."""
+    for kind in stack.kinds:
+        body, media = _media_chat(stack, seed=400, kind=kind)
+        _through_the_proxy_as_plain_vllm(stack, body, media, kind)
 
 
 def test_a_video_through_the_proxy_answers_as_plain_vllm_or_is_refused_naming_its_part(
@@ -188,7 +195,7 @@ def test_a_video_through_the_proxy_answers_as_plain_vllm_or_is_refused_naming_it
     answer. Where it does not: a 400 naming the part, and nothing reaches vLLM."""
     if "video" not in stack.family.modalities:
         mark = stack.relay.mark()
-        first, _ = _media_chat(stack, seed=450)
+        first, _ = _media_chat(stack, seed=450, kind=stack.kinds[0])
         content = first["messages"][0]["content"]
         r = post_chat(stack.proxy.url, chat([], content[0], video_url_part(any_clip)))
         assert r.status_code == 400, r.text
@@ -224,6 +231,29 @@ def _zeros_under_the_keys(stack: Stack, body: dict[str, Any], media: list[bytes]
 
 
 def test_zeros_stored_under_an_images_key_change_the_answer(stack: Stack) -> None:
-    """(An audio family: under its audio files' keys.)"""
-    body, media = _media_chat(stack, seed=500)
-    _zeros_under_the_keys(stack, body, media, stack.kind)
+    """(An audio family: under its audio files' keys; Qwen2.5-Omni: both.)"""
+    for kind in stack.kinds:
+        body, media = _media_chat(stack, seed=500, kind=kind)
+        _zeros_under_the_keys(stack, body, media, kind)
+
+
+def test_a_chat_mixing_audio_an_image_and_a_video_answers_as_plain_vllm(stack: Stack) -> None:
+    """Where the family takes all three (Qwen2.5-Omni): one chat of an audio file, an image and a
+    video (the one the video test sent) through the proxy answers as plain vLLM does on the files,
+    each item handed off under its own identifier and none of their bytes reaching vLLM."""
+    if not {"image", "video", "audio"} <= set(stack.family.modalities):
+        return
+    (audio, *_), (sound, *_) = _audio_parts(stack, seed=600)
+    image, clip = png(*stack.case.sizes[1], seed=600), stack.clips["chat"]
+    body = chat([image], audio, video_url_part(clip))
+    mark = stack.relay.mark()
+    first = answer_text(post_chat(stack.proxy.url, body))
+    sent = stack.relay.since(mark)
+    assert sorted(stack.relay.uuids_since(mark)) == sorted(
+        [own_identifier(mm_hash(image), "image"), own_identifier(mm_hash(sound), "audio"),
+         own_identifier(mm_hash(clip), "video")])
+    for data in (image, sound, clip):
+        assert base64.b64encode(data)[-64:] not in sent, "an item's bytes reached vLLM"
+    plain = answer_text(post_chat(stack.consumer["url"], body))
+    print(f"\n{stack.family.name}, audio + image + video: through the proxy {first!r}, plain vLLM {plain!r}")
+    assert first == plain

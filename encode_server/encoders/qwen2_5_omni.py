@@ -1,0 +1,216 @@
+"""The Qwen2.5-Omni thinker: images and videos through its Qwen2.5-VL-style vision tower, audio
+through its Whisper-style audio tower; each item's rows are what vLLM 0.32's
+``qwen2_5_omni_thinker.py`` hands its language model.
+
+- **Images**: as ``qwen.py`` makes them (the checkpoint's image processor, its torchvision backend's
+  resize and normalisation), through ``Qwen2_5OmniVisionEncoder`` and its merger; ``meta`` is
+  ``{"image_grid_thw": [t, h, w]}``.
+- **Videos**: sampled as vLLM's loader samples them for ``Qwen2VLVideoProcessor`` (``qwen.py``),
+  each frame resized within the pixel range ``Qwen2_5OmniProcessor`` passes at every call
+  (``VIDEO_CALL_SIZE``: 128 to 768 merged patches a frame, over whatever the video processor saved,
+  as transformers merges a processor's call defaults); ``meta`` is ``video_grid_thw`` and
+  ``second_per_grid_ts``, which the Omni processor computes as ``temporal_patch_size / fps`` with
+  the ``fps`` vLLM does not pass (2.0): 1.0 s per group, whatever the file's rate.
+- **Audio**: resampled to the feature extractor's rate as vLLM's parser does (``resample.py``),
+  featurised by the checkpoint's ``WhisperFeatureExtractor`` as the Omni processor calls it
+  (padding to the 30 s window, truncation there, an attention mask), and only the heard frames
+  kept (vLLM's ``_postprocess_hf_mm_data``); the audio tower runs over them in its own
+  ``n_window`` chunks (no padded 30 s pass, unlike Qwen2-Audio), pools and projects. N =
+  ``((frames - 1) // 2 + 1 - 2) // 2 + 1``, vLLM's placeholder count; ``meta`` is
+  ``{"audio_feature_lengths": [frames]}``.
+
+EPD: pixel-free for all three. vLLM's parser declares Qwen2-VL's ``image_grid_thw`` and
+``video_grid_thw`` and, for audio, ``input_audio_features`` (values) and ``audio_feature_lengths``
+(metadata, from which it counts the placeholder), so the prefill worker takes metadata + uuid and
+can run without either tower.
+
+``use_audio_in_video`` (a video's own sound interleaved with its frames in one placeholder) is not
+served: vLLM takes it as ``mm_processor_kwargs``, which this family declares none of, so a request
+naming it is refused (a 4xx naming the item); a video's sound can be sent as an audio part instead.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+import torch
+from transformers import PretrainedConfig, WhisperFeatureExtractor
+from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
+    Qwen2_5OmniAudioEncoder,
+    Qwen2_5OmniVisionEncoder,
+)
+
+from encode_server.core.errors import EncodeServerError
+from encode_server.core.types import AudioInfo, VideoInfo
+
+from .base import AudioPlan, EncodedTensor, PreparedItem, VideoPlan
+from .family import Epd, Family
+from .hf import LoadSpec, architecture, to_encoded
+from .loading import CheckpointFiles, Layout, empty_module, load_vision_weights
+from .qwen import OUTPUTS, VIDEO_DEFAULTS, QwenVisionEncoder, as_patch_linear, attach_video, video_frame_size
+from .qwen2_audio import RESAMPLE_MARGIN_S, num_audio_tokens
+from .qwen_video import video_grid
+from .resample import MAX_KERNEL_ELEMENTS, kernel_elements, resample
+
+__all__ = ["FAMILY", "VIDEO_CALL_SIZE", "Qwen2_5OmniEncoder", "load_qwen2_5_omni"]
+
+# The hub's checkpoints (the whole model: thinker, talker, token2wav) keep the thinker under ``thinker.``.
+LAYOUTS: list[Layout] = [{"thinker.visual.": "visual.", "thinker.audio_tower.": "audio_tower."}]
+# Qwen2_5OmniProcessor's size for videos, passed at every call (transformers 5.19's
+# ``Qwen2_5OmniProcessorKwargs._defaults["videos_kwargs"]``, 5.25's ``videos_kwargs``): it outranks
+# the video processor's saved size. vLLM replaces it only for a request's own pixel settings.
+VIDEO_CALL_SIZE = {"shortest_edge": 128 * 28 * 28, "longest_edge": 768 * 28 * 28}
+VIDEO_FPS = 2.0  # the fps the Omni processor assumes for second_per_grid_ts when none is passed (vLLM's case)
+
+
+class _Towers(torch.nn.Module):
+    """The thinker's two towers, nothing of its language model (nor the talker's)."""
+
+    def __init__(self, config: PretrainedConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.visual = Qwen2_5OmniVisionEncoder._from_config(config.vision_config, dtype=dtype)
+        self.audio_tower = Qwen2_5OmniAudioEncoder._from_config(config.audio_config, dtype=dtype)
+
+
+class Qwen2_5OmniEncoder(QwenVisionEncoder):
+    """Images and videos as the Qwen2.5-VL encoder makes them, audio through the audio tower.
+
+    An audio item's ``inputs`` are its heard features (``input_features``: ``[n_mels, frames]``), a
+    vision item's the patch rows and grid: ``forward`` runs each kind's items in one pass of its
+    tower. ``cost_tokens`` of audio is its positions after the strided conv (what the tower attends over)."""
+
+    def __init__(self, towers: _Towers, processor: Any, extractor: WhisperFeatureExtractor, spec: LoadSpec,
+                 *, digest: str) -> None:
+        super().__init__(towers.visual, processor, spec, kind="qwen2_5_omni", digest=digest)
+        self.audio_tower = towers.audio_tower
+        self.extractor = extractor
+        self.sample_rate = int(extractor.sampling_rate)
+        self.hop_length = int(extractor.hop_length)
+        self.window = int(extractor.n_samples)  # 30 s at 16 kHz: what the extractor keeps
+        audio = {"feature_extractor": extractor.to_dict()}
+        self.info = replace(
+            self.info, num_parameters=sum(p.numel() for p in towers.parameters()),
+            architecture={"vision": self.info.architecture, "audio": architecture(towers.audio_tower)},
+            preprocessing={**self.info.preprocessing, **audio},
+        )
+
+    # -- videos: the Omni processor's frame size and seconds per group ---------------------------
+
+    def plan_video(self, info: VideoInfo, fps: float) -> VideoPlan:
+        assert self.video is not None
+        indices = self._sample(info, fps)
+        size = (info.height, info.width)
+        if self.video.do_resize:
+            size = video_frame_size(len(indices), info.height, info.width, self.video)
+        grid = video_grid(len(indices), size, self.video)
+        meta = {"video_grid_thw": grid, "second_per_grid_ts": self.video.temporal_patch_size / VIDEO_FPS}
+        return self._video_plan(info, indices, size, grid, meta)
+
+    # -- audio ------------------------------------------------------------------------------------
+
+    def plan_audio(self, info: AudioInfo) -> AudioPlan:
+        if (taps := kernel_elements(info.sample_rate, self.sample_rate)) > MAX_KERNEL_ELEMENTS:
+            raise ValueError(f"{info.sample_rate} Hz cannot be resampled to {self.sample_rate} Hz within bounded "
+                             f"memory (a {taps}-tap filter bank); resample it to a common rate first")
+        keep = self.window / self.sample_rate + RESAMPLE_MARGIN_S
+        heard = math.ceil(keep * info.sample_rate)  # a header that only estimates the length may understate it
+        if info.exact_length:
+            heard = min(info.num_samples, heard)
+        resampled = min(self.window, math.ceil(heard * self.sample_rate / info.sample_rate))
+        frames = math.ceil(resampled / self.hop_length)
+        features = 3 * int(self.extractor.feature_size) * int(self.extractor.nb_max_frames) * 4
+        # decoded planar float32 (all channels), its mean, the resampled copy and the padded window;
+        # the extractor's features and mask, and the heard frames' copy
+        nbytes = 4 * (heard * (info.channels + 1) + resampled + self.window) + features
+        return AudioPlan(self.sample_rate, keep, (frames - 1) // 2 + 1, nbytes)
+
+    def count_audio_tokens(self, num_samples: int, sample_rate: int) -> tuple[int, dict[str, Any]]:
+        samples = min(self.window, math.ceil(num_samples * self.sample_rate / sample_rate))
+        frames = math.ceil(samples / self.hop_length)
+        tokens = num_audio_tokens(frames)
+        if tokens <= 0:
+            raise ValueError(f"the audio ({samples} samples at {self.sample_rate} Hz) is too short to be "
+                             "represented inside the model")
+        return tokens, {"audio_feature_lengths": [frames]}
+
+    def preprocess_audio(self, waveform: Any, sample_rate: int) -> PreparedItem:
+        audio = resample(waveform, sample_rate, self.sample_rate)
+        made = self.extractor(audio, sampling_rate=self.sample_rate, return_attention_mask=True,
+                              padding="max_length", truncation=True, return_tensors="pt")
+        frames = int(made["attention_mask"].sum())
+        tokens, meta = self.count_audio_tokens(len(audio), self.sample_rate)
+        if meta["audio_feature_lengths"] != [frames]:
+            raise RuntimeError(f"the feature extractor heard {frames} frames, not the {meta} counted")
+        features = made["input_features"][0, :, :frames].contiguous()
+        return PreparedItem({"input_features": features}, tokens, (frames - 1) // 2 + 1, meta)
+
+    def cost_of(self, num_tokens: int, meta: dict[str, Any]) -> int:
+        if "audio_feature_lengths" in meta:
+            return (int(meta["audio_feature_lengths"][0]) - 1) // 2 + 1
+        return super().cost_of(num_tokens, meta)
+
+    def split(self, prepared: PreparedItem, max_cost: int) -> list[PreparedItem]:
+        if "input_features" in prepared.inputs:
+            return [prepared]  # an audio item is one pass (at most 30 s)
+        return super().split(prepared, max_cost)
+
+    # -- the pass: each kind's items through its tower --------------------------------------------
+
+    def forward(self, batch: Sequence[PreparedItem]) -> list[EncodedTensor | EncodeServerError]:
+        audio = [i for i, item in enumerate(batch) if "input_features" in item.inputs]
+        if not audio:
+            return super().forward(batch)
+        vision = [i for i in range(len(batch)) if i not in set(audio)]
+        out: list[EncodedTensor | EncodeServerError | None] = [None] * len(batch)
+        for indices, results in ((audio, self._forward_audio([batch[i] for i in audio])),
+                                 (vision, super().forward([batch[i] for i in vision]))):
+            for i, result in zip(indices, results, strict=True):
+                out[i] = result
+        return [result for result in out if result is not None]
+
+    def _forward_audio(self, batch: Sequence[PreparedItem]) -> list[EncodedTensor]:
+        """vLLM's ``_process_audio_input``: the items' heard frames side by side on the time axis,
+        their lengths, the tower's rows split back by each item's count."""
+        features = torch.cat([item.inputs["input_features"] for item in batch], dim=-1)
+        features = features.to(self.device, dtype=self.dtype)
+        lengths = torch.tensor([int(item.meta["audio_feature_lengths"][0]) for item in batch], device=self.device)
+        after_cnn, counts = self.audio_tower._get_feat_extract_output_lengths(lengths)
+        with torch.inference_mode():
+            rows = self.audio_tower(features, feature_lens=lengths, aftercnn_lens=after_cnn).last_hidden_state
+        host = self._to_host(rows)
+        return [to_encoded(part) for part in torch.split(host, counts.tolist())]
+
+
+def load_qwen2_5_omni(files: CheckpointFiles, config: PretrainedConfig, processor: Any,
+                      spec: LoadSpec) -> Qwen2_5OmniEncoder:
+    """The thinker's vision and audio towers (its bias-free patch Conv3d as ``PatchLinear``, as
+    ``qwen.py``'s), its image processor, feature extractor and video processor settings."""
+    if spec.output not in OUTPUTS:
+        raise ValueError(f"a Qwen2.5-Omni model's output is its towers' features ({OUTPUTS}), not {spec.output!r}")
+    towers = empty_module(lambda: _Towers(config.thinker_config, spec.dtype), spec.device, spec.dtype)
+    digest = load_vision_weights(towers, files, LAYOUTS)
+    as_patch_linear(towers.visual)
+    extractor = WhisperFeatureExtractor.from_pretrained(files.directory)
+    encoder = Qwen2_5OmniEncoder(towers, processor, extractor, spec, digest=digest)
+    saved = dict(files.video_processor_config(or_image_config=True) or {})
+    for key in ("min_pixels", "max_pixels"):  # sizes the call's own size outranks
+        saved.pop(key, None)
+    attach_video(encoder, {**saved, "size": VIDEO_CALL_SIZE}, VIDEO_DEFAULTS)
+    return encoder
+
+
+FAMILY = Family(
+    name="qwen2_5_omni",
+    model_types=("qwen2_5_omni",),
+    load=load_qwen2_5_omni,
+    modalities=("image", "video", "audio"),
+    epd=Epd(
+        "pixel_free",
+        {"image": ("image_grid_thw",), "video": ("video_grid_thw",), "audio": ("audio_feature_lengths",)},
+        vllm_model="qwen2_5_omni_thinker.py",
+        tensors={"video": {"second_per_grid_ts": "float32"}},
+    ),
+)

@@ -18,9 +18,11 @@ reverse (``tests/unit/test_layering.py``).
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 from encode_server.config import Settings
@@ -179,15 +181,25 @@ def plan_video(
     return info, plan
 
 
+# A header that only estimates its length (MP3, AAC, Opus: from a bitrate) is taken to hold up to this
+# much more (and a second): the length ``plan_audio`` returns and the family is costed at. A family
+# that reads the whole file (Qwen2.5-Omni) decodes no further: past it the item is 413.
+ESTIMATE_MARGIN = 1.25
+
+
 def plan_audio(encoder: VisionEncoder, s: Settings, data: bytes, index: int) -> tuple[AudioInfo, AudioPlan]:
     """An audio file's header read and checked against ``--max-audio-seconds``, and costed by its
-    family, before a sample is decoded."""
+    family, before a sample is decoded; an estimated length is returned as its bound
+    (``ESTIMATE_MARGIN``)."""
     from encode_server.audio import probe
 
     info = probe(data, index=index)
     if info.duration > s.max_audio_seconds:
         raise TooLarge(f"audio is {info.duration:.1f} s long, above the limit of {s.max_audio_seconds:g} s",
                        type="audio_too_large", index=index)
+    if not info.exact_length:  # costed (and, where the family reads it all, decoded) up to a bound
+        bound = math.ceil(info.num_samples * ESTIMATE_MARGIN) + info.sample_rate
+        info = replace(info, num_samples=min(bound, math.ceil(s.max_audio_seconds * info.sample_rate)))
     try:
         return info, encoder.plan_audio(info)
     except ValueError as exc:  # e.g. a rate the resampler cannot take within bounded memory

@@ -56,6 +56,8 @@ class AudioItems:
         if info.exact_length:
             keep = min(keep, info.num_samples)
         limit = math.ceil(self.settings.max_audio_seconds * info.sample_rate)
+        if plan.keep_seconds is None and not info.exact_length:  # no more than its estimate's bound was charged
+            limit = min(limit, info.num_samples)
         with self.memory.bytes(plan.nbytes, index, "decoding this audio"):
             waveform, rate = decode(data, max_samples=limit, keep_samples=None if keep == math.inf else int(keep),
                                     index=index)

@@ -14,9 +14,10 @@ default):
   whose decoded frames fit the request-memory budget (``VideoPlan.nbytes``, the figure admission
   charges) and ``--max-image-pixels``; frames made, preprocessed, split and encoded as a request's;
 - **the longest audio**, for a family that takes audio (after the image and video cases where it
-  takes those too, as Qwen2.5-Omni does): as much as the family reads of one file (30 s for both
-  Qwen audio families), as many as one forward pass takes, from a synthetic waveform at the
-  family's rate through its own ``preprocess_audio``.
+  takes those too, as Qwen2.5-Omni does): as much as the family reads of one file (Qwen2-Audio's
+  30 s window; ``--max-audio-seconds`` for Qwen2.5-Omni, which reads it all), as many as one
+  forward pass takes, from a synthetic waveform at the family's rate through its own
+  ``preprocess_audio``.
 
 The peak memory over all of it (``VisionEncoder.peak_memory``) is logged and published in ``GET /v1/model``
 (``warmup``). A worst case that fails (out of memory on the device or the host, an input the
@@ -189,13 +190,14 @@ async def _worst_image(encoder: VisionEncoder, settings: Settings, submit: Submi
     return WarmupCase("image", width, height, prepared.num_tokens, prepared.cost_tokens, items=items)
 
 
-def _audio(encoder: VisionEncoder) -> tuple[Any, int]:
-    """The longest waveform the family reads of one file (a tone under noise, at its own rate)."""
+def _audio(encoder: VisionEncoder, settings: Settings) -> tuple[Any, int]:
+    """The longest waveform the family reads of one file (a tone under noise, at its own rate):
+    its window (Qwen2-Audio's 30 s), or ``--max-audio-seconds`` where it reads the whole file."""
     import numpy as np
 
     rate = 16_000
     plan = encoder.plan_audio(AudioInfo(rate, 1, rate * 3600))
-    samples = int((plan.keep_seconds or 30.0) * plan.sample_rate)
+    samples = int((plan.keep_seconds or settings.max_audio_seconds) * plan.sample_rate)
     t = np.arange(samples, dtype=np.float32) / plan.sample_rate
     noise = np.random.default_rng(0).standard_normal(samples).astype(np.float32)
     return 0.3 * np.sin(2 * np.pi * 440 * t) + 0.05 * noise, plan.sample_rate
@@ -203,7 +205,7 @@ def _audio(encoder: VisionEncoder) -> tuple[Any, int]:
 
 async def _longest_audio(encoder: VisionEncoder, settings: Settings, submit: Submit, run: Run[Any], *,
                          full: bool) -> WarmupCase:
-    waveform, rate = await run(lambda: _audio(encoder))
+    waveform, rate = await run(lambda: _audio(encoder, settings))
     prepared: PreparedItem = await run(lambda: encoder.preprocess_audio(waveform, rate))
     cost = max(1, prepared.cost_tokens)
     items = max(1, min(settings.max_batch_size, settings.max_batch_tokens // cost)) if full else 1
@@ -306,7 +308,7 @@ async def choose_passes(encoder: VisionEncoder, settings: Settings, submit: Subm
     the batcher, alone (nothing else is running before the server is ready)."""
     family = encoder.family
     if family is not None and IMAGE not in family.modalities:  # an audio family: its longest item
-        waveform, rate = await run(lambda: _audio(encoder))
+        waveform, rate = await run(lambda: _audio(encoder, settings))
         name, what = "the longest audio item", f"a {len(waveform) / rate:g} s audio item's"
         made: Callable[[], PreparedItem] = lambda: encoder.preprocess_audio(waveform, rate)  # noqa: E731
     else:

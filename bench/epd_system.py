@@ -103,15 +103,16 @@ class Plan:
     stacks: tuple[str, ...] = STACKS
     samples: int = 16  # greedy texts compared across stacks, per workload
     seed: int = 0
-    # Every vLLM's engine in its API server's process (VLLM_ENABLE_V1_MULTIPROCESSING=0), alike in
-    # every stack: starts sooner, so the quick form uses it. The matrix runs vLLM's CPU default (its
-    # engine core and a model worker in processes of their own), though that worker and the engine
-    # core busy-poll their shared-memory queue (sched_yield, for 1 s after every message), which on
-    # 2 shared cores takes CPU from whatever else runs: measured (tower79, unique, R = 1) 184 -> 137
-    # ms of CPU per aggregated request and 150 -> 84 per tower-free one in-process. In-process at
-    # R = 2, the two replicas' thread teams fight over the cores (aggregated unique 2.3 req/s
-    # against 13.6 at R = 1), so it is no default either way.
-    in_process_engine: bool = False
+    # How every vLLM runs its model, alike in every stack. "uni" (the default): in its engine-core
+    # process, vLLM's UniProcExecutor (VLLM_ENABLE_V1_MULTIPROCESSING=0, which on the CPU build keeps
+    # the executor vLLM picks for one GPU), with OpenMP's threads sleeping when idle
+    # (OMP_WAIT_POLICY=PASSIVE, as encode-server runs its own). "mp": the CPU build's default, a
+    # model worker process beside the engine core; the two busy-poll their shared-memory queue
+    # (sched_yield for 1 s after every message), and on 2 shared cores that polling took more CPU
+    # than a small model's tower (2026-12-05, tower79: aggregated vLLM 123 ms of CPU per unique
+    # request under "mp", 75 under "uni"; a tower-free consumer 136 and 50). "uni" without PASSIVE
+    # spun OpenMP's threads instead: two replicas at 3.0 req/s against 19.0 with it.
+    executor: str = "uni"
     # Every server's compute dtype, pinned alike (each one's `auto` may differ: vLLM's picked bfloat16
     # for these float32 checkpoints on this CPU). float32: this CPU has no native bfloat16.
     dtype: str = "float32"
@@ -120,7 +121,7 @@ class Plan:
 # The vLLM suite's form: every stack started and measured once, on one workload, as few requests as
 # shows each stack's figures and texts.
 QUICK = Plan(prompts=8, concurrency=4, output_tokens=4, replicas=(1,), models=("qwen7b",), workloads=("popular",),
-             samples=8, in_process_engine=True)
+             samples=8)
 
 
 # -- processes ---------------------------------------------------------------------------------------
@@ -175,15 +176,18 @@ def _vllm_cmd(env: Path, model: Path, port: int, dtype: str, *extra: str) -> lis
             "--max-model-len", "4096", "--dtype", dtype, *extra]
 
 
-def _vllm_env(pythonpath: str | None = None, in_process_engine: bool = False) -> dict[str, str]:
+def _vllm_env(pythonpath: str | None = None, executor: str = "uni") -> dict[str, str]:
     environ = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
                "TRANSFORMERS_OFFLINE": "1"}
     environ.pop("PYTHONPATH", None)
-    environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    for name in ("VLLM_ENABLE_V1_MULTIPROCESSING", "OMP_WAIT_POLICY"):
+        environ.pop(name, None)
     if pythonpath:
         environ["PYTHONPATH"] = pythonpath
-    if in_process_engine:
-        environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if executor == "uni":
+        environ |= {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_WAIT_POLICY": "PASSIVE"}
+    elif executor != "mp":
+        raise ValueError(f"executor must be 'uni' or 'mp', not {executor!r}")
     return environ
 
 
@@ -207,13 +211,13 @@ class Site:
     env: Path
     model: Path
     log_dir: Path
-    in_process_engine: bool = False
+    executor: str = "uni"
     dtype: str = "float32"
 
     def vllm(self, name: str, *extra: str, pythonpath: str | None = None) -> Any:
         port = free_port()
         return process(name, _vllm_cmd(self.env, self.model, port, self.dtype, *extra), f"http://127.0.0.1:{port}/health",
-                       self.log_dir, env=_vllm_env(pythonpath, self.in_process_engine))
+                       self.log_dir, env=_vllm_env(pythonpath, self.executor))
 
 
 def _front(kind: str, upstreams: Sequence[str], log_dir: Path, encoder: str | None = None) -> Any:
@@ -455,7 +459,7 @@ def _run_stack(env: Path, checkpoint: Path, model: str, stack_name: str, replica
     log_dir = work / "logs" / tag.replace("/", "-")
     log_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    site = Site(env, checkpoint, log_dir, plan.in_process_engine, plan.dtype)
+    site = Site(env, checkpoint, log_dir, plan.executor, plan.dtype)
     with STARTERS[stack_name](site, replicas) as stack:
         startup = time.perf_counter() - t0
         log(f"{tag}: up in {startup:.0f} s at {stack.url}")
@@ -672,9 +676,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--stacks", help="comma-separated: " + ",".join(STACKS))
     parser.add_argument("--workloads", help="comma-separated: " + ",".join(WORKLOADS))
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), help="every server's (default: the plan's)")
-    parser.add_argument("--vllm-engine", choices=("in-process", "process"),
-                        help="every vLLM's engine in processes of its own (vLLM's CPU default, the matrix's) or in its "
-                             "API server's process (see Plan.in_process_engine)")
+    parser.add_argument("--vllm-executor", choices=("uni", "mp"),
+                        help="every vLLM's model in its engine-core process (uni, the default) or in a worker process "
+                             "of its own (mp, the CPU build's default): see Plan.executor")
     parser.add_argument("--report", type=Path, help="print the tables of a saved result (no run)")
     args = parser.parse_args(argv)
     if args.report:
@@ -695,8 +699,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         plan = replace(plan, workloads=tuple(args.workloads.split(",")))
     if args.dtype:
         plan = replace(plan, dtype=args.dtype)
-    if args.vllm_engine:
-        plan = replace(plan, in_process_engine=args.vllm_engine == "in-process")
+    if args.vllm_executor:
+        plan = replace(plan, executor=args.vllm_executor)
     result = run(plan, log=lambda m: print(m, flush=True))
     merge_into(args.out, result)
     for part in (table, headline, stages, memory):

@@ -104,8 +104,11 @@ def test_the_quick_warm_up_runs_one_small_image(server_logs: Path) -> None:
 def test_a_server_that_cannot_hold_its_worst_case_does_not_start_and_says_so_in_one_line() -> None:
     """No request-memory budget (``--max-inflight-mb 0``): the longest video the limits admit is
     768 frames of 40 M pixels (86 GiB decoded), which an 8 GiB address space cannot hold."""
-    code, output = run_server_to_exit("--warmup", "worst", "--max-inflight-mb", "0", timeout=120,
-                                      address_space=8 << 30)
+    # Without gRPC: once (make test, 2026-12-05) its event engine's poller aborted the process
+    # (SIGABRT, "epoll_wait error: Bad file descriptor") during this starved warm-up, before the
+    # warm-up's own line; what is under test here is that line and the exit code.
+    code, output = run_server_to_exit("--warmup", "worst", "--max-inflight-mb", "0", "--grpc-port", "0",
+                                      timeout=120, address_space=8 << 30)
     assert code == 1, output
     reported = problems(output)
     assert len(reported) == 1, output

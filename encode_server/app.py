@@ -259,7 +259,8 @@ def shared_tier(settings: Settings, metrics: Metrics, encoder: VisionEncoder) ->
     if not settings.redis_url:
         return None
     info = encoder.info
-    spec = ValueSpec(serving_fingerprint(encoder, settings), info.dtype, info.hidden_size)
+    spec = ValueSpec(serving_fingerprint(encoder, settings), info.dtype, info.hidden_size,
+                     frozenset(info.widths.values()))
     tier = create_redis_tier(settings, metrics, spec)
     log.info("shared tier: %s (%s), ttl %d s", tier.name, redact_url(settings.redis_url), settings.redis_ttl)
     return tier

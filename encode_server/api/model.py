@@ -31,6 +31,7 @@ def describe_model(service: EncodeService) -> dict[str, Any]:
         "dtype_reason": encoder.dtype_reason,
         "device": info.device,
         "hidden_size": info.hidden_size,
+        "widths": dict(info.widths),  # a modality's row width where it is not hidden_size
         "num_parameters": info.num_parameters,
         "weights_digest": info.weights_digest,
         "meaningless": info.meaningless,

@@ -33,11 +33,13 @@ __all__ = ["VALUE_FORMAT", "CorruptValue", "ValueSpec", "decode_value", "encode_
 
 @dataclass(frozen=True)
 class ValueSpec:
-    """What every value read by one server must match: its fingerprint, dtype and last dim."""
+    """What every value read by one server must match: its fingerprint, dtype and last dim
+    (``hidden_size``, or one of ``widths``: a modality's own, ``EncoderInfo.widths``)."""
 
     fingerprint: str
     dtype: str
     hidden_size: int
+    widths: frozenset[int] = frozenset()
 
 
 def encode_value(fingerprint: str, mm_hash: str, value: Embedding) -> bytes:
@@ -54,6 +56,7 @@ def decode_value(blob: bytes, spec: ValueSpec, mm_hash: str) -> Embedding:
         raise CorruptValue(f"mm_hash {stored.mm_hash[:16]}... under the key of {mm_hash[:16]}...")
     if stored.dtype != spec.dtype:
         raise CorruptValue(f"dtype {stored.dtype}, expected {spec.dtype}")
-    if stored.shape[1] != spec.hidden_size:
-        raise CorruptValue(f"shape {list(stored.shape)}, expected [N >= 1, {spec.hidden_size}]")
+    if stored.shape[1] != spec.hidden_size and stored.shape[1] not in spec.widths:
+        widths = " or ".join(str(w) for w in sorted({spec.hidden_size, *spec.widths}))
+        raise CorruptValue(f"shape {list(stored.shape)}, expected [N >= 1, {widths}]")
     return Embedding(EncodedTensor(stored.data, stored.shape, stored.dtype), stored.meta)

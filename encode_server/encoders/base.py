@@ -51,6 +51,10 @@ class EncoderInfo:
     # The module's config (depth, feature layer, window size...), machine-specific keys removed:
     # editing config.json next to unchanged weights must change the fingerprint too.
     architecture: dict[str, Any] = field(default_factory=dict)
+    # A modality's row width where it is not ``hidden_size`` (Qwen3-Omni: its audio rows are the
+    # language model's width, its vision rows DeepStack-packed, wider): what vLLM's encoder cache
+    # holds for that modality's items. Follows from the weights: not a fingerprint field.
+    widths: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass

@@ -10,7 +10,10 @@ server) read it from there instead of keeping their own copy.
 
 Invariants (checked by ``tests/unit/encoders/test_family.py``): every ``model_type`` belongs to
 one family; a pixel-free family names, for each modality it takes, the metadata fields a
-pixel-free item carries, and every one of them is a key of the ``meta`` its encoder emits.
+pixel-free item carries, and every one of them is a key of the ``meta`` its encoder emits; a
+family whose modalities vLLM takes in different modes (Qwen3-Omni: audio pixel-free, images and
+videos pixels + uuid) says so per modality (``Epd.modes``), and names fields only for its
+pixel-free ones.
 """
 
 from __future__ import annotations
@@ -21,9 +24,13 @@ from typing import Any, Literal
 
 from encode_server.core.settings import Setting
 
-__all__ = ["EPD_MODES", "TENSOR_DTYPES", "Epd", "Family", "by_model_type"]
+__all__ = ["EPD_MODES", "PER_MODALITY", "TENSOR_DTYPES", "Epd", "Family", "by_model_type"]
 
 EPD_MODES = ("pixel_free", "pixels_uuid")
+# What ``GET /v1/model`` publishes as ``epd.mode`` for a family whose modalities differ in mode: a
+# value no client older than per-modality modes knows, so such a client refuses the contract
+# (``EpdContractError``) instead of sending an item in the wrong mode.
+PER_MODALITY = "per_modality"
 TENSOR_DTYPES = ("float32", "float64", "int64")  # what encode_client.epd_tensor writes
 
 
@@ -43,29 +50,56 @@ class Epd:
     but loads a string as a serialised tensor, so the proxy sends each as one, in the dtype vLLM's
     own processor gives it (Qwen2.5-VL's seconds per temporal group: float32, in ``qwen.py``). Sent
     when the item's ``meta`` has the key (Qwen2-VL's has none), never required.
+
+    ``modes`` (per modality) overrides ``mode`` where vLLM decides otherwise for that modality
+    (Qwen3-Omni's thinker: ``mode`` pixels + uuid for its images and videos, ``modes`` audio
+    pixel-free). ``fields`` then names exactly the pixel-free modalities' metadata.
     """
 
     mode: Literal["pixel_free", "pixels_uuid"]
     fields: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     vllm_model: str = ""  # vLLM's model file that decides it, e.g. "qwen2_5_vl.py"
     tensors: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    modes: Mapping[str, Literal["pixel_free", "pixels_uuid"]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.mode not in EPD_MODES:
-            raise ValueError(f"EPD mode must be one of {EPD_MODES}, not {self.mode!r}")
+        for mode in (self.mode, *self.modes.values()):
+            if mode not in EPD_MODES:
+                raise ValueError(f"EPD mode must be one of {EPD_MODES}, not {mode!r}")
         if self.mode == "pixel_free" and not self.fields:
             raise ValueError("a pixel-free family must name the fields its prefill items carry")
+        for modality, mode in self.modes.items():
+            if mode == "pixel_free" and not self.fields.get(modality):
+                raise ValueError(f"a pixel-free {modality} must name the fields its prefill items carry")
+        if self.modes and (stray := [m for m in self.fields if self.mode_of(m) != "pixel_free"]):
+            raise ValueError(f"fields are named for {stray}, which this contract takes as pixels + uuid")
         for modality, named in self.tensors.items():
             if set(named) & set(self.fields.get(modality, ())):
                 raise ValueError(f"a {modality} field is declared both as JSON and as a tensor")
             if not set(named.values()) <= set(TENSOR_DTYPES):
                 raise ValueError(f"tensor fields must be one of {TENSOR_DTYPES}, not {dict(named)}")
 
-    def describe(self) -> dict[str, Any]:
-        """The JSON form ``GET /v1/model`` publishes (``epd``)."""
+    def mode_of(self, modality: str) -> str:
+        """The mode vLLM takes ``modality``'s items in."""
+        return self.modes.get(modality, self.mode)
+
+    @property
+    def per_modality(self) -> bool:
+        """Whether the modalities differ in mode."""
+        return any(mode != self.mode for mode in self.modes.values())
+
+    def describe(self, modalities: Sequence[str] = ()) -> dict[str, Any]:
+        """The JSON form ``GET /v1/model`` publishes (``epd``). A family of one mode publishes it
+        as it always has; one whose modalities differ publishes ``mode`` ``per_modality`` and
+        ``modes``, each of ``modalities`` (the family's) and its mode."""
         fields = {modality: list(names) for modality, names in self.fields.items()}
         tensors = {modality: dict(named) for modality, named in self.tensors.items()}
-        return {"mode": self.mode, "fields": fields, "tensors": tensors, "vllm_model": self.vllm_model}
+        described: dict[str, Any] = {"mode": self.mode, "fields": fields, "tensors": tensors,
+                                     "vllm_model": self.vllm_model}
+        if self.per_modality:
+            named = list(dict.fromkeys([*modalities, *self.modes]))
+            described.update(mode=PER_MODALITY, modes={m: self.mode_of(m) for m in named})
+        return described
 
 
 @dataclass(frozen=True)
@@ -94,7 +128,7 @@ class Family:
         settings = {s.name: {"type": s.kind, "modalities": list(s.modalities), "meaning": s.meaning}
                     for s in self.settings}
         return {"name": self.name, "modalities": list(self.modalities),
-                "epd": self.epd.describe() if self.epd else None, "settings": settings}
+                "epd": self.epd.describe(self.modalities) if self.epd else None, "settings": settings}
 
 
 def by_model_type(families: Sequence[Family]) -> dict[str, Family]:

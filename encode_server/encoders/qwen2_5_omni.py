@@ -83,9 +83,9 @@ class Qwen2_5OmniEncoder(QwenVisionEncoder):
     vision item's the patch rows and grid: ``forward`` runs each kind's items in one pass of its
     tower. ``cost_tokens`` of audio is its positions after the strided conv (what the tower attends over)."""
 
-    def __init__(self, towers: _Towers, processor: Any, extractor: WhisperFeatureExtractor, spec: LoadSpec,
-                 *, digest: str) -> None:
-        super().__init__(towers.visual, processor, spec, kind="qwen2_5_omni", digest=digest)
+    def __init__(self, towers: Any, processor: Any, extractor: WhisperFeatureExtractor, spec: LoadSpec,
+                 *, digest: str, kind: str = "qwen2_5_omni") -> None:
+        super().__init__(towers.visual, processor, spec, kind=kind, digest=digest)
         self.audio_tower = towers.audio_tower
         self.extractor = extractor
         self.sample_rate = int(extractor.sampling_rate)

@@ -23,7 +23,7 @@ from encode_server.encoders import FAMILIES
 from tests.audios import FORMATS, cut_header, make_audio, samples, truncated_wav, understated_flac, unknown_codec_wav
 from tests.images import image_bytes
 from tests.server import ServerProcess, start_server
-from tests.tiny import qwen2_5_omni, qwen2_audio
+from tests.tiny import qwen2_5_omni, qwen2_audio, qwen3_omni
 from tests.tiny.records import RECORDS
 from tests.videos import make_video
 
@@ -38,7 +38,8 @@ def _qwen2_audio(path: Path, waveform: np.ndarray) -> tuple[torch.Tensor, dict[s
 
 
 # record.reference -> the full model's rows and the item's meta
-REFERENCES = {"qwen2_audio": _qwen2_audio, "qwen2_5_omni": qwen2_5_omni.reference_audio_features}
+REFERENCES = {"qwen2_audio": _qwen2_audio, "qwen2_5_omni": qwen2_5_omni.reference_audio_features,
+              "qwen3_omni": qwen3_omni.reference_audio_features}
 TAKES_IMAGES = {f.name for f in FAMILIES if "image" in f.modalities}
 MAX_SECONDS = 40
 

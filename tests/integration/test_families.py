@@ -25,7 +25,7 @@ from encode_server.encoders import FAMILIES
 from tests import tiny_models
 from tests.images import image_bytes
 from tests.server import ServerProcess, start_server
-from tests.tiny import qwen2_5_omni
+from tests.tiny import qwen2_5_omni, qwen3_omni
 from tests.tiny.records import RECORDS, TinyFamily
 
 
@@ -97,8 +97,9 @@ def _reference(name: str, path: Path, data: bytes) -> tuple[torch.Tensor, dict]:
     if kind == "llama4":  # 4 rows a tile: 16 patches pixel-shuffled by 0.5
         features = tiny_models.reference_llama4_features(path, image)
         return features, {"patches_per_image": features.shape[0] // 4}
-    if kind == "qwen2_5_omni":
-        features, grid = qwen2_5_omni.reference_image_features(path, image)
+    if kind in ("qwen2_5_omni", "qwen3_omni"):
+        omni = qwen2_5_omni if kind == "qwen2_5_omni" else qwen3_omni
+        features, grid = omni.reference_image_features(path, image)
         return features, {"image_grid_thw": grid}
     reference = tiny_models.reference_qwen3_features if kind == "qwen3" else tiny_models.reference_qwen_features
     features, grid = reference(path, image)

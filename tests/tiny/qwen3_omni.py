@@ -132,3 +132,56 @@ def _save_thinker(model: Any, path: Path) -> None:
                 break
         renamed["thinker." + key] = tensor.contiguous()
     save_file(renamed, path / "model.safetensors", metadata={"format": "pt"})
+
+
+def _full_model(path: Path) -> Any:
+    """The saved thinker as transformers builds it from the config, its two towers filled from the
+    checkpoint (the language model is not needed)."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
+        Qwen3OmniMoeThinkerForConditionalGeneration,
+    )
+
+    config = AutoConfig.from_pretrained(path).thinker_config
+    thinker = Qwen3OmniMoeThinkerForConditionalGeneration._from_config(config, dtype=torch.float32).eval()
+    inner = thinker.model if hasattr(thinker.model, "visual") else thinker  # transformers 5.25 / 5.19
+    saved = load_file(path / "model.safetensors")
+    for name in ("visual", "audio_tower"):
+        prefix = f"thinker.{name}."
+        getattr(inner, name).load_state_dict({k[len(prefix):]: t for k, t in saved.items() if k.startswith(prefix)})
+    return thinker
+
+
+def reference_image_features(path: Path, image: Any) -> tuple[Any, list[int]]:
+    """The full thinker's ``get_image_features`` for one image, on the pixels the server makes
+    (``tests/tiny_models.qwen_pixels``), its merger's rows and each DeepStack level's side by side
+    as vLLM's tower returns them: (N x D * (1 + levels), [t, h, w])."""
+    import torch
+
+    from tests.tiny_models import qwen_pixels
+
+    inputs = qwen_pixels(path, image)
+    with torch.inference_mode():
+        out = _full_model(path).get_image_features(inputs["pixel_values"], inputs["image_grid_thw"])
+    rows = torch.cat([out.pooler_output[0], *(levels[0] for levels in out.deepstack_features)], dim=-1)
+    return rows, inputs["image_grid_thw"][0].tolist()
+
+
+def reference_audio_features(path: Path, waveform: Any) -> tuple[Any, dict[str, Any]]:
+    """The full thinker's audio rows for a 16 kHz mono waveform: zero-padded to a whole hop and
+    featurised as vLLM calls ``Qwen3OmniMoeProcessor`` (``padding=True``: the longest item, no 30 s
+    window; ``truncation=False``), its ``get_audio_features`` on every frame; and the meta."""
+    import numpy as np
+    import torch
+    from transformers import WhisperFeatureExtractor
+
+    extractor = WhisperFeatureExtractor.from_pretrained(path)
+    padded = np.pad(waveform, (0, -len(waveform) % extractor.hop_length))
+    made = extractor(padded, sampling_rate=16_000, return_attention_mask=True, padding=True, truncation=False,
+                     return_tensors="pt")
+    with torch.inference_mode():
+        out = _full_model(path).get_audio_features(made["input_features"],
+                                                   feature_attention_mask=made["attention_mask"])
+    return out.last_hidden_state, {"audio_feature_lengths": [int(made["attention_mask"].sum())]}

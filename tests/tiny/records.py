@@ -24,6 +24,7 @@ from tests.tiny.llava_onevision import make_tiny_llava_onevision
 from tests.tiny.mistral3 import make_tiny_mistral3
 from tests.tiny.qwen2_5_omni import make_tiny_qwen2_5_omni
 from tests.tiny.qwen2_audio import make_tiny_qwen2_audio
+from tests.tiny.qwen3_omni import make_tiny_qwen3_omni
 
 __all__ = ["RECORDS", "Builder", "TinyFamily", "builder"]
 
@@ -73,6 +74,7 @@ RECORDS: dict[str, TinyFamily] = {
         TinyFamily("qwen2_audio", {"qwen2_audio": make_tiny_qwen2_audio}, "qwen2_audio", True),  # audio only
         # images, videos and audio: in test_families.py and test_audio.py both
         TinyFamily("qwen2_5_omni", {"qwen2_5_omni": make_tiny_qwen2_5_omni}, "qwen2_5_omni", True),
+        TinyFamily("qwen3_omni", {"qwen3_omni_moe": make_tiny_qwen3_omni}, "qwen3_omni", True),
     )
 }
 

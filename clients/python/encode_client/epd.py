@@ -48,9 +48,21 @@ pixel-free audio part (Qwen2-Audio's parser: ``audio_num_tokens``)::
 
     {"type": "audio_embeds", "audio_embeds": {"audio_num_tokens": 92}, "uuid": "<identifier>"}
 
-A video or audio part for a family whose contract has no pixel-free item of its modality (a
-``pixels_uuid`` family, or one that declares no ``video`` / ``audio`` fields) is refused, naming the
-part, before anything is handed off: it is never forwarded with its frames or samples. A video or
+A family whose modalities vLLM takes in different modes publishes ``mode`` ``per_modality`` and
+``modes`` (Qwen3-Omni's thinker: ``{"audio": "pixel_free", "image": "pixels_uuid", "video":
+"pixels_uuid"}``): each part is rewritten in its modality's mode, so in one chat its audio becomes
+a metadata-only ``audio_embeds`` part and its images and videos keep their pixels with the
+identifier added::
+
+    {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,..."}, "uuid": "<identifier>"}
+
+(A client older than ``modes`` does not know ``per_modality`` and refuses the contract with
+``EpdContractError``: it never sends such a family's items in one mode.)
+
+A video or audio part for a family whose contract takes no item of its modality (a ``pixels_uuid``
+family's video or audio, one that declares no ``video`` / ``audio`` fields, a modality
+``modes`` does not name) is refused, naming the part, before anything is handed off: it is never
+forwarded with its frames or samples outside the contract. A video or
 audio file encode-server refuses (unreadable, too long, a codec its FFmpeg lacks: its 4xx names the
 item) is an ``EPDError`` naming the part, with the server's reason.
 
@@ -152,6 +164,8 @@ REFUSED_FIELDS: dict[str, str] = {
     "ec_transfer_params": "it steers vLLM's encoder-cache connector, which only the serving system may do",
 }
 _SALT_DOMAIN = "encode-server/epd/cache-salt/v1"
+EPD_MODES = ("pixel_free", "pixels_uuid")
+PER_MODALITY = "per_modality"  # GET /v1/model's epd.mode when the family's modalities differ (``modes``)
 
 
 class EPDError(ValueError):
@@ -173,8 +187,9 @@ class EpdContract:
     """How a vLLM prefill takes the served family's images: ``GET /v1/model``'s ``family.epd``.
 
     ``mode`` is ``pixel_free`` (``fields``: per modality, the metadata keys a metadata-only item
-    carries as JSON; ``tensors``: those it carries as tensor strings, with their dtype) or
-    ``pixels_uuid`` (the image stays in the request, with its identifier)."""
+    carries as JSON; ``tensors``: those it carries as tensor strings, with their dtype),
+    ``pixels_uuid`` (the image stays in the request, with its identifier), or ``per_modality``
+    (``modes``: each modality's own, one of those two). ``mode_of`` says how a modality's items go."""
 
     mode: str
     fields: Mapping[str, tuple[str, ...]]
@@ -182,6 +197,17 @@ class EpdContract:
     # GET /v1/model's mm_processor_kwargs: whether the server takes them, and each key's description
     settings_enabled: bool = False
     settings: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    modes: Mapping[str, str] = field(default_factory=dict)  # per_modality's: modality -> its mode
+
+    def mode_of(self, modality: str) -> str | None:
+        """How ``modality``'s items reach vLLM: ``pixel_free``, ``pixels_uuid``, or None where the
+        contract takes none (a pixel-free family's modality without fields; a pixels + uuid
+        family's anything but images; a modality ``modes`` does not name)."""
+        if self.mode == PER_MODALITY:
+            return self.modes.get(modality)
+        if self.mode == "pixels_uuid":
+            return "pixels_uuid" if modality == "image" else None
+        return "pixel_free" if self.fields.get(modality) else None
 
     @classmethod
     def from_model(cls, model: Mapping[str, Any]) -> EpdContract:
@@ -195,10 +221,17 @@ class EpdContract:
                 "consumes through the EPD path"
             )
         mode, fields = epd.get("mode"), epd.get("fields") or {}
-        if mode not in ("pixel_free", "pixels_uuid") or not isinstance(fields, Mapping):
+        if mode not in (*EPD_MODES, PER_MODALITY) or not isinstance(fields, Mapping):
             raise EpdContractError(f"encode-server's EPD contract is not one this client knows: {dict(epd)}")
         if mode == "pixel_free" and not any(fields.values()):
             raise EpdContractError("encode-server's pixel-free contract names no fields")
+        modes = epd.get("modes") or {} if mode == PER_MODALITY else {}
+        if mode == PER_MODALITY and (not modes or not isinstance(modes, Mapping)
+                                     or not all(m in EPD_MODES for m in modes.values())):
+            raise EpdContractError(f"encode-server's per-modality EPD contract has modes this client does not "
+                                   f"know: {epd.get('modes')}")
+        if bare := [m for m, each in modes.items() if each == "pixel_free" and not fields.get(m)]:
+            raise EpdContractError(f"encode-server's per-modality contract names no fields for pixel-free {bare}")
         tensors = epd.get("tensors") or {}  # a server older than tensor fields publishes none
         if not isinstance(tensors, Mapping) or not all(
             isinstance(named, Mapping) and all(dtype in TENSOR_DTYPES for dtype in named.values())
@@ -217,6 +250,7 @@ class EpdContract:
             {str(m): {str(f): str(d) for f, d in named.items()} for m, named in tensors.items()},
             published.get("enabled") is True,
             {str(k): dict(v) for k, v in keys.items() if isinstance(v, Mapping)},
+            {str(m): str(each) for m, each in modes.items()},
         )
 
     def check_settings(self, settings: Mapping[str, Any], modalities: set[str], field: str = SETTINGS_FIELD) -> None:
@@ -424,32 +458,39 @@ def _audio_part(m: int, p: int, kind: str, payload: object, where: str) -> Media
 
 
 def check_contract(plan: ChatPlan, contract: EpdContract) -> None:
-    """Refuse an item the served family cannot take (a video or audio file for a ``pixels_uuid``
-    family; any item of a modality whose fields a pixel-free contract does not name: an image for
-    Qwen2-Audio, audio for a vision family): forwarding its frames or samples would have a prefill
-    worker run its own tower on them (or fail, tower-free), outside encode-server's cache and bounds. Refuse
-    settings the family would refuse (``EpdContract.check_settings``), and settings on a pixels +
-    uuid family's images (module docstring: vLLM would never ask the store for them)."""
+    """Refuse an item the served family cannot take (``EpdContract.mode_of`` None: a video or audio
+    file for a ``pixels_uuid`` family; any item of a modality whose fields a pixel-free contract
+    does not name: an image for Qwen2-Audio, audio for a vision family; pixels + uuid audio, whose
+    samples this client does not forward): forwarding its frames or samples would have a prefill
+    worker run its own tower on them (or fail, tower-free), outside encode-server's cache and bounds.
+    Refuse settings the family would refuse (``EpdContract.check_settings``), and settings on an item
+    taken as pixels + uuid (module docstring: vLLM would never ask the store for it)."""
     if plan.video_settings:
         contract.check_settings(plan.video_settings, {"video"} if plan.videos else set(), f"{MEDIA_IO_FIELD}.video")
+        if plan.videos and contract.mode_of("video") == "pixels_uuid":
+            raise EPDError("refused for this family's videos (EPD mode pixels + uuid): vLLM's loader would sample "
+                           "the file by them and hash its uuid with them", f"{MEDIA_IO_FIELD}.video")
     if plan.settings:
         contract.check_settings(plan.settings, {part.modality for part in plan.media})
-        if contract.mode == "pixels_uuid" and plan.images:
+        if any(contract.mode_of(part.modality) == "pixels_uuid" for part in plan.media):
             raise EPDError(
                 "refused for this family (EPD mode pixels + uuid): vLLM hashes an item's uuid together with "
                 "per-request mm_processor_kwargs, so it would never read encode-server's embedding; send the chat "
                 "to vLLM without the proxy, or set them as vLLM's and encode-server's defaults", SETTINGS_FIELD,
             )
     for part in plan.media:
-        if part.modality == "image" and contract.mode == "pixels_uuid":
+        mode = contract.mode_of(part.modality)
+        if mode == "pixel_free" or (mode == "pixels_uuid" and part.modality in ("image", "video")):
             continue
-        if contract.mode != "pixel_free" or not contract.fields.get(part.modality):
-            why = (
-                "its EPD mode is pixels + uuid (vLLM takes no metadata-only item for it)"
-                if contract.mode != "pixel_free"
-                else f"its EPD contract declares no pixel-free {part.modality} item"
-            )
-            raise EPDError(f"the served model takes no {part.modality} through the EPD path: {why}", part.where)
+        if mode == "pixels_uuid":
+            why = f"its EPD mode for {part.modality} is pixels + uuid, and this client forwards no {part.modality} file"
+        elif contract.mode == "pixels_uuid":
+            why = "its EPD mode is pixels + uuid (vLLM takes no metadata-only item for it)"
+        elif contract.mode == PER_MODALITY:
+            why = f"its per-modality EPD contract names no {part.modality} (modes: {dict(contract.modes)})"
+        else:
+            why = f"its EPD contract declares no pixel-free {part.modality} item"
+        raise EPDError(f"the served model takes no {part.modality} through the EPD path: {why}", part.where)
 
 
 def find_image_parts(body: Mapping[str, Any], *, trust_client_embeds: bool = False) -> list[MediaPart]:
@@ -489,11 +530,14 @@ def _media_part(part: MediaPart, result: Result, contract: EpdContract) -> dict[
     """The part vLLM gets for one image, video or audio file, rebuilt from what was checked only (no
     other key of the client's)."""
     identifier = _identifier(part, result)
-    if part.modality == "image" and contract.mode == "pixels_uuid":
+    mode = contract.mode_of(part.modality)
+    if mode == "pixels_uuid" and part.modality == "image":
         image_url: Any = {"url": part.url} if part.kind == "image_url" else part.url
         return {"type": part.kind, "image_url": image_url, "uuid": identifier}
+    if mode == "pixels_uuid" and part.modality == "video":
+        return {"type": part.kind, "video_url": {"url": part.url}, "uuid": identifier}
     fields = contract.fields.get(part.modality) or ()
-    if contract.mode != "pixel_free" or not fields:  # check_contract refuses these first
+    if mode != "pixel_free" or not fields:  # check_contract refuses these first
         raise EPDError(f"the served model takes no pixel-free {part.modality}", part.where)
     missing = [f for f in fields if f not in result.meta]
     if missing:
@@ -519,7 +563,7 @@ def apply_results(
     for part, result in zip(plan.media, results, strict=True):
         assert contract is not None  # read whenever there are images or videos
         out["messages"][part.message]["content"][part.part] = _media_part(part, result, contract)
-    if plan.media and contract is not None and contract.mode == "pixel_free":
+    if plan.media and contract is not None and all(contract.mode_of(p.modality) == "pixel_free" for p in plan.media):
         out.pop(SETTINGS_FIELD, None)  # vLLM's processor sees no pixels: the metadata carries their effect
     if plan.video_settings is not None:
         out.pop(MEDIA_IO_FIELD, None)  # every video was handed off under them: vLLM loads none

@@ -169,9 +169,11 @@ class EncodeServerECMetadata(ECConnectorMetadata):
     loads: dict[str, PreparedLoad] = field(default_factory=dict)
 
 
-def _fetch_model(encoder_urls: list[str], api_key: str | None, timeout: float) -> tuple[str, int | None]:
-    """The fingerprint and embedding width (``hidden_size``) from the first replica that answers
-    ``GET /v1/model``."""
+def _fetch_model(encoder_urls: list[str], api_key: str | None,
+                 timeout: float) -> tuple[str, frozenset[int] | None]:
+    """The fingerprint and embedding widths (``hidden_size``, and any modality's own in ``widths``:
+    Qwen3-Omni's audio rows are narrower than its DeepStack-packed vision rows) from the first
+    replica that answers ``GET /v1/model``."""
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -182,7 +184,10 @@ def _fetch_model(encoder_urls: list[str], api_key: str | None, timeout: float) -
             response.raise_for_status()
             body = response.json()
             width = body.get("hidden_size")
-            return str(body["fingerprint"]), int(width) if isinstance(width, int) else None
+            if not isinstance(width, int):
+                return str(body["fingerprint"]), None
+            others = body.get("widths") if isinstance(body.get("widths"), dict) else {}
+            return str(body["fingerprint"]), frozenset([width, *(int(w) for w in others.values())])
         except Exception as exc:  # the next replica may answer
             last = exc
     raise ConnectionError(f"no encode-server answered GET /v1/model: {last!r}")
@@ -227,7 +232,7 @@ class EncodeServerECConnector(ECConnectorBase):
         # width is the server's (``/v1/model``'s hidden_size); without, any whole multiple is taken
         # (the fingerprint in the key already ties a value to the server's model).
         self.width = int(model_config.get_inputs_embeds_size())
-        self._server_width: int | None = None
+        self._server_widths: frozenset[int] | None = None
         dtype = model_config.dtype
         self.dtype: torch.dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype))
         # What the connector did, by outcome. Redis: absent, corrupt, wrong_shape, redis_error;
@@ -360,8 +365,8 @@ class EncodeServerECConnector(ECConnectorBase):
         return self._metadata_fields[modality]
 
     def _width_ok(self, cols: int) -> bool:
-        if self._server_width is not None:
-            return cols == self._server_width
+        if self._server_widths is not None:
+            return cols in self._server_widths
         return cols > 0 and cols % self.width == 0
 
     def _ensure_fingerprint(self) -> str | None:
@@ -370,10 +375,11 @@ class EncodeServerECConnector(ECConnectorBase):
             assert urls
             try:
                 timeout = self.settings.timeout_ms / 1000.0 * 4
-                fingerprint, width = _fetch_model(urls, self.settings.model_key, timeout)
-                if width is not None and (width <= 0 or width % self.width):
-                    raise ValueError(f"its embeddings are {width} wide, not a multiple of the model's {self.width}")
-                self._fingerprint, self._server_width = fingerprint, width
+                fingerprint, widths = _fetch_model(urls, self.settings.model_key, timeout)
+                for width in widths or ():
+                    if width <= 0 or width % self.width:
+                        raise ValueError(f"its embeddings are {width} wide, not a multiple of the model's {self.width}")
+                self._fingerprint, self._server_widths = fingerprint, widths
                 log.info("encode-server fingerprint %s... from %s", self._fingerprint[:12], ", ".join(urls))
             except Exception as exc:
                 log.warning("cannot read the fingerprint from %s: %r", ", ".join(urls), exc)
@@ -470,7 +476,7 @@ class EncodeServerECConnector(ECConnectorBase):
                 source,
                 list(shape),
                 rows if rows is not None else "N",
-                self._server_width or f"k*{self.width}",
+                " or ".join(map(str, sorted(self._server_widths))) if self._server_widths else f"k*{self.width}",
             )
             return None
         if value.dtype not in _TORCH_DTYPES or math.prod(shape) == 0:
@@ -503,13 +509,21 @@ def _refuse_deepstack_without_tower(model_config: Any) -> None:
 
     vLLM's Qwen3-VL models build the tower under ``_mark_tower_model(..., {"image", "video"})``,
     which skips it when both limits are 0, and then set ``use_deepstack`` False; Qwen3.5's vision
-    config has no ``deepstack_visual_indexes`` (its rows are not packed), so it passes."""
-    vision = getattr(model_config.hf_config, "vision_config", None)
+    config has no ``deepstack_visual_indexes`` (its rows are not packed), so it passes. So does
+    Qwen3-Omni's thinker (its vision config under ``thinker_config``): vLLM takes its images and
+    videos only with their pixels (its parser declares no vision metadata), which limits of 0
+    refuse, so a tower-free engine never gets a vision row, and an audio-only consumer (every
+    limit 0: neither tower built) is what vLLM allows."""
+    config = model_config.hf_config
+    vision = getattr(config, "vision_config", None) or getattr(getattr(config, "thinker_config", None),
+                                                               "vision_config", None)
     levels = getattr(vision, "deepstack_visual_indexes", None) or ()
     mm = model_config.multimodal_config
     if not levels or mm is None:
         return
     if any(mm.get_limit_per_prompt(modality) != 0 for modality in ("image", "video")):
+        return
+    if not _takes_vision_metadata(model_config):
         return
     raise ValueError(
         f"EncodeServerECConnector: {model_config.model} packs {len(levels)} DeepStack levels into each vision row "
@@ -519,6 +533,21 @@ def _refuse_deepstack_without_tower(model_config: Any) -> None:
         "'{\"image\": 4, \"video\": 1}' (the connector still supplies every embedding; the tower never runs "
         "for them)."
     )
+
+
+def _takes_vision_metadata(model_config: Any) -> bool:
+    """Whether vLLM's parser for the model takes an image or video as metadata alone
+    (``embedding_fields``): the only vision item a tower-free engine would accept. Unknown (its
+    processor cannot be made here): assumed so, the refusal's safe side."""
+    try:
+        from vllm.multimodal import MULTIMODAL_REGISTRY
+
+        parser = MULTIMODAL_REGISTRY.create_processor(model_config).info.data_parser
+        return any(parser.placeholder_metadata_fields(modality) for modality in ("image", "video"))
+    except Exception:  # any failure keeps the refusal
+        log.warning("could not read vLLM's vision metadata fields for %s; a tower-free engine is refused",
+                    model_config.model, exc_info=True)
+        return True
 
 
 def _redact(url: str) -> str:

@@ -33,6 +33,19 @@ def test_round_trip_keeps_bytes_shape_dtype_and_meta() -> None:
     assert decode_value(encode_value(FP, H, bf16), ValueSpec(FP, "bfloat16", 8), H) == bf16
 
 
+def test_a_modalitys_own_width_is_taken_and_no_other() -> None:
+    """Qwen3-Omni's audio rows (the language model's width) beside its wider DeepStack vision rows:
+    a spec with that width takes both; a width neither names is refused."""
+    omni = ValueSpec(FP, "float32", 8, frozenset({4}))
+    narrow = embedding(dim=4)
+    assert decode_value(encode_value(FP, H, narrow), omni, H) == narrow
+    assert decode_value(encode_value(FP, H, embedding()), omni, H) == embedding()
+    with pytest.raises(CorruptValue, match="expected \\[N >= 1, 4 or 8\\]"):
+        decode_value(encode_value(FP, H, embedding(dim=6)), omni, H)
+    with pytest.raises(CorruptValue, match="expected \\[N >= 1, 8\\]"):
+        decode_value(encode_value(FP, H, narrow), SPEC, H)
+
+
 def test_the_blob_is_plain_safetensors_with_documented_metadata() -> None:
     tensors, metadata = load_safetensors(encode_value(FP, H, embedding()))
     assert list(tensors) == ["embedding"]

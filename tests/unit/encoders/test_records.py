@@ -33,7 +33,9 @@ def test_the_per_family_server_tests_cover_every_family() -> None:
 
 
 def test_the_vllm_parity_cases_are_the_pixels_uuid_families() -> None:
-    """tests/vllm/test_image_families.py runs every pixels + uuid family; the pixel-free ones have
-    their own modules there (test_connector.py: Qwen2.5-VL; test_qwen3_vl.py: Qwen3-VL, Qwen3.5)."""
-    pixels_uuid = {f.name for f in FAMILIES if f.epd is not None and f.epd.mode == "pixels_uuid"}
+    """tests/vllm/test_image_families.py runs every family whose images go as pixels + uuid (Qwen3-Omni's
+    too, whose audio is pixel-free: test_qwen3_omni.py); the pixel-free ones have their own modules
+    there (test_connector.py: Qwen2.5-VL; test_qwen3_vl.py: Qwen3-VL, Qwen3.5)."""
+    pixels_uuid = {f.name for f in FAMILIES
+                   if f.epd is not None and "image" in f.modalities and f.epd.mode_of("image") == "pixels_uuid"}
     assert {case.name for case in VLLM_CASES} == pixels_uuid

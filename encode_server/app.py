@@ -45,6 +45,7 @@ from encode_server.core.types import EncodedTensor
 from encode_server.encoders import check_local_model, load_encoder
 from encode_server.encoders.base import PreparedItem, VisionEncoder
 from encode_server.encoders.threads import MAX_AUTO_WORKERS, CoreShare, forward_workers
+from encode_server.heap import GcPauses, freeze_startup_heap
 from encode_server.malloc import release_free_memory
 from encode_server.metrics import Metrics
 from encode_server.service import EncodeService, serving_fingerprint
@@ -106,6 +107,8 @@ class EncodeServer:
         # Threads are made as passes need them: --forward-workers (found at load) bounds how many.
         forward = ThreadPoolExecutor(max(self.settings.forward_workers, MAX_AUTO_WORKERS), thread_name_prefix="forward")
         trimmer = asyncio.create_task(give_back_memory(self.runtime.budget), name="give-back-memory")
+        gc_pauses = GcPauses(self.metrics.observe_gc_pause)
+        gc_pauses.install()
         service: EncodeService | None = None
         try:
             loading = asyncio.create_task(self._build_service(forward), name="load")
@@ -129,6 +132,7 @@ class EncodeServer:
                 await service.close()  # the batcher, the shared tier's writer, the pools
             forward.shutdown(wait=False, cancel_futures=True)
             trimmer.cancel()
+            gc_pauses.remove()
         return self.exit_code
 
     def shutdown(self) -> None:
@@ -169,6 +173,10 @@ class EncodeServer:
         if service.warmup is not None:
             log.info("%s", service.warmup.line())
         log.info("%s", service.passes.line())
+        # What loading and the warm-up left alive is out of the collector's walks from now (heap.py).
+        frozen = freeze_startup_heap()
+        metrics.gc_frozen_objects.set(frozen)
+        log.info("%d objects alive after the warm-up frozen out of the garbage collector's walks", frozen)
         info = encoder.info
         log.info(
             "model %s loaded and warm in %.2f s: kind=%s device=%s dtype=%s (%s) fingerprint=%s",

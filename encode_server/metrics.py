@@ -25,6 +25,8 @@ LATENCY_BUCKETS = (
 )
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 BATCH_TOKEN_BUCKETS = (64, 256, 1024, 4096, 16384, 65536, 262144, 1048576)
+# A young collection takes microseconds; a full one over an unfrozen model's heap, a tenth of a second.
+GC_PAUSE_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 RejectReason = Literal["overloaded", "memory", "not_ready", "timeout", "unauthorized"]
 """Why ``rejected_total`` counts a refusal (docs/metrics.md); each series exists at 0 from the start,
@@ -107,6 +109,15 @@ class Metrics:
         self.model_info = gauge(
             "model_info", "The loaded model; always 1.", ("model", "fingerprint", "dtype", "device")
         )
+        self.gc_pause = histogram(
+            "gc_pause_seconds", "Pauses of Python's cyclic garbage collector (every thread waits), by generation.",
+            GC_PAUSE_BUCKETS, ("generation",),
+        )
+        # Bound once: observed from inside the collector, where nothing should take another lock.
+        self._gc_pauses = tuple(self.gc_pause.labels(generation=str(g)) for g in range(3))
+        self.gc_frozen_objects = gauge(
+            "gc_frozen_objects", "Objects moved out of the collector's reach after the warm-up (gc.freeze)."
+        )
         self._request_series: dict[tuple[str, int], tuple[Counter, Histogram]] = {}
 
     def request_done(self, route: str, code: int, seconds: float, sent: int) -> None:
@@ -131,6 +142,9 @@ class Metrics:
         self.forward.observe(stats.forward_seconds)
         for wait in stats.queue_waits:
             self.queue_wait.observe(wait)
+
+    def observe_gc_pause(self, generation: int, seconds: float) -> None:
+        self._gc_pauses[generation].observe(seconds)
 
     def watch_budget(self, budget: ByteBudget) -> None:
         """Read the request-memory budget at scrape time: never a stale copy."""

@@ -67,6 +67,19 @@ def test_every_design_metric_is_exposed_with_its_type_and_updated(served: Server
         assert sample(text, "items_total", f'{{source="{source}",status="{status}"}}') == count
 
 
+def test_the_startup_heap_is_frozen_and_the_collectors_pauses_are_timed(served: ServerProcess) -> None:
+    """The model and its libraries (torch, transformers: far more than 100,000 tracked objects) are
+    out of the collector's walks once warm; the collections that loading, the warm-up and the
+    traffic above ran were timed, each generation apart."""
+    text = scrape(served)
+    assert sample(text, "gc_frozen_objects") > 100_000
+    for generation in "012":
+        labels = f'{{generation="{generation}"}}'
+        assert sample(text, "gc_pause_seconds_count", labels) > 0, generation
+        assert 0 < sample(text, "gc_pause_seconds_sum", labels) < 60, generation
+    assert "objects alive after the warm-up frozen out" in served.log()
+
+
 def test_promtool_accepts_the_scrape(served: ServerProcess, tmp_path: Path) -> None:
     promtool = require_tool("promtool")
     done = subprocess.run([promtool, "check", "metrics"], input=scrape(served), capture_output=True, text=True)

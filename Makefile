@@ -168,9 +168,11 @@ bench-epd: install tools vllm-env
 	$(BIN)/python -m bench.epd_system
 
 # What a tower-free vLLM prefill frees (docs/vllm.md, "The memory it frees"): two vLLM engines, one
-# at a time, with --load-format dummy on a Qwen2.5-VL-3B-sized config; needs ~10 GiB free, checked.
+# at a time, with --load-format dummy on a Qwen2.5-VL-3B-sized config, then two on a
+# Qwen2-Audio-7B-sized one (its audio tower); needs ~10 and ~13 GiB free, checked.
 bench-tower-memory: install tools
 	$(BIN)/python -m bench.tower_memory
+	$(BIN)/python -m bench.tower_memory --case qwen2_audio_7b
 
 # 10 minutes of mixed load with Redis paused once (the figures in docs/robustness.md); the tests
 # run its 60-second form.

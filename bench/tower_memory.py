@@ -1,15 +1,20 @@
-"""The memory a tower-free prefill frees, measured: vLLM with ``--load-format dummy`` on a
-Qwen2.5-VL-3B-sized config, with its vision tower and without (``--limit-mm-per-prompt
-'{"image":0,"video":0}'``), on this machine.
+"""The memory a tower-free prefill frees, measured: vLLM with ``--load-format dummy`` on a real
+model's config, with its tower and without (its modalities' ``--limit-mm-per-prompt`` at 0), on
+this machine. Two cases (``--case``):
 
-The config is Qwen2.5-VL-3B-Instruct's ``config.json`` (written here, offline; the tokenizer and
-processor files are the tiny test model's, which is all a dummy load reads besides the config):
-the real 32-block, 1280-wide vision tower and merger, the real 2048-wide language model and
-151,936-token vocabulary, with ``--layers`` of its 36 decoder layers (default 8: the whole model in
-bfloat16 is 7.5 GB of weights, more than this shared machine may spend; ``--layers 36`` runs it
-whole where there is room). Each run is a fresh process (the engine in-process) that reports:
+- ``qwen2_5_vl_3b`` (the default): Qwen2.5-VL-3B-Instruct's ``config.json``, the real 32-block,
+  1280-wide vision tower and merger, the real 2048-wide language model and 151,936-token vocabulary;
+- ``qwen2_audio_7b``: Qwen2-Audio-7B-Instruct's, the real Whisper-large audio encoder (32 layers,
+  1,280 wide, 128 mel bins) and its projector, the real 4096-wide language model (32 KV heads) and
+  156,032-token vocabulary: the audio tower a tower-free audio prefill drops.
 
-- its weights: every parameter vLLM built, in bytes, and those of the tower (``visual.*``);
+Each is written here, offline (the tokenizer and processor files are the case's tiny test model's,
+which is all a dummy load reads besides the config), with ``--layers`` of its decoder layers
+(default 8 for the 3B, 2 for the 7B: the whole models in bfloat16 are 7.5 and 15.6 GB of weights,
+more than this shared machine may spend; the tower is always whole). Each run is a fresh process
+(the engine in-process) that reports:
+
+- its weights: every parameter vLLM built, in bytes, and those of the tower (the case's prefixes);
 - its resident memory: peak (``VmHWM``) and after start-up;
 - its KV cache: vLLM's CPU backend sizes it as ``--gpu-memory-utilization`` x the machine's memory
   minus what the process holds once loaded (``vllm/v1/worker/cpu_worker.py``), the same budget
@@ -22,9 +27,10 @@ bytes), and an H200 at ``--gpu-memory-utilization 0.9``. On a GPU vLLM also prof
 on its largest input and reserves that activation peak; a tower-free engine skips the run (vLLM's
 CPU backend runs no profile in eager mode, so that share is not measured here).
 
-Run: ``python -m bench.tower_memory`` (needs the vLLM test environment, ``make vllm-env``; it checks
-free memory first and stops a run whose memory passes ``--cap-gib``). Writes
-``bench/results/tower_memory.json`` and prints a table.
+Run: ``python -m bench.tower_memory [--case qwen2_audio_7b]`` (needs the vLLM test environment,
+``make vllm-env``; it checks free memory first and stops a run whose memory passes ``--cap-gib``).
+Writes ``bench/results/tower_memory.json`` (``tower_memory_audio.json`` for the audio case) and
+prints a table.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -74,39 +81,113 @@ QWEN2_5_VL_3B: dict[str, Any] = {
 }
 
 
-def parameters(config: dict[str, Any]) -> dict[str, int]:
-    """Parameter counts of a Qwen2.5-VL config: ``language`` and ``tower`` (vision + merger)."""
-    h, i, n = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
-    heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
+# Qwen/Qwen2-Audio-7B-Instruct's config.json: the Whisper-large audio encoder and a Qwen2 language
+# model with transformers' Qwen2 defaults where the file leaves them out (4096 wide, 32 layers, 32
+# heads, 32 KV heads, untied embeddings); token ids are the tiny tokenizer's, see make_config.
+QWEN2_AUDIO_7B: dict[str, Any] = {
+    "architectures": ["Qwen2AudioForConditionalGeneration"],
+    "model_type": "qwen2_audio",
+    "audio_config": {
+        "model_type": "qwen2_audio_encoder", "num_mel_bins": 128, "encoder_layers": 32, "encoder_attention_heads": 20,
+        "encoder_ffn_dim": 5120, "d_model": 1280, "activation_function": "gelu", "scale_embedding": False,
+        "max_source_positions": 1500,
+    },
+    "text_config": {
+        "model_type": "qwen2", "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 32, "hidden_act": "silu", "max_position_embeddings": 8192,
+        "rope_theta": 10000.0, "rms_norm_eps": 1e-05, "sliding_window": 32768, "use_sliding_window": False,
+        "tie_word_embeddings": False, "vocab_size": 156032, "torch_dtype": "bfloat16",
+    },
+    "torch_dtype": "bfloat16",
+}
+
+
+def text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The language model's fields: the config itself (Qwen2.5-VL) or its ``text_config``."""
+    return config.get("text_config", config)
+
+
+def language_parameters(text: dict[str, Any]) -> int:
+    """A Qwen2 language model: biased q, k, v; the embeddings once if tied, else with the LM head."""
+    h, i, n = text["hidden_size"], text["intermediate_size"], text["num_hidden_layers"]
+    heads, kv = text["num_attention_heads"], text["num_key_value_heads"]
     head = h // heads
     attention = h * h + h + 2 * (h * kv * head + kv * head) + h * h
     layer = attention + 3 * h * i + 2 * h
-    embeddings = config["vocab_size"] * h * (1 if config["tie_word_embeddings"] else 2)
+    embeddings = text["vocab_size"] * h * (1 if text["tie_word_embeddings"] else 2)
+    return embeddings + n * layer + h
+
+
+def parameters(config: dict[str, Any]) -> dict[str, int]:
+    """Parameter counts of a case's config: ``language`` and ``tower`` (Qwen2.5-VL's vision tower and
+    merger, or Qwen2-Audio's audio encoder and projector)."""
+    if "audio_config" in config:
+        a = config["audio_config"]
+        d, ffn, mels = a["d_model"], a["encoder_ffn_dim"], a["num_mel_bins"]
+        # Whisper's layer: q, v, out biased, k not; two norms; fc1, fc2
+        layer = 4 * d * d + 3 * d + 2 * 2 * d + (d * ffn + ffn) + (ffn * d + d)
+        convs = (mels * d * 3 + d) + (d * d * 3 + d)
+        encoder = convs + a["max_source_positions"] * d + a["encoder_layers"] * layer + 2 * d
+        projector = d * text_config(config)["hidden_size"] + text_config(config)["hidden_size"]
+        return {"language": language_parameters(text_config(config)), "tower": encoder + projector}
     v = config["vision_config"]
     vh, vi, merged = v["hidden_size"], v["intermediate_size"], v["hidden_size"] * v["spatial_merge_size"] ** 2
     block = (vh * 3 * vh + 3 * vh) + (vh * vh + vh) + 3 * vh * vi + 2 * vi + vh + 2 * vh
     patch = 3 * v["temporal_patch_size"] * v["patch_size"] ** 2 * vh
     merger = vh + (merged * merged + merged) + (merged * v["out_hidden_size"] + v["out_hidden_size"])
-    return {"language": embeddings + n * layer + h, "tower": patch + v["depth"] * block + merger}
+    return {"language": language_parameters(config), "tower": patch + v["depth"] * block + merger}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One model measured: its real config, the tiny model whose tokenizer and processor it borrows
+    (``module:function``, run in the vLLM venv), the token ids copied from it, the names of the
+    tower's parameters, and the limits that make vLLM build no tower."""
+
+    title: str
+    config: dict[str, Any]
+    tiny: str
+    token_keys: tuple[str, ...]
+    tower_prefixes: tuple[str, ...]
+    tower_free_limits: dict[str, int]
+    layers: int
+    out: str
+    budget_gib: float  # vLLM's memory budget: the weights built, and room for a KV cache beside them
+
+
+CASES = {
+    "qwen2_5_vl_3b": Case(
+        "Qwen2.5-VL-3B-Instruct", QWEN2_5_VL_3B, "tests.vllm.tiny_qwen:make_tiny_qwen2_5_vl",
+        ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id", "bos_token_id",
+         "eos_token_id"),
+        ("visual",), {"image": 0, "video": 0}, 8, "tower_memory.json", 6.0,
+    ),
+    "qwen2_audio_7b": Case(
+        "Qwen2-Audio-7B-Instruct", QWEN2_AUDIO_7B, "tests.tiny.qwen2_audio:make_tiny_qwen2_audio",
+        ("audio_token_index",), ("audio_tower", "multi_modal_projector"), {"audio": 0}, 2, "tower_memory_audio.json",
+        9.0,  # its two layers' engine holds 6.3 GiB before any KV cache (156,032 x 4096 embeddings, untied)
+    ),
+}
 
 
 def kv_bytes_per_token(config: dict[str, Any], dtype_bytes: int = 2) -> int:
-    head = config["hidden_size"] // config["num_attention_heads"]
-    return 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head * dtype_bytes
+    text = text_config(config)
+    head = text["hidden_size"] // text["num_attention_heads"]
+    return 2 * text["num_hidden_layers"] * text["num_key_value_heads"] * head * dtype_bytes
 
 
-def make_config(directory: Path, env_python: Path, layers: int) -> dict[str, Any]:
-    """The tiny model's tokenizer and processor (built by vLLM's transformers), the 3B config."""
-    code = "import sys; from tests.vllm.tiny_qwen import make_tiny_qwen2_5_vl as make; make(sys.argv[1])"
+def make_config(case: Case, directory: Path, env_python: Path, layers: int) -> dict[str, Any]:
+    """The tiny model's tokenizer and processor (built by vLLM's transformers), the real config."""
+    module, function = case.tiny.split(":")
+    code = f"import sys; from {module} import {function} as make; make(sys.argv[1])"
     subprocess.run([str(env_python), "-c", code, str(directory)], check=True, cwd=ROOT,
                    env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True)
     tiny = json.loads((directory / "config.json").read_text())
     for weights in directory.glob("*.safetensors"):
         weights.unlink()  # a dummy load reads none
-    config = json.loads(json.dumps(QWEN2_5_VL_3B))
-    config["num_hidden_layers"] = layers
-    for key in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id", "bos_token_id",
-                "eos_token_id"):
+    config = json.loads(json.dumps(case.config))
+    text_config(config)["num_hidden_layers"] = layers
+    for key in case.token_keys:
         config[key] = tiny.get(key, tiny.get("text_config", {}).get(key))
     (directory / "config.json").write_text(json.dumps(config, indent=1))
     return config
@@ -121,8 +202,8 @@ def _status(pid: int | str = "self") -> dict[str, int]:
     return out
 
 
-def _built_weights(model: Any) -> dict[str, int]:
-    """Bytes and parameters of what vLLM built, total and the tower's (``visual.*``). vLLM's CPU
+def _built_weights(model: Any, tower_prefixes: tuple[str, ...]) -> dict[str, int]:
+    """Bytes and parameters of what vLLM built, total and the tower's (``tower_prefixes``). vLLM's CPU
     backend packs each linear weight for oneDNN and leaves an empty parameter behind, so a packed
     weight is counted from its layer's input and output sizes; a tied weight (the LM head and the
     embeddings) once."""
@@ -139,7 +220,7 @@ def _built_weights(model: Any) -> dict[str, int]:
             if numel == 0 and pname == "weight" and hasattr(module, "input_size_per_partition"):
                 numel = module.input_size_per_partition * module.output_size_per_partition
             size = numel * torch.empty((), dtype=p.dtype).element_size()
-            tower = name.startswith("visual")
+            tower = name.startswith(tower_prefixes)
             out["weight_bytes"] += size
             out["parameters"] += numel
             out["tower_weight_bytes"] += size * tower
@@ -147,14 +228,14 @@ def _built_weights(model: Any) -> dict[str, int]:
     return out
 
 
-def child(model: str, tower: bool, utilization: float) -> dict[str, Any]:
+def child(case: Case, model: str, tower: bool, utilization: float) -> dict[str, Any]:
     """In the vLLM venv: start the engine, report weights, memory and the KV cache."""
     from vllm import LLM
 
     started = time.perf_counter()
     llm = LLM(model=model, load_format="dummy", dtype="bfloat16", enforce_eager=True, max_model_len=8192,
               gpu_memory_utilization=utilization, seed=0,
-              **({} if tower else {"limit_mm_per_prompt": {"image": 0, "video": 0}}))
+              **({} if tower else {"limit_mm_per_prompt": case.tower_free_limits}))
     seconds = time.perf_counter() - started
     core = llm.llm_engine.engine_core.engine_core
     runner = core.model_executor.driver_worker.worker.model_runner
@@ -163,7 +244,7 @@ def child(model: str, tower: bool, utilization: float) -> dict[str, Any]:
     block = core.vllm_config.cache_config.block_size
     return {
         "tower": tower,
-        **_built_weights(runner.get_model()),
+        **_built_weights(runner.get_model(), case.tower_prefixes),
         "kv_bytes": kv_bytes,
         "kv_tokens": kv.num_blocks * block,
         "startup_s": seconds,
@@ -183,13 +264,14 @@ def _tree_rss(pid: int) -> int:
     return total
 
 
-def run_child(env_python: Path, model: Path, tower: bool, utilization: float, cap: int, log: Path) -> dict[str, Any]:
+def run_child(env_python: Path, case: str, model: Path, tower: bool, utilization: float, cap: int,
+              log: Path) -> dict[str, Any]:
     """One measured engine in its own process, stopped if its memory passes ``cap``."""
     environ = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
     environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1",
                    TRANSFORMERS_OFFLINE="1", PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'clients' / 'python'}")
     out = log.with_suffix(".json")
-    cmd = [str(env_python), "-m", "bench.tower_memory", "--child", str(model), "--child-out", str(out),
+    cmd = [str(env_python), "-m", "bench.tower_memory", "--case", case, "--child", str(model), "--child-out", str(out),
            "--utilization", str(utilization)] + (["--with-tower"] if tower else [])
     with log.open("wb") as sink:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=environ, stdout=sink, stderr=subprocess.STDOUT)
@@ -228,17 +310,21 @@ def h200(config: dict[str, Any], utilization: float = 0.9) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--layers", type=int, default=8, help="decoder layers of the 36 to build (default 8)")
-    parser.add_argument("--budget-gib", type=float, default=6.0, help="vLLM's memory budget for each engine")
-    parser.add_argument("--cap-gib", type=float, default=7.5, help="stop an engine whose memory passes this")
-    parser.add_argument("--out", type=Path, default=RESULTS / "tower_memory.json")
+    parser.add_argument("--case", choices=sorted(CASES), default="qwen2_5_vl_3b")
+    parser.add_argument("--layers", type=int, help="decoder layers to build (default 8 of the 3B's 36, 2 of 32)")
+    parser.add_argument("--budget-gib", type=float, help="vLLM's memory budget for each engine (6, 9 for the 7B)")
+    parser.add_argument("--cap-gib", type=float, help="stop an engine whose memory passes this (budget + 1.5)")
+    parser.add_argument("--out", type=Path, help="default: bench/results/tower_memory.json (_audio for the audio case)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--child-out", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--with-tower", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--utilization", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    case = CASES[args.case]
+    args.budget_gib = args.budget_gib or case.budget_gib
+    args.cap_gib = args.cap_gib or args.budget_gib + 1.5
     if args.child:
-        args.child_out.write_text(json.dumps(child(args.child, args.with_tower, args.utilization)))
+        args.child_out.write_text(json.dumps(child(case, args.child, args.with_tower, args.utilization)))
         return 0
 
     from bench.vllm_peer import vllm_env
@@ -250,18 +336,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"only {meminfo['MemAvailable'] / GIB:.1f} GiB free, {need / GIB:.1f} needed: not run", file=sys.stderr)
         return 2
     env_python = vllm_env() / "bin" / "python"
+    layers = args.layers or case.layers
     work = Path(tempfile.mkdtemp(prefix="encode-bench-tower-"))
-    config = make_config(work / "qwen2_5_vl-3b-sized", env_python, args.layers)
+    model = work / f"{args.case}-sized"
+    config = make_config(case, model, env_python, layers)
     utilization = args.budget_gib * GIB / meminfo["MemTotal"]
     runs = {}
     for tower in (False, True):  # one engine at a time
         name = "with_tower" if tower else "tower_free"
-        runs[name] = run_child(env_python, work / "qwen2_5_vl-3b-sized", tower, utilization, int(args.cap_gib * GIB),
+        runs[name] = run_child(env_python, args.case, model, tower, utilization, int(args.cap_gib * GIB),
                                work / f"{name}.log")
     counts = parameters(config)
-    full = dict(QWEN2_5_VL_3B)
+    full = case.config
+    whole_layers = text_config(full)["num_hidden_layers"]
     result = {
-        "config": f"Qwen2.5-VL-3B-Instruct, {args.layers} of 36 decoder layers, bfloat16, --load-format dummy",
+        "case": args.case,
+        "config": f"{case.title}, {layers} of {whole_layers} decoder layers, bfloat16, --load-format dummy",
         "budget_gib": args.budget_gib, "runs": runs,
         "parameters_from_config": counts,
         "config_matches_vllm": runs["with_tower"]["parameters"] == counts["language"] + counts["tower"]
@@ -274,14 +364,15 @@ def main(argv: list[str] | None = None) -> int:
             "kv_tokens": runs["tower_free"]["kv_tokens"] - runs["with_tower"]["kv_tokens"],
             "kv_bytes_per_token": kv_bytes_per_token(config),
         },
-        "whole_3b": {"parameters": parameters(full), "kv_bytes_per_token": kv_bytes_per_token(full),
-                     "h200": h200(full)},
+        "whole_model": {"parameters": parameters(full), "kv_bytes_per_token": kv_bytes_per_token(full),
+                        "h200": h200(full)},
         "machine": {"mem_total_bytes": meminfo["MemTotal"], "cpus": os.cpu_count()},
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    out = args.out or RESULTS / case.out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
     print(table(result))
-    print(f"\nwrote {args.out}")
+    print(f"\nwrote {out}")
     return 0
 
 
@@ -301,9 +392,9 @@ def table(r: dict[str, Any]) -> str:
         cells = [w[key] / unit, t[key] / unit, (w[key] - t[key]) / unit]
         text = [f"{x:.2f} {suffix}" if unit != 1 else f"{x:,.0f}" for x in cells]
         lines.append(f"| {label} | " + " | ".join(text) + " |")
-    h = r["whole_3b"]["h200"]
+    h = r.get("whole_model", r.get("whole_3b"))["h200"]  # "whole_3b": results written before the cases
     lines.append(
-        f"\nwhole 3B: {h['tower_weight_bytes'] / GIB:.2f} GiB of tower weights = "
+        f"\nwhole model: {h['tower_weight_bytes'] / GIB:.2f} GiB of tower weights = "
         f"{h['kv_tokens_bought']:,} KV tokens at {h['kv_bytes_per_token']:,} B/token; H200 at 0.9: "
         f"{h['budget_bytes'] / GIB:.1f} GiB budget, at most {h['kv_tokens_with_tower_at_most']:,} KV tokens with the "
         f"tower, +{100 * h['kv_gain_share']:.2f}% without (the encoder profiling peak comes on top); measured here: "

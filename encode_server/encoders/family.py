@@ -54,6 +54,12 @@ class Epd:
     ``modes`` (per modality) overrides ``mode`` where vLLM decides otherwise for that modality
     (Qwen3-Omni's thinker: ``mode`` pixels + uuid for its images and videos, ``modes`` audio
     pixel-free). ``fields`` then names exactly the pixel-free modalities' metadata.
+
+    ``alone``: the pixel-free modalities vLLM takes metadata-only only in a request with no pixels +
+    uuid item; beside one, such an item goes as its file + uuid (vLLM's processor then runs on it,
+    its tower does not). Qwen3-Omni's audio in vLLM 0.32: its processor builds the text it hands
+    the HF processor from every item's count, a metadata-only one's included, so a request with
+    metadata-only audio and an image fails there (``tests/vllm/test_qwen3_omni.py``).
     """
 
     mode: Literal["pixel_free", "pixels_uuid"]
@@ -61,6 +67,7 @@ class Epd:
     vllm_model: str = ""  # vLLM's model file that decides it, e.g. "qwen2_5_vl.py"
     tensors: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     modes: Mapping[str, Literal["pixel_free", "pixels_uuid"]] = field(default_factory=dict)
+    alone: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for mode in (self.mode, *self.modes.values()):
@@ -73,6 +80,8 @@ class Epd:
                 raise ValueError(f"a pixel-free {modality} must name the fields its prefill items carry")
         if self.modes and (stray := [m for m in self.fields if self.mode_of(m) != "pixel_free"]):
             raise ValueError(f"fields are named for {stray}, which this contract takes as pixels + uuid")
+        if stray := [m for m in self.alone if self.mode_of(m) != "pixel_free"]:
+            raise ValueError(f"only a pixel-free modality can be pixel-free alone, not {stray}")
         for modality, named in self.tensors.items():
             if set(named) & set(self.fields.get(modality, ())):
                 raise ValueError(f"a {modality} field is declared both as JSON and as a tensor")
@@ -99,6 +108,8 @@ class Epd:
         if self.per_modality:
             named = list(dict.fromkeys([*modalities, *self.modes]))
             described.update(mode=PER_MODALITY, modes={m: self.mode_of(m) for m in named})
+        if self.alone:
+            described["pixel_free_alone"] = list(self.alone)
         return described
 
 

@@ -159,15 +159,18 @@ def test_bad_audio_gets_its_own_4xx_naming_the_item_and_nothing_else_is_lost(
 def test_a_truncated_file_is_what_it_holds_and_a_header_is_read_as_libsndfile_reads_it(
     family: tuple[str, Path, ServerProcess]
 ) -> None:
-    """A WAV cut to 1 s of its 2 s reads as the 1 s it holds (25 rows: Qwen2-Audio's 25 a second);
-    a FLAC of 20 s whose header claims 1 s reads as 1 s, as vLLM's libsndfile reads it, and its
-    token count (from the header, nothing decoded) is its encode's."""
-    _, _, server = family
+    """A WAV cut to 1 s of its 2 s reads as the 1 s it holds (25 rows: Qwen2-Audio's 25 a second;
+    Qwen3-Omni's 13 per 100 frames); a FLAC of 20 s whose header claims 1 s reads as 1 s, as vLLM's
+    libsndfile reads it, and its token count (from the header, nothing decoded) is its encode's."""
+    name, _, server = family
+    one_second = _encode(server, [{"data": _b64(make_audio(1.0)), "modality": "audio"}], "/v1/tokens")
+    assert one_second.json()["items"][0]["num_tokens"] == (13 if name == "qwen3_omni" else 25)
     for data in (truncated_wav(2.0, 0.5), understated_flac(20.0, 16_000)):
         item = {"data": _b64(data), "modality": "audio"}
         encoded = _encode(server, [item]).json()["items"][0]
         counted = _encode(server, [item], "/v1/tokens").json()["items"][0]
-        assert encoded["num_tokens"] == counted["num_tokens"] == 25, (encoded["num_tokens"], counted)
+        assert encoded["num_tokens"] == counted["num_tokens"] == one_second.json()["items"][0]["num_tokens"], (
+            encoded["num_tokens"], counted)
 
 
 @pytest.fixture(scope="module")

@@ -33,6 +33,7 @@ from tests.tiny import (
     mistral3,
     qwen2_5_omni,
     qwen2_audio,
+    qwen3_omni,
 )
 from tests.vllm.tiny_qwen import make_tiny_qwen2_5_vl
 from tests.vllm.tiny_qwen3 import make_tiny_qwen3
@@ -167,6 +168,18 @@ CASES = [
         parity_sizes=PARITY_SIZES,
         image_embeds=lambda embedding, meta: [embedding],
     ),
+    # Qwen3-Omni's thinker, its images (pixels + uuid; its audio is pixel-free: test_qwen3_omni.py):
+    # multiples of 32 inside the tiny budget (not resized), resized, scaled down into it
+    FamilyCase(
+        name="qwen3_omni",
+        build=qwen3_omni.make_tiny_qwen3_omni,
+        prompt=lambda n: qwen3_omni.prompt(images=n),
+        sizes=[(64, 64), (150, 100), (300, 200), (30, 400)],
+        parity_sizes=PARITY_SIZES,
+        refusal=(Exception, ""),
+        # vLLM's default, the torchvision backend: encode-server makes its pixels (encoders/qwen.py)
+        engine_processor_kwargs={},
+    ),
     FamilyCase(
         name="llava",
         build=llava.make_tiny_llava,
@@ -218,4 +231,8 @@ PROXY_CASES: dict[str, ProxyCase] = {
     # the processor's 128-token minimum), audio files at two rates; and a chat mixing all three.
     "qwen2_5_omni": ProxyCase("qwen2_5_omni", qwen2_5_omni.make_tiny_qwen2_5_omni, [(56, 56), (150, 100)],
                               clip=(4, 2.0, 56, 56), audio=[(1.5, 16_000, 1, "wav"), (2.2, 44_100, 2, "flac")]),
+    # Qwen3-Omni's thinker, per modality: audio pixel-free, images and a clip pixels + uuid (its frames
+    # resized up to the processor's 128-token minimum); and a chat mixing all three.
+    "qwen3_omni": ProxyCase("qwen3_omni", qwen3_omni.make_tiny_qwen3_omni, [(64, 64), (150, 100)],
+                            clip=(4, 2.0, 64, 64), audio=[(1.5, 16_000, 1, "wav"), (2.2, 44_100, 2, "flac")]),
 }

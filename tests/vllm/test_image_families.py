@@ -115,9 +115,14 @@ def baseline(case: FamilyCase, llm: Any, client: Client) -> dict[str, Any]:
 
 
 def test_the_server_publishes_the_pixels_and_uuid_mode(case: FamilyCase, client: Client) -> None:
-    """What the proxy reads to pick the rewrite: this family keeps the image and adds the uuid."""
+    """What the proxy reads to pick the rewrite: this family keeps the image and adds the uuid (a
+    family of several modes, Qwen3-Omni, says so for its images in ``modes``)."""
     family = client.model()["family"]
-    assert (family["name"], family["epd"]["mode"], family["epd"]["fields"]) == (case.name, "pixels_uuid", {})
+    epd = family["epd"]
+    if epd["mode"] == "per_modality":
+        assert (family["name"], epd["modes"]["image"], "image" in epd["fields"]) == (case.name, "pixels_uuid", False)
+    else:
+        assert (family["name"], epd["mode"], epd["fields"]) == (case.name, "pixels_uuid", {})
 
 
 def test_tokens_through_the_connector_equal_vllms_own(case: FamilyCase, baseline: dict[str, Any]) -> None:
@@ -205,6 +210,7 @@ def _vllm_placeholders(llm: Any, case: FamilyCase, sizes: list[tuple[int, int]],
     from vllm import SamplingParams
 
     config = llm.llm_engine.model_config.hf_config
+    config = getattr(config, "thinker_config", config)  # an Omni model's tokens are its thinker's
     image_token = getattr(config, "image_token_id", None) or config.image_token_index
     requests = []
     for i, (w, h) in enumerate(sizes):

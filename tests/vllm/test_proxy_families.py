@@ -5,10 +5,11 @@ encode-server and Redis beside them, a recording relay in front of vLLM. The lis
 without a record in ``families.PROXY_CASES`` fails here.
 
 Per family, one stack at a time (its tiny checkpoint, encode-server, one vLLM OpenAI server): the
-chat's images (its audio files, for an audio family; both for Qwen2.5-Omni; and a video, where the
-family takes video; one chat mixing all three where it takes all three) through the proxy answer
-as plain vLLM does on the pixels (the samples), the repeat is a hit in encode-server, and zeros
-stored under the items' keys change the answer. The consumer keeps its tower, so it is also the
+chat's images (its audio files, for an audio family; both for Qwen2.5-Omni and Qwen3-Omni; and a
+video, where the family takes video; one chat mixing all three where it takes all three) through
+the proxy answer as plain vLLM does on the pixels (the samples), each item in its modality's EPD
+mode (Qwen3-Omni: audio pixel-free, images and videos pixels + uuid), the repeat is a hit in
+encode-server, and zeros stored under the items' keys change the answer. The consumer keeps its tower, so it is also the
 oracle: the same chat sent to it straight, with its pixels and no ``uuid``, is named by vLLM's own
 hash, which the store never holds, so vLLM runs its own tower on the pixels and its own loader on
 the file (as ``test_image_families`` does in-process). Pixel-free
@@ -30,7 +31,7 @@ import numpy as np
 import pytest
 import redis
 from encode_client import Client, mm_hash
-from encode_client.epd import rewrite_chat_request
+from encode_client.epd import EpdContract, rewrite_chat_request
 from encode_client.keys import own_identifier, store_key
 from encode_client.proxy import EPDProxy
 
@@ -78,14 +79,14 @@ class Stack:
     prefix: str
     clips: dict[str, bytes]  # "chat" and "fresh" (never sent to vLLM before the zeros control)
 
-    @property
-    def pixel_free(self) -> bool:
+    def pixel_free(self, kind: str) -> bool:
+        """Whether vLLM takes the family's ``kind`` items as metadata + uuid (else pixels + uuid)."""
         assert self.family.epd is not None
-        return self.family.epd.mode == "pixel_free"
+        return self.family.epd.mode_of(kind) == "pixel_free"
 
     @property
     def kinds(self) -> list[str]:
-        """What the family's chats carry: images, audio files, or (Qwen2.5-Omni) each in a chat of its own."""
+        """What the family's chats carry: images, audio files, or (the Omni thinkers) each in a chat of its own."""
         return [kind for kind in ("image", "audio") if kind in self.family.modalities]
 
 
@@ -163,14 +164,14 @@ def _through_the_proxy_as_plain_vllm(stack: Stack, body: dict[str, Any], media: 
     first = answer_text(post_chat(stack.proxy.url, body))
     sent = stack.relay.since(mark)
     assert stack.relay.uuids_since(mark) == [own_identifier(mm_hash(d), kind) for d in media]
-    if stack.pixel_free or kind == "video":
+    if stack.pixel_free(kind):
         for data in media:
             assert base64.b64encode(data)[-64:] not in sent, f"{kind} bytes reached vLLM"
         assert f'"{kind}_embeds"'.encode() in sent and f'"{kind}_url"'.encode() not in sent
     else:
         for data in media:
-            assert base64.b64encode(data)[-64:] in sent, "the image is in the request to vLLM"
-        assert b"image_embeds" not in sent
+            assert base64.b64encode(data)[-64:] in sent, f"the {kind} is in the request to vLLM"
+        assert f'"{kind}_embeds"'.encode() not in sent
     assert _encoded_and_hits(stack.server) == (encoded + len(media), hits)
 
     assert answer_text(post_chat(stack.proxy.url, body)) == first, "the repeat answered otherwise"
@@ -238,9 +239,11 @@ def test_zeros_stored_under_an_images_key_change_the_answer(stack: Stack) -> Non
 
 
 def test_a_chat_mixing_audio_an_image_and_a_video_answers_as_plain_vllm(stack: Stack) -> None:
-    """Where the family takes all three (Qwen2.5-Omni): one chat of an audio file, an image and a
-    video (the one the video test sent) through the proxy answers as plain vLLM does on the files,
-    each item handed off under its own identifier and none of their bytes reaching vLLM."""
+    """Where the family takes all three (Qwen2.5-Omni, Qwen3-Omni): one chat of an audio file, an
+    image and a video (the one the video test sent) through the proxy answers as plain vLLM does on
+    the files, each item handed off under its own identifier, in its mode in this chat: the bytes of
+    none that goes pixel-free reach vLLM, and those of each that goes as pixels + uuid do."""
+    name = stack.family.name
     if not {"image", "video", "audio"} <= set(stack.family.modalities):
         return
     (audio, *_), (sound, *_) = _audio_parts(stack, seed=600)
@@ -252,8 +255,11 @@ def test_a_chat_mixing_audio_an_image_and_a_video_answers_as_plain_vllm(stack: S
     assert sorted(stack.relay.uuids_since(mark)) == sorted(
         [own_identifier(mm_hash(image), "image"), own_identifier(mm_hash(sound), "audio"),
          own_identifier(mm_hash(clip), "video")])
-    for data in (image, sound, clip):
-        assert base64.b64encode(data)[-64:] not in sent, "an item's bytes reached vLLM"
+    # in this chat (Qwen3-Omni: audio is pixel-free alone, here its file + uuid beside the image and video)
+    contract = EpdContract.from_model({"id": name, "family": stack.family.describe()})
+    modes = contract.modes_for({"image", "audio", "video"})
+    for data, kind in ((image, "image"), (sound, "audio"), (clip, "video")):
+        assert (base64.b64encode(data)[-64:] in sent) == (modes[kind] == "pixels_uuid"), f"{kind}: the wrong mode"
     plain = answer_text(post_chat(stack.consumer["url"], body))
     print(f"\n{stack.family.name}, audio + image + video: through the proxy {first!r}, plain vLLM {plain!r}")
     assert first == plain

@@ -57,7 +57,11 @@ identifier added::
     {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,..."}, "uuid": "<identifier>"}
 
 (A client older than ``modes`` does not know ``per_modality`` and refuses the contract with
-``EpdContractError``: it never sends such a family's items in one mode.)
+``EpdContractError``: it never sends such a family's items in one mode.) A modality the contract
+names in ``pixel_free_alone`` goes metadata-only only in a chat with no pixels + uuid part; beside
+one it goes as its file with the identifier added (``{"type": "audio_url", "audio_url": {"url":
+"data:audio/wav;base64,..."}, "uuid": "<identifier>"}``, an ``input_audio`` part likewise): vLLM
+0.32 fails a Qwen3-Omni request that mixes metadata-only audio with an image or a video.
 
 A video or audio part for a family whose contract takes no item of its modality (a ``pixels_uuid``
 family's video or audio, one that declares no ``video`` / ``audio`` fields, a modality
@@ -198,6 +202,16 @@ class EpdContract:
     settings_enabled: bool = False
     settings: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     modes: Mapping[str, str] = field(default_factory=dict)  # per_modality's: modality -> its mode
+    # pixel-free modalities vLLM takes metadata-only only in a request with no pixels + uuid item
+    pixel_free_alone: frozenset[str] = frozenset()
+
+    def modes_for(self, modalities: set[str]) -> dict[str, str | None]:
+        """Each of a request's ``modalities`` and the mode its items go in, in that request: a
+        ``pixel_free_alone`` one as pixels + uuid when another goes so."""
+        modes = {m: self.mode_of(m) for m in modalities}
+        if "pixels_uuid" in modes.values():
+            modes.update({m: "pixels_uuid" for m in modes if m in self.pixel_free_alone and modes[m] == "pixel_free"})
+        return modes
 
     def mode_of(self, modality: str) -> str | None:
         """How ``modality``'s items reach vLLM: ``pixel_free``, ``pixels_uuid``, or None where the
@@ -251,6 +265,7 @@ class EpdContract:
             published.get("enabled") is True,
             {str(k): dict(v) for k, v in keys.items() if isinstance(v, Mapping)},
             {str(m): str(each) for m, each in modes.items()},
+            frozenset(str(m) for m in epd.get("pixel_free_alone") or ()),
         )
 
     def check_settings(self, settings: Mapping[str, Any], modalities: set[str], field: str = SETTINGS_FIELD) -> None:
@@ -295,6 +310,7 @@ class MediaPart:
     data: bytes
     kind: str = "image_url"  # or the Responses form, "input_image", or "video_url", "audio_url", "input_audio"
     url: str = ""  # the data: URL, as the client sent it
+    format: str = ""  # an input_audio part's "format", as the client sent it
 
     @property
     def where(self) -> str:
@@ -451,8 +467,9 @@ def _audio_part(m: int, p: int, kind: str, payload: object, where: str) -> Media
     data = payload.get("data") if isinstance(payload, Mapping) else None
     if not isinstance(data, str):
         raise EPDError("input_audio.data must be a base64 string", where)
+    fmt = payload.get("format") if isinstance(payload, Mapping) else None
     try:
-        return MediaPart(m, p, base64.b64decode(data, validate=True), kind)
+        return MediaPart(m, p, base64.b64decode(data, validate=True), kind, format=fmt if isinstance(fmt, str) else "")
     except (binascii.Error, ValueError):
         raise EPDError("input_audio.data is not valid base64", where) from None
 
@@ -465,23 +482,26 @@ def check_contract(plan: ChatPlan, contract: EpdContract) -> None:
     worker run its own tower on them (or fail, tower-free), outside encode-server's cache and bounds.
     Refuse settings the family would refuse (``EpdContract.check_settings``), and settings on an item
     taken as pixels + uuid (module docstring: vLLM would never ask the store for it)."""
+    modes = contract.modes_for({part.modality for part in plan.media})
     if plan.video_settings:
         contract.check_settings(plan.video_settings, {"video"} if plan.videos else set(), f"{MEDIA_IO_FIELD}.video")
-        if plan.videos and contract.mode_of("video") == "pixels_uuid":
+        if plan.videos and modes["video"] == "pixels_uuid":
             raise EPDError("refused for this family's videos (EPD mode pixels + uuid): vLLM's loader would sample "
                            "the file by them and hash its uuid with them", f"{MEDIA_IO_FIELD}.video")
     if plan.settings:
         contract.check_settings(plan.settings, {part.modality for part in plan.media})
-        if any(contract.mode_of(part.modality) == "pixels_uuid" for part in plan.media):
+        if "pixels_uuid" in modes.values():
             raise EPDError(
                 "refused for this family (EPD mode pixels + uuid): vLLM hashes an item's uuid together with "
                 "per-request mm_processor_kwargs, so it would never read encode-server's embedding; send the chat "
                 "to vLLM without the proxy, or set them as vLLM's and encode-server's defaults", SETTINGS_FIELD,
             )
     for part in plan.media:
-        mode = contract.mode_of(part.modality)
+        mode = modes[part.modality]
         if mode == "pixel_free" or (mode == "pixels_uuid" and part.modality in ("image", "video")):
             continue
+        if mode == "pixels_uuid" and part.modality in contract.pixel_free_alone:
+            continue  # audio beside an image or a video: its file + uuid
         if mode == "pixels_uuid":
             why = f"its EPD mode for {part.modality} is pixels + uuid, and this client forwards no {part.modality} file"
         elif contract.mode == "pixels_uuid":
@@ -526,16 +546,20 @@ def _identifier(part: MediaPart, result: Result) -> str:
         raise EPDError(f"encode-server's answer does not name this {part.modality}: {exc}", part.where) from None
 
 
-def _media_part(part: MediaPart, result: Result, contract: EpdContract) -> dict[str, Any]:
-    """The part vLLM gets for one image, video or audio file, rebuilt from what was checked only (no
-    other key of the client's)."""
+def _media_part(part: MediaPart, result: Result, contract: EpdContract, mode: str | None) -> dict[str, Any]:
+    """The part vLLM gets for one image, video or audio file in ``mode`` (``EpdContract.modes_for``),
+    rebuilt from what was checked only (no other key of the client's)."""
     identifier = _identifier(part, result)
-    mode = contract.mode_of(part.modality)
     if mode == "pixels_uuid" and part.modality == "image":
         image_url: Any = {"url": part.url} if part.kind == "image_url" else part.url
         return {"type": part.kind, "image_url": image_url, "uuid": identifier}
     if mode == "pixels_uuid" and part.modality == "video":
         return {"type": part.kind, "video_url": {"url": part.url}, "uuid": identifier}
+    if mode == "pixels_uuid" and part.modality == "audio" and part.modality in contract.pixel_free_alone:
+        if part.kind == "input_audio":
+            payload = {"data": base64.b64encode(part.data).decode(), "format": part.format}
+            return {"type": part.kind, "input_audio": payload, "uuid": identifier}
+        return {"type": part.kind, "audio_url": {"url": part.url}, "uuid": identifier}
     fields = contract.fields.get(part.modality) or ()
     if mode != "pixel_free" or not fields:  # check_contract refuses these first
         raise EPDError(f"the served model takes no pixel-free {part.modality}", part.where)
@@ -560,10 +584,11 @@ def apply_results(
     served family's EPD mode, and the trusted embeddings re-keyed by content. No I/O; ``body`` is
     not changed."""
     out = copy.deepcopy(dict(body))
+    modes = contract.modes_for({part.modality for part in plan.media}) if contract is not None else {}
     for part, result in zip(plan.media, results, strict=True):
         assert contract is not None  # read whenever there are images or videos
-        out["messages"][part.message]["content"][part.part] = _media_part(part, result, contract)
-    if plan.media and contract is not None and all(contract.mode_of(p.modality) == "pixel_free" for p in plan.media):
+        out["messages"][part.message]["content"][part.part] = _media_part(part, result, contract, modes[part.modality])
+    if plan.media and all(mode == "pixel_free" for mode in modes.values()):
         out.pop(SETTINGS_FIELD, None)  # vLLM's processor sees no pixels: the metadata carries their effect
     if plan.video_settings is not None:
         out.pop(MEDIA_IO_FIELD, None)  # every video was handed off under them: vLLM loads none

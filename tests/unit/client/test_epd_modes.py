@@ -1,6 +1,8 @@
 """A family whose modalities vLLM takes in different EPD modes (Qwen3-Omni's thinker: audio
 pixel-free, images and videos pixels + uuid): the contract ``GET /v1/model`` publishes for it, how
-this client reads it, and each part of one chat rewritten in its own modality's mode (pure)."""
+this client reads it, and each part of a chat rewritten in its modality's mode, the audio as its
+file + uuid beside an image or a video (``pixel_free_alone``: vLLM 0.32 fails metadata-only audio
+there) (pure)."""
 
 from __future__ import annotations
 
@@ -64,6 +66,7 @@ def test_the_family_publishes_each_modalitys_mode_under_a_mode_older_clients_do_
     assert epd["modes"] == {"image": "pixels_uuid", "video": "pixels_uuid", "audio": "pixel_free"}
     assert epd["fields"] == {"audio": ["audio_feature_lengths"]}
     assert set(epd["modes"]) == set(FAMILY.modalities)
+    assert epd["pixel_free_alone"] == ["audio"]
 
 
 def test_every_other_family_publishes_its_contract_as_before() -> None:
@@ -71,6 +74,7 @@ def test_every_other_family_publishes_its_contract_as_before() -> None:
     for family in FAMILIES:
         if family.epd is not None and family is not FAMILY:
             assert not family.epd.per_modality and "modes" not in family.describe()["epd"], family.name
+            assert "pixel_free_alone" not in family.describe()["epd"], family.name
             assert family.describe()["epd"]["mode"] in EPD_MODES, family.name
 
 
@@ -79,6 +83,8 @@ def test_a_per_modality_contract_is_well_formed() -> None:
         Epd("pixels_uuid", modes={"audio": "pixel_free"})
     with pytest.raises(ValueError, match="mode must be one of"):
         Epd("pixels_uuid", {"audio": ("audio_feature_lengths",)}, modes={"audio": "tower"})  # type: ignore[dict-item]
+    with pytest.raises(ValueError, match="only a pixel-free modality can be pixel-free alone"):
+        Epd("pixels_uuid", {"audio": ("audio_feature_lengths",)}, modes={"audio": "pixel_free"}, alone=("image",))
     with pytest.raises(ValueError, match=r"fields are named for \['image'\]"):
         Epd("pixels_uuid", {"audio": ("audio_feature_lengths",), "image": ("image_grid_thw",)},
             modes={"audio": "pixel_free"})
@@ -89,6 +95,9 @@ def test_this_client_reads_each_modalitys_mode() -> None:
     assert contract.mode == "per_modality"
     assert [contract.mode_of(m) for m in ("image", "video", "audio")] == ["pixels_uuid", "pixels_uuid", "pixel_free"]
     assert contract.fields == {"audio": ("audio_feature_lengths",)}
+    assert contract.pixel_free_alone == {"audio"}
+    assert contract.modes_for({"audio"}) == {"audio": "pixel_free"}
+    assert contract.modes_for({"audio", "video"}) == {"audio": "pixels_uuid", "video": "pixels_uuid"}
     # one mode a family: as before (a pixels + uuid family takes images only, a pixel-free one its fields')
     internvl = EpdContract("pixels_uuid", {})
     qwen2_audio = EpdContract("pixel_free", {"audio": ("audio_num_tokens",)})
@@ -111,23 +120,47 @@ def test_a_per_modality_contract_this_client_cannot_follow_is_a_deployment_error
         EpdContract.from_model(_model(epd))
 
 
-@pytest.mark.parametrize("audio", [AUDIO, INPUT_AUDIO])
-def test_one_chat_is_rewritten_part_by_part_in_each_modalitys_mode(audio: dict[str, Any]) -> None:
-    """Audio becomes a metadata-only ``audio_embeds`` part (its samples gone); the image and the
-    video keep their data URLs, each with its identifier; every part named by the server's key."""
-    body = _chat(audio, IMAGE, VIDEO)
+RESULTS = {"image": _answer(PNG, "image", {"image_grid_thw": [1, 6, 10]}),
+           "video": _answer(MP4, "video", {"video_grid_thw": [2, 24, 24]}),
+           "audio": _answer(WAV, "audio", {"audio_feature_lengths": [233]})}
+
+
+def _rewritten(*parts: dict[str, Any]) -> list[dict[str, Any]]:
+    body = _chat(*parts)
     plan = check_chat_request(body)
     contract = _contract()
     check_contract(plan, contract)
-    results = [_answer(PNG, "image", {"image_grid_thw": [1, 6, 10]}),
-               _answer(MP4, "video", {"video_grid_thw": [2, 24, 24]}),
-               _answer(WAV, "audio", {"audio_feature_lengths": [233]})]  # plan.media: images, videos, audio
-    out = apply_results(body, plan, results, contract)["messages"][0]["content"]
-    assert out[0] == {"type": "audio_embeds", "audio_embeds": {"audio_feature_lengths": [233]},
-                      "uuid": own_identifier(mm_hash(WAV), "audio")}
-    assert out[1] == {**IMAGE, "uuid": own_identifier(mm_hash(PNG), "image")}
-    assert out[2] == {**VIDEO, "uuid": own_identifier(mm_hash(MP4), "video")}
+    results = [RESULTS[part.modality] for part in plan.media]
+    return apply_results(body, plan, results, contract)["messages"][0]["content"]
+
+
+@pytest.mark.parametrize("audio", [AUDIO, INPUT_AUDIO])
+def test_audio_alone_is_a_metadata_only_item(audio: dict[str, Any]) -> None:
+    """Without an image or a video in the chat: ``audio_embeds`` (its samples gone), the server's key's identifier."""
+    out = _rewritten(audio, AUDIO)
+    for part in out[:2]:
+        assert part == {"type": "audio_embeds", "audio_embeds": {"audio_feature_lengths": [233]},
+                        "uuid": own_identifier(mm_hash(WAV), "audio")}
     assert base64.b64encode(WAV).decode() not in str(out)
+
+
+def test_images_and_videos_keep_their_data_urls_with_the_identifier() -> None:
+    out = _rewritten(IMAGE, VIDEO)
+    assert out[0] == {**IMAGE, "uuid": own_identifier(mm_hash(PNG), "image")}
+    assert out[1] == {**VIDEO, "uuid": own_identifier(mm_hash(MP4), "video")}
+
+
+@pytest.mark.parametrize("audio", [AUDIO, INPUT_AUDIO])
+def test_beside_an_image_or_a_video_the_audio_goes_as_its_file_and_identifier(audio: dict[str, Any]) -> None:
+    """``pixel_free_alone``: vLLM 0.32 fails metadata-only audio beside raw vision items, so in
+    such a chat every part keeps its file (the audio as the client sent it, nothing else of its
+    keys) and gets its identifier; the connector supplies every item's rows."""
+    for vision in (IMAGE, VIDEO):
+        out = _rewritten(audio, vision)
+        assert out[0] == {**audio, "uuid": own_identifier(mm_hash(WAV), "audio")}
+        assert "audio_embeds" not in str(out)
+    out = _rewritten(audio, IMAGE, VIDEO)
+    assert [part["type"] for part in out[:3]] == [audio["type"], "image_url", "video_url"]
 
 
 def test_settings_on_a_pixels_and_uuid_item_are_refused_before_any_hand_off() -> None:
@@ -154,3 +187,7 @@ def test_a_modality_the_contract_does_not_name_is_refused_naming_the_part() -> N
     audio_as_pixels = EpdContract("per_modality", {}, modes={"audio": "pixels_uuid", "image": "pixels_uuid"})
     with pytest.raises(EPDError, match="forwards no audio file"):
         check_contract(check_chat_request(_chat(AUDIO)), audio_as_pixels)
+    # without pixel_free_alone, audio beside an image is not forwarded as a file either: it stays pixel-free
+    plain = EpdContract("per_modality", {"audio": ("audio_feature_lengths",)},
+                        modes={"audio": "pixel_free", "image": "pixels_uuid"})
+    assert plain.modes_for({"audio", "image"}) == {"audio": "pixel_free", "image": "pixels_uuid"}

@@ -176,7 +176,8 @@ CASES = [
         prompt=lambda n: qwen3_omni.prompt(images=n),
         sizes=[(64, 64), (150, 100), (300, 200), (30, 400)],
         parity_sizes=PARITY_SIZES,
-        refusal=(Exception, ""),
+        # a whole tensor is checked against the language model's width (64), not the DeepStack rows' (128)
+        refusal=(ValueError, "hidden dimension mismatch"),
         # vLLM's default, the torchvision backend: encode-server makes its pixels (encoders/qwen.py)
         engine_processor_kwargs={},
     ),

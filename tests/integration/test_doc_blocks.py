@@ -83,6 +83,10 @@ SKIP: dict[tuple[str, str], str] = {
     ("docs/vllm.md", "encode-server --model /models/Qwen2.5-Omni-7B --redis-url redis://redis:6379/0 --host 0.0.0.0"):
         "a Qwen2.5-Omni stack on a real model directory and named hosts, run until stopped; tests/vllm/"
         "test_qwen2_5_omni.py and test_proxy_families.py run it on a tiny one",
+    ("docs/vllm.md", "encode-server --model /models/Qwen3-Omni-30B-A3B-Instruct --redis-url redis://redis:6379/0 "
+     "--host 0.0.0.0"):
+        "a Qwen3-Omni stack on a real model directory and named hosts, run until stopped; tests/vllm/"
+        "test_qwen3_omni.py and test_proxy_families.py run it on a tiny one",
     ("docs/vllm.md",
      "encode-epd-proxy --listen 0.0.0.0:8080 --vllm http://prefill-a:8000 --vllm http://prefill-b:8000 \\"):
         "proxies in front of vLLMs and encode-servers on named hosts, run until stopped; tests/vllm runs the "

@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from PIL import Image
-from transformers import AutoFeatureExtractor, Qwen2AudioConfig
+from transformers import AutoFeatureExtractor, PretrainedConfig, Qwen2AudioConfig, Qwen2AudioEncoderConfig
 from transformers.models.qwen2_audio.modeling_qwen2_audio import Qwen2AudioEncoder
 
 from encode_server.core.types import AudioInfo
@@ -56,15 +56,23 @@ def num_audio_tokens(frames: int) -> int:
     return ((frames - 1) // 2 + 1 - 2) // 2 + 1
 
 
+class _Projector(torch.nn.Module):
+    """The checkpoint's ``multi_modal_projector``: one linear layer, named as there."""
+
+    def __init__(self, d_model: int, hidden_size: int) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(d_model, hidden_size)
+
+
 class _AudioTower(torch.nn.Module):
     """The checkpoint's audio encoder and projector, nothing of its language model."""
 
     def __init__(self, config: Qwen2AudioConfig) -> None:
         super().__init__()
-        self.config = config.audio_config
-        self.audio_tower = Qwen2AudioEncoder(config.audio_config)
-        self.projector = torch.nn.Module()
-        self.projector.linear = torch.nn.Linear(config.audio_config.d_model, config.text_config.hidden_size)
+        audio = cast(Qwen2AudioEncoderConfig, config.audio_config)
+        self.config = audio
+        self.audio_tower = Qwen2AudioEncoder(audio)
+        self.projector = _Projector(audio.d_model, cast(PretrainedConfig, config.text_config).hidden_size)
 
 
 class Qwen2AudioEncoderAdapter(HFEncoder):

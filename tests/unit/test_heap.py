@@ -21,7 +21,9 @@ def unfrozen() -> Iterator[None]:
 def test_the_objects_alive_are_frozen_and_a_full_collection_no_longer_walks_them(unfrozen: None) -> None:
     kept = [[i] for i in range(10_000)]  # tracked containers, alive
     frozen = freeze_startup_heap()
-    assert frozen == gc.get_freeze_count() >= len(kept)
+    # Not equal to a later count: a frozen object whose last reference goes is still freed (a
+    # frame's temporaries, another thread's), and leaves the permanent generation.
+    assert frozen >= len(kept) and gc.get_freeze_count() >= len(kept)
     tracked = gc.get_objects()  # what a full collection walks
     assert not any(x is kept[0] or x is kept[-1] for x in tracked)
     made_after = [0]

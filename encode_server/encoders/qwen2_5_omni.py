@@ -56,7 +56,7 @@ from .qwen2_audio import num_audio_tokens
 from .qwen_video import video_grid
 from .resample import MAX_KERNEL_ELEMENTS, kernel_elements, resample
 
-__all__ = ["FAMILY", "VIDEO_CALL_SIZE", "Qwen2_5OmniEncoder", "load_qwen2_5_omni"]
+__all__ = ["FAMILY", "VIDEO_CALL_SIZE", "Qwen2_5OmniEncoder", "attach_call_video", "load_qwen2_5_omni"]
 
 # The hub's checkpoints (the whole model: thinker, talker, token2wav) keep the thinker under ``thinker.``.
 LAYOUTS: list[Layout] = [{"thinker.visual.": "visual.", "thinker.audio_tower.": "audio_tower."}]
@@ -203,11 +203,17 @@ def load_qwen2_5_omni(files: CheckpointFiles, config: PretrainedConfig, processo
     as_patch_linear(towers.visual)
     extractor = WhisperFeatureExtractor.from_pretrained(files.directory)
     encoder = Qwen2_5OmniEncoder(towers, processor, extractor, spec, digest=digest)
-    saved = dict(files.video_processor_config(or_image_config=True) or {})
-    for key in ("min_pixels", "max_pixels"):  # sizes the call's own size outranks
-        saved.pop(key, None)
-    attach_video(encoder, {**saved, "size": VIDEO_CALL_SIZE}, VIDEO_DEFAULTS)
+    attach_call_video(encoder, files, VIDEO_CALL_SIZE)
     return encoder
+
+
+def attach_call_video(encoder: QwenVisionEncoder, files: CheckpointFiles, size: dict[str, int]) -> None:
+    """The video settings an Omni processor's call uses: what the checkpoint saved, under the
+    ``size`` the call itself passes (which outranks a saved ``min_pixels`` / ``max_pixels``)."""
+    saved = dict(files.video_processor_config(or_image_config=True) or {})
+    for key in ("min_pixels", "max_pixels"):
+        saved.pop(key, None)
+    attach_video(encoder, {**saved, "size": size}, VIDEO_DEFAULTS)
 
 
 FAMILY = Family(

@@ -52,8 +52,8 @@ from .base import AudioPlan, EncodedTensor, PreparedItem, VideoPlan
 from .family import Epd, Family
 from .hf import LoadSpec, to_encoded
 from .loading import CheckpointFiles, Layout, empty_module, load_vision_weights
-from .qwen import OUTPUTS, VIDEO_DEFAULTS, attach_video, video_frame_size
-from .qwen2_5_omni import Qwen2_5OmniEncoder
+from .qwen import OUTPUTS, video_frame_size
+from .qwen2_5_omni import Qwen2_5OmniEncoder, attach_call_video
 from .qwen3_vl import Qwen3VisionEncoder
 from .qwen_video import video_grid
 from .resample import MAX_KERNEL_ELEMENTS, kernel_elements, resample
@@ -171,10 +171,7 @@ def load_qwen3_omni(files: CheckpointFiles, config: PretrainedConfig, processor:
     digest = load_vision_weights(towers, files, LAYOUTS)
     extractor = WhisperFeatureExtractor.from_pretrained(files.directory)
     encoder = Qwen3OmniEncoder(towers, processor, extractor, spec, digest=digest)
-    saved = dict(files.video_processor_config(or_image_config=True) or {})
-    for key in ("min_pixels", "max_pixels"):  # sizes the call's own size outranks
-        saved.pop(key, None)
-    attach_video(encoder, {**saved, "size": VIDEO_CALL_SIZE}, VIDEO_DEFAULTS)
+    attach_call_video(encoder, files, VIDEO_CALL_SIZE)
     return encoder
 
 

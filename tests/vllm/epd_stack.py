@@ -69,6 +69,34 @@ def video_file(tmp: Path, frames: int, fps: float, width: int, height: int, code
     return video_files(tmp, [(frames, fps, width, height, codec)])[0]
 
 
+MIME = {"audio": "audio/{}", "image": "image/png", "video": "video/mp4"}
+
+
+def media_url(kind: str, data: bytes, fmt: str = "wav") -> str:
+    """A data URL for an audio file (``fmt`` its container), a PNG or an MP4."""
+    return f"data:{MIME[kind].format(fmt)};base64," + base64.b64encode(data).decode()
+
+
+def media_items(tmp: Path, audio: Sequence[tuple[float, int, int, str]], images: Sequence[tuple[int, int]],
+                videos: Sequence[tuple[Any, ...]]) -> dict[str, tuple[str, bytes, str]]:
+    """An Omni test's items, by name (``audio-1s-16000Hz-1ch-wav``, ``image-150x100``,
+    ``video-4f-2fps-64x64``): name -> (modality, bytes, the data URL vLLM is given). Audio files
+    (seconds, rate, channels, container) by ``tests.audios``, PNGs and videos as the suite makes them."""
+    from tests.audios import make_audio
+    from tests.vllm.conftest import png
+
+    out: dict[str, tuple[str, bytes, str]] = {}
+    for i, (seconds, rate, channels, fmt) in enumerate(audio):
+        data = make_audio(seconds, rate, channels, fmt, seed=i)
+        out[f"audio-{seconds:g}s-{rate}Hz-{channels}ch-{fmt}"] = ("audio", data, media_url("audio", data, fmt))
+    for i, (width, height) in enumerate(images):
+        data = png(width, height, seed=i)
+        out[f"image-{width}x{height}"] = ("image", data, media_url("image", data))
+    for (frames, fps, width, height, *_), data in zip(videos, video_files(tmp, videos), strict=True):
+        out[f"video-{frames}f-{fps:g}fps-{width}x{height}"] = ("video", data, media_url("video", data))
+    return out
+
+
 def video_url_part(data: bytes, mime: str = "video/mp4") -> dict[str, Any]:
     return {"type": "video_url", "video_url": {"url": f"data:{mime};base64," + base64.b64encode(data).decode()}}
 

@@ -37,7 +37,6 @@ import numpy as np
 import pytest
 import redis
 
-from tests.audios import make_audio
 from tests.redis_procs import delete_prefix
 from tests.server import ServerProcess, start_server
 from tests.tiny.qwen3_omni import make_tiny_qwen3_omni
@@ -46,17 +45,15 @@ from tests.vllm.conftest import (
     connector_config,
     engine,
     model_runner,
-    png,
     scheduler_connector,
     stored_value,
     tiny_checkpoint,
 )
-from tests.vllm.epd_stack import video_files
+from tests.vllm.epd_stack import media_items
 
 PREFIX = f"test-vllm-qwen3-omni-{os.getpid()}"
 TOLERANCE = 1e-5  # of max(1, the largest magnitude), as for the other families
 LIMITS = {"audio": 1, "image": 1, "video": 1}
-MIME = {"audio": "audio/{}", "image": "image/png", "video": "video/mp4"}
 PART = {"audio": "audio_url", "image": "image_url", "video": "video_url"}
 TOKEN = {"audio": "<|audio_pad|>", "image": "<|image_pad|>", "video": "<|video_pad|>"}
 
@@ -71,9 +68,6 @@ MIXED = [("audio-1s-16000Hz-1ch-wav", "image-150x100", "video-4f-2fps-64x64"),
          ("audio-2.5s-44100Hz-1ch-wav", "image-64x64", "video-21f-6fps-96x64")]
 
 
-def _url(kind: str, data: bytes, fmt: str = "wav") -> str:
-    return f"data:{MIME[kind].format(fmt)};base64," + base64.b64encode(data).decode()
-
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -83,17 +77,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def items(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, bytes, str]]:
     """name -> (modality, bytes, the data URL vLLM is given)."""
-    out: dict[str, tuple[str, bytes, str]] = {}
-    for i, (seconds, rate, channels, fmt) in enumerate(AUDIO):
-        data = make_audio(seconds, rate, channels, fmt, seed=i)
-        out[f"audio-{seconds:g}s-{rate}Hz-{channels}ch-{fmt}"] = ("audio", data, _url("audio", data, fmt))
-    for i, (width, height) in enumerate(IMAGES):
-        data = png(width, height, seed=i)
-        out[f"image-{width}x{height}"] = ("image", data, _url("image", data))
-    clips = video_files(tmp_path_factory.mktemp("omni3-videos"), VIDEOS)
-    for (frames, fps, width, height), data in zip(VIDEOS, clips, strict=True):
-        out[f"video-{frames}f-{fps:g}fps-{width}x{height}"] = ("video", data, _url("video", data))
-    return out
+    return media_items(tmp_path_factory.mktemp("omni3-videos"), AUDIO, IMAGES, VIDEOS)
 
 
 def _chat(parts: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -1,7 +1,7 @@
 """The startup heap, frozen out of Python's garbage collector, and the collector's pauses, measured.
 
 A loaded model leaves hundreds of thousands of objects the cyclic collector tracks (transformers'
-and torch's modules, the model's parameters and submodules: 426,000 for a tiny CLIP with the
+and torch's modules, the model's parameters and submodules: 435,000 for a tiny CLIP with the
 server's imports). None of them will ever be garbage, yet each full (generation 2) collection walks
 them all, holding the GIL: 100-190 ms on a 2-core machine, during which no request is parsed,
 answered or handed to a forward pass. Under load such a collection comes every few hundred

@@ -54,7 +54,7 @@ from .loading import CheckpointFiles, Layout, empty_module, load_vision_weights
 from .qwen import OUTPUTS, VIDEO_DEFAULTS, QwenVisionEncoder, as_patch_linear, attach_video, video_frame_size
 from .qwen2_audio import num_audio_tokens
 from .qwen_video import video_grid
-from .resample import MAX_KERNEL_ELEMENTS, kernel_elements, resample
+from .resample import check_resamplable, resample
 
 __all__ = ["FAMILY", "VIDEO_CALL_SIZE", "Qwen2_5OmniEncoder", "attach_call_video", "load_qwen2_5_omni"]
 
@@ -116,9 +116,7 @@ class Qwen2_5OmniEncoder(QwenVisionEncoder):
     def plan_audio(self, info: AudioInfo) -> AudioPlan:
         """The whole file (no window: ``--max-audio-seconds`` bounds it), costed from its header's
         length (an estimated one's bound: ``admission.plan_audio``)."""
-        if (taps := kernel_elements(info.sample_rate, self.sample_rate)) > MAX_KERNEL_ELEMENTS:
-            raise ValueError(f"{info.sample_rate} Hz cannot be resampled to {self.sample_rate} Hz within bounded "
-                             f"memory (a {taps}-tap filter bank); resample it to a common rate first")
+        check_resamplable(info.sample_rate, self.sample_rate)
         heard = info.num_samples
         resampled = math.ceil(heard * self.sample_rate / info.sample_rate)
         padded = max(self.window, resampled)

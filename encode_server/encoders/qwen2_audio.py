@@ -38,7 +38,7 @@ from .base import AudioPlan, EncodedTensor, PreparedItem
 from .family import Epd, Family
 from .hf import HFEncoder, LoadSpec, to_encoded
 from .loading import CheckpointFiles, Layout, empty_module, load_vision_weights
-from .resample import MAX_KERNEL_ELEMENTS, kernel_elements, resample
+from .resample import check_resamplable, resample
 
 __all__ = ["FAMILY", "Qwen2AudioEncoderAdapter", "load_qwen2_audio", "num_audio_tokens"]
 
@@ -101,9 +101,7 @@ class Qwen2AudioEncoderAdapter(HFEncoder):
     # -- audio --------------------------------------------------------------------------------
 
     def plan_audio(self, info: AudioInfo) -> AudioPlan:
-        if (taps := kernel_elements(info.sample_rate, self.sample_rate)) > MAX_KERNEL_ELEMENTS:
-            raise ValueError(f"{info.sample_rate} Hz cannot be resampled to {self.sample_rate} Hz within bounded "
-                             f"memory (a {taps}-tap filter bank); resample it to a common rate first")
+        check_resamplable(info.sample_rate, self.sample_rate)
         keep = self.window / self.sample_rate + RESAMPLE_MARGIN_S
         heard = math.ceil(keep * info.sample_rate)  # a header that only estimates the length may understate it
         if info.exact_length:

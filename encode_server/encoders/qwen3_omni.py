@@ -56,7 +56,7 @@ from .qwen import OUTPUTS, video_frame_size
 from .qwen2_5_omni import Qwen2_5OmniEncoder, attach_call_video
 from .qwen3_vl import Qwen3VisionEncoder
 from .qwen_video import video_grid
-from .resample import MAX_KERNEL_ELEMENTS, kernel_elements, resample
+from .resample import check_resamplable, resample
 
 __all__ = ["FAMILY", "VIDEO_CALL_SIZE", "Qwen3OmniEncoder", "audio_rows", "load_qwen3_omni"]
 
@@ -111,9 +111,7 @@ class Qwen3OmniEncoder(Qwen2_5OmniEncoder):
 
     def plan_audio(self, info: AudioInfo) -> AudioPlan:
         """The whole file (``--max-audio-seconds`` bounds it), costed from its header's length."""
-        if (taps := kernel_elements(info.sample_rate, self.sample_rate)) > MAX_KERNEL_ELEMENTS:
-            raise ValueError(f"{info.sample_rate} Hz cannot be resampled to {self.sample_rate} Hz within bounded "
-                             f"memory (a {taps}-tap filter bank); resample it to a common rate first")
+        check_resamplable(info.sample_rate, self.sample_rate)
         heard = info.num_samples
         resampled = math.ceil(heard * self.sample_rate / info.sample_rate)
         frames = max(1, math.ceil(resampled / self.hop_length))

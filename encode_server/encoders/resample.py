@@ -17,7 +17,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-__all__ = ["MAX_KERNEL_ELEMENTS", "kernel_elements", "resample"]
+__all__ = ["MAX_KERNEL_ELEMENTS", "check_resamplable", "kernel_elements", "resample"]
 
 ZERO_CROSSINGS = 6  # torchaudio's lowpass_filter_width
 ROLLOFF = 0.99
@@ -34,6 +34,14 @@ def kernel_elements(orig_rate: int, new_rate: int) -> int:
     gcd = math.gcd(orig_rate, new_rate)
     orig, new = orig_rate // gcd, new_rate // gcd
     return new * (orig + 2 * math.ceil(ZERO_CROSSINGS * orig / (min(orig, new) * ROLLOFF)))
+
+
+def check_resamplable(orig_rate: int, new_rate: int) -> None:
+    """Refuse (``ValueError``) a rate whose filter bank passes ``MAX_KERNEL_ELEMENTS``: an audio
+    family's ``plan_audio`` calls it before anything is decoded."""
+    if (taps := kernel_elements(orig_rate, new_rate)) > MAX_KERNEL_ELEMENTS:
+        raise ValueError(f"{orig_rate} Hz cannot be resampled to {new_rate} Hz within bounded "
+                         f"memory (a {taps}-tap filter bank); resample it to a common rate first")
 
 
 @lru_cache(maxsize=16)

@@ -56,7 +56,7 @@ from .qwen2_audio import num_audio_tokens
 from .qwen_video import video_grid
 from .resample import check_resamplable, resample
 
-__all__ = ["FAMILY", "VIDEO_CALL_SIZE", "Qwen2_5OmniEncoder", "attach_call_video", "load_qwen2_5_omni"]
+__all__ = ["FAMILY", "VIDEO_CALL_SIZE", "OmniTowers", "Qwen2_5OmniEncoder", "attach_call_video", "load_qwen2_5_omni"]
 
 # The hub's checkpoints (the whole model: thinker, talker, token2wav) keep the thinker under ``thinker.``.
 LAYOUTS: list[Layout] = [{"thinker.visual.": "visual.", "thinker.audio_tower.": "audio_tower."}]
@@ -67,13 +67,15 @@ VIDEO_CALL_SIZE = {"shortest_edge": 128 * 28 * 28, "longest_edge": 768 * 28 * 28
 VIDEO_FPS = 2.0  # the fps the Omni processor assumes for second_per_grid_ts when none is passed (vLLM's case)
 
 
-class _Towers(torch.nn.Module):
-    """The thinker's two towers, nothing of its language model (nor the talker's)."""
+class OmniTowers(torch.nn.Module):
+    """An Omni thinker's two towers, nothing of its language model (nor the talker's): transformers'
+    ``vision`` and ``audio`` encoder classes (Qwen2.5-Omni's by default, Qwen3-Omni's there)."""
 
-    def __init__(self, config: PretrainedConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: PretrainedConfig, dtype: torch.dtype, vision: Any = Qwen2_5OmniVisionEncoder,
+                 audio: Any = Qwen2_5OmniAudioEncoder) -> None:
         super().__init__()
-        self.visual = Qwen2_5OmniVisionEncoder._from_config(config.vision_config, dtype=dtype)
-        self.audio_tower = Qwen2_5OmniAudioEncoder._from_config(config.audio_config, dtype=dtype)
+        self.visual = vision._from_config(config.vision_config, dtype=dtype)
+        self.audio_tower = audio._from_config(config.audio_config, dtype=dtype)
 
 
 class Qwen2_5OmniEncoder(QwenVisionEncoder):
@@ -83,7 +85,7 @@ class Qwen2_5OmniEncoder(QwenVisionEncoder):
     vision item's the patch rows and grid: ``forward`` runs each kind's items in one pass of its
     tower. ``cost_tokens`` of audio is its positions after the strided conv (what the tower attends over)."""
 
-    def __init__(self, towers: Any, processor: Any, extractor: WhisperFeatureExtractor, spec: LoadSpec,
+    def __init__(self, towers: OmniTowers, processor: Any, extractor: WhisperFeatureExtractor, spec: LoadSpec,
                  *, digest: str, kind: str = "qwen2_5_omni") -> None:
         super().__init__(towers.visual, processor, spec, kind=kind, digest=digest)
         self.audio_tower = towers.audio_tower
@@ -196,7 +198,7 @@ def load_qwen2_5_omni(files: CheckpointFiles, config: PretrainedConfig, processo
     ``qwen.py``'s), its image processor, feature extractor and video processor settings."""
     if spec.output not in OUTPUTS:
         raise ValueError(f"a Qwen2.5-Omni model's output is its towers' features ({OUTPUTS}), not {spec.output!r}")
-    towers = empty_module(lambda: _Towers(config.thinker_config, spec.dtype), spec.device, spec.dtype)
+    towers = empty_module(lambda: OmniTowers(config.thinker_config, spec.dtype), spec.device, spec.dtype)
     digest = load_vision_weights(towers, files, LAYOUTS)
     as_patch_linear(towers.visual)
     extractor = WhisperFeatureExtractor.from_pretrained(files.directory)

@@ -53,7 +53,7 @@ from .family import Epd, Family
 from .hf import LoadSpec, to_encoded
 from .loading import CheckpointFiles, Layout, empty_module, load_vision_weights
 from .qwen import OUTPUTS, video_frame_size
-from .qwen2_5_omni import Qwen2_5OmniEncoder, attach_call_video
+from .qwen2_5_omni import OmniTowers, Qwen2_5OmniEncoder, attach_call_video
 from .qwen3_vl import Qwen3VisionEncoder
 from .qwen_video import video_grid
 from .resample import check_resamplable, resample
@@ -76,15 +76,6 @@ def audio_rows(frames: int) -> int:
     return ((after - 1) // 2 + 1 - 1) // 2 + 1 + (frames // CHUNK_FRAMES) * CHUNK_ROWS
 
 
-class _Towers(torch.nn.Module):
-    """The thinker's two towers, nothing of its language model (nor the talker's)."""
-
-    def __init__(self, config: PretrainedConfig, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.visual = Qwen3OmniMoeVisionEncoder._from_config(config.vision_config, dtype=dtype)
-        self.audio_tower = Qwen3OmniMoeAudioEncoder._from_config(config.audio_config, dtype=dtype)
-
-
 class Qwen3OmniEncoder(Qwen2_5OmniEncoder):
     """Qwen2.5-Omni's two-tower encoder (each kind's items in one pass of its tower) with Qwen3-VL's
     DeepStack-packed vision rows and Qwen3-Omni's chunked audio tower and count."""
@@ -92,7 +83,7 @@ class Qwen3OmniEncoder(Qwen2_5OmniEncoder):
     output_width = staticmethod(Qwen3VisionEncoder.output_width)
     features = Qwen3VisionEncoder.features
 
-    def __init__(self, towers: Any, processor: Any, extractor: WhisperFeatureExtractor, spec: LoadSpec,
+    def __init__(self, towers: OmniTowers, processor: Any, extractor: WhisperFeatureExtractor, spec: LoadSpec,
                  *, digest: str) -> None:
         super().__init__(towers, processor, extractor, spec, digest=digest, kind="qwen3_omni_moe")
         # audio rows are the language model's width; hidden_size is the vision rows' (DeepStack-packed)
@@ -165,7 +156,10 @@ def load_qwen3_omni(files: CheckpointFiles, config: PretrainedConfig, processor:
     image processor, feature extractor and video processor settings."""
     if spec.output not in OUTPUTS:
         raise ValueError(f"a Qwen3-Omni model's output is its towers' features ({OUTPUTS}), not {spec.output!r}")
-    towers = empty_module(lambda: _Towers(config.thinker_config, spec.dtype), spec.device, spec.dtype)
+    towers = empty_module(
+        lambda: OmniTowers(config.thinker_config, spec.dtype, Qwen3OmniMoeVisionEncoder, Qwen3OmniMoeAudioEncoder),
+        spec.device, spec.dtype,
+    )
     digest = load_vision_weights(towers, files, LAYOUTS)
     extractor = WhisperFeatureExtractor.from_pretrained(files.directory)
     encoder = Qwen3OmniEncoder(towers, processor, extractor, spec, digest=digest)

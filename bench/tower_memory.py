@@ -392,7 +392,7 @@ def table(r: dict[str, Any]) -> str:
         cells = [w[key] / unit, t[key] / unit, (w[key] - t[key]) / unit]
         text = [f"{x:.2f} {suffix}" if unit != 1 else f"{x:,.0f}" for x in cells]
         lines.append(f"| {label} | " + " | ".join(text) + " |")
-    h = r.get("whole_model", r.get("whole_3b"))["h200"]  # "whole_3b": results written before the cases
+    h = r["whole_model"]["h200"]
     lines.append(
         f"\nwhole model: {h['tower_weight_bytes'] / GIB:.2f} GiB of tower weights = "
         f"{h['kv_tokens_bought']:,} KV tokens at {h['kv_bytes_per_token']:,} B/token; H200 at 0.9: "

@@ -44,7 +44,11 @@ def test_a_batch_is_each_images_tiles_in_order(llama4_dir: Path) -> None:
     images = [noise_image(w, h, seed=10 + i) for i, (w, h) in enumerate(SIZES[:4])]
     batched = encoder.forward([encoder.preprocess(image) for image in images])
     for image, encoded in zip(images, batched, strict=True):
-        assert torch.equal(decode(encoded), reference_llama4_features(llama4_dir, image))
+        # All the batch's tiles go through one matmul: on some CPUs (this suite's Intel Xeon, not its
+        # AMD EPYC) the BLAS blocks a taller matrix otherwise and rounds a last bit apart.
+        ours, alone = decode(encoded), reference_llama4_features(llama4_dir, image)
+        assert ours.shape == alone.shape
+        assert float((ours - alone).abs().max()) <= 1e-5 * max(1.0, float(alone.abs().max()))
 
 
 @pytest.mark.parametrize(("width", "height"), [*SIZES, (640, 480), (168, 280), (57, 333), (1920, 1080)])

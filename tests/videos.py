@@ -32,10 +32,12 @@ def frames(count: int, width: int, height: int, seed: int = 0) -> np.ndarray:
 
 def make_video(
     count: int, fps: float, width: int, height: int, *, codec: str = "libx264", seed: int = 0,
-    container_format: str | None = None,
+    container_format: str | None = None, sound_rate: int | None = None,
 ) -> bytes:
     """A ``count``-frame video at ``fps``: H.264 in mp4 by default (lossless-ish quality, yuv420p);
-    ``container_format`` another of FFmpeg's muxers (``mpegts``: a container without a magic number)."""
+    ``container_format`` another of FFmpeg's muxers (``mpegts``: a container without a magic number).
+    With ``sound_rate``, a sound track as long as the frames (``tests.audios.samples``, mono), AAC in
+    mp4 and Opus in webm: what a camera or a screen recording gives, for a video's own sound."""
     import av
 
     buffer = io.BytesIO()
@@ -45,12 +47,36 @@ def make_video(
         stream.pix_fmt = "rgb8" if codec == "gif" else "yuv420p"
         if codec == "libx264":
             stream.options = {"crf": "10", "preset": "veryfast"}
+        sound = container.add_stream("libopus" if codec == "libvpx-vp9" else "aac", rate=sound_rate,
+                                     layout="mono") if sound_rate else None
         for pixels in frames(count, width, height, seed):
             for packet in stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")):
                 container.mux(packet)
         for packet in stream.encode():
             container.mux(packet)
+        if sound is not None:
+            _mux_sound(container, sound, count / fps, seed)
     return buffer.getvalue()
+
+
+def _mux_sound(container, stream, seconds: float, seed: int) -> None:  # type: ignore[no-untyped-def]
+    import av
+
+    from tests.audios import samples
+
+    rate = stream.rate
+    wave = samples(seconds, rate, 1, seed)[:, 0]
+    pcm = (wave * 32767).astype(np.int16) if stream.codec_context.name == "libopus" else wave
+    fmt = "s16" if pcm.dtype == np.int16 else "fltp"
+    step = stream.codec_context.frame_size or 1024
+    for start in range(0, len(pcm), step):
+        frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(pcm[start:start + step].reshape(1, -1)),
+                                           format=fmt, layout="mono")
+        frame.sample_rate, frame.pts = rate, start
+        for packet in stream.encode(frame):
+            container.mux(packet)
+    for packet in stream.encode(None):
+        container.mux(packet)
 
 
 if __name__ == "__main__":

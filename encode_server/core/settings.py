@@ -39,6 +39,8 @@ from encode_server.core.hashing import frame
 __all__ = ["SETTINGS_DOMAIN", "Setting", "describe", "digest", "resolve"]
 
 SETTINGS_DOMAIN = "encode-server/mm-processor-kwargs/v1"
+# vLLM's key for the Omni thinkers' video with its own sound: a setting of the prompt, never an item's
+AUDIO_IN_VIDEO = "use_audio_in_video"
 _TYPES: dict[str, tuple[type, ...]] = {"int": (int,), "float": (int, float), "bool": (bool,)}
 
 
@@ -123,6 +125,10 @@ def resolve(
     effective = {s.name: defaults[s.name] for s in declared if modality in s.modalities}
     for name, value in given.items():
         setting = by_name.get(name)
+        if setting is None and name == AUDIO_IN_VIDEO:
+            raise BadInput(f"mm_processor_kwargs.{name} is the prompt's setting, not an item's: send the video as a "
+                           "video item and its sound as an audio item of the same bytes (encode-epd-proxy does both)",
+                           type="invalid_setting")
         if setting is None:
             known = ", ".join(by_name) or "none"
             raise BadInput(f"mm_processor_kwargs.{name} is not a setting of this model's family (its keys: {known})",

@@ -60,6 +60,12 @@ class Epd:
     its tower does not). Qwen3-Omni's audio in vLLM 0.32: its processor builds the text it hands
     the HF processor from every item's count, a metadata-only one's included, so a request with
     metadata-only audio and an image fails there (``tests/vllm/test_qwen3_omni.py``).
+
+    ``audio_in_video``: vLLM takes the request's ``use_audio_in_video`` (the Omni thinkers: each
+    video's own sound, its rows interleaved with the video's in one placeholder). Its chat parser
+    takes a video's sound only from the video's file, so in such a request every item goes as its
+    file + uuid, and each video is two items, the video and its sound (the same bytes as an audio
+    item), each encoded here as any other.
     """
 
     mode: Literal["pixel_free", "pixels_uuid"]
@@ -68,6 +74,7 @@ class Epd:
     tensors: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     modes: Mapping[str, Literal["pixel_free", "pixels_uuid"]] = field(default_factory=dict)
     alone: tuple[str, ...] = ()
+    audio_in_video: bool = False
 
     def __post_init__(self) -> None:
         for mode in (self.mode, *self.modes.values()):
@@ -110,6 +117,8 @@ class Epd:
             described.update(mode=PER_MODALITY, modes={m: self.mode_of(m) for m in named})
         if self.alone:
             described["pixel_free_alone"] = list(self.alone)
+        if self.audio_in_video:
+            described["audio_in_video"] = True
         return described
 
 

@@ -25,9 +25,12 @@ EPD: pixel-free for all three. vLLM's parser declares Qwen2-VL's ``image_grid_th
 (metadata, from which it counts the placeholder), so the prefill worker takes metadata + uuid and
 can run without either tower.
 
-``use_audio_in_video`` (a video's own sound interleaved with its frames in one placeholder) is not
-served: vLLM takes it as ``mm_processor_kwargs``, which this family declares none of, so a request
-naming it is refused (a 4xx naming the item); a video's sound can be sent as an audio part instead.
+``use_audio_in_video`` (a video's own sound interleaved with its frames in one placeholder) is the
+prompt's business, not an item's: the video's rows and its sound's rows are what they are alone,
+vLLM interleaves them. So encode-server takes the video as a video item and its sound as an audio
+item of the same bytes (the audio decoder reads a video container's first sound track), and
+refuses the key on an item (a 4xx naming it); the EPD path hands off both and names both
+(``Epd.audio_in_video``, ``encode_client.epd``).
 """
 
 from __future__ import annotations
@@ -226,5 +229,6 @@ FAMILY = Family(
         {"image": ("image_grid_thw",), "video": ("video_grid_thw",), "audio": ("audio_feature_lengths",)},
         vllm_model="qwen2_5_omni_thinker.py",
         tensors={"video": {"second_per_grid_ts": "float32"}},
+        audio_in_video=True,
     ),
 )

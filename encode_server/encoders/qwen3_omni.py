@@ -27,8 +27,8 @@ the existing raw-media fallback"), so images and videos go as pixels + uuid: vLL
 the placeholder from the pixels, its connector supplies the rows, and the vision tower stays built
 (``tests/vllm/test_qwen3_omni_epd_modes.py`` pins all of it).
 
-``use_audio_in_video`` (a video's sound interleaved with its frames) is not served, as for
-Qwen2.5-Omni: the family declares no per-request setting, so a request naming it is refused.
+``use_audio_in_video`` (a video's sound interleaved with its frames) as for Qwen2.5-Omni: a video
+item and an audio item of the same bytes, interleaved by vLLM (``Epd.audio_in_video``).
 """
 
 from __future__ import annotations
@@ -182,5 +182,6 @@ FAMILY = Family(
         modes={"audio": "pixel_free"},
         # vLLM 0.32 fails a request with metadata-only audio beside an image or a video (Epd.alone)
         alone=("audio",),
+        audio_in_video=True,
     ),
 )

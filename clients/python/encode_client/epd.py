@@ -112,7 +112,7 @@ import copy
 import inspect
 import json
 from collections.abc import Awaitable, Callable, Generator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from blake3 import blake3
@@ -124,9 +124,10 @@ from encode_client._images import mm_hash
 from encode_client._types import Result
 from encode_client.epd_tensor import DTYPES as TENSOR_DTYPES
 from encode_client.epd_tensor import tensor_string
-from encode_client.keys import embeds_identifier, epd_identifier, own_identifier
+from encode_client.keys import EC_PARAMS_KEY, embeds_identifier, epd_identifier, own_identifier
 
 __all__ = [
+    "AUDIO_IN_VIDEO",
     "AUDIO_PARTS",
     "EMBEDS_PARTS",
     "IMAGE_PARTS",
@@ -141,6 +142,7 @@ __all__ = [
     "EpdContractError",
     "MediaPart",
     "apply_results",
+    "audio_in_video",
     "cache_salt",
     "check_chat_request",
     "check_contract",
@@ -159,6 +161,8 @@ AUDIO_PARTS = frozenset({"audio_url", "input_audio"})
 EMBEDS_PARTS = frozenset({"image_embeds", "video_embeds", "audio_embeds"})
 SETTINGS_FIELD = "mm_processor_kwargs"
 MEDIA_IO_FIELD = "media_io_kwargs"
+AUDIO_IN_VIDEO = "use_audio_in_video"  # vLLM's key for the Omni thinkers' video with its own sound
+EC_PARAMS_FIELD = "ec_transfer_params"
 REFUSED_FIELDS: dict[str, str] = {
     SETTINGS_FIELD: "per-request processor settings are off on this proxy (start it with --trust-request-mm-kwargs, "
     "and encode-server with its flag of that name, to take them)",
@@ -204,11 +208,16 @@ class EpdContract:
     modes: Mapping[str, str] = field(default_factory=dict)  # per_modality's: modality -> its mode
     # pixel-free modalities vLLM takes metadata-only only in a request with no pixels + uuid item
     pixel_free_alone: frozenset[str] = frozenset()
+    audio_in_video: bool = False  # the family takes use_audio_in_video (its chat: every item as file + uuid)
 
-    def modes_for(self, modalities: set[str]) -> dict[str, str | None]:
+    def modes_for(self, modalities: set[str], audio_in_video: bool = False) -> dict[str, str | None]:
         """Each of a request's ``modalities`` and the mode its items go in, in that request: a
-        ``pixel_free_alone`` one as pixels + uuid when another goes so."""
+        ``pixel_free_alone`` one as pixels + uuid when another goes so; every one as pixels + uuid
+        in a request with ``use_audio_in_video`` (vLLM's chat parser takes a video's sound only from
+        the video's file, and a metadata-only item beside it is what vLLM 0.32 fails for Qwen3-Omni)."""
         modes = {m: self.mode_of(m) for m in modalities}
+        if audio_in_video:
+            return {m: "pixels_uuid" if mode is not None else None for m, mode in modes.items()}
         if "pixels_uuid" in modes.values():
             modes.update({m: "pixels_uuid" for m in modes if m in self.pixel_free_alone and modes[m] == "pixel_free"})
         return modes
@@ -266,6 +275,7 @@ class EpdContract:
             {str(k): dict(v) for k, v in keys.items() if isinstance(v, Mapping)},
             {str(m): str(each) for m, each in modes.items()},
             frozenset(str(m) for m in epd.get("pixel_free_alone") or ()),
+            epd.get("audio_in_video") is True,
         )
 
     def check_settings(self, settings: Mapping[str, Any], modalities: set[str], field: str = SETTINGS_FIELD) -> None:
@@ -311,6 +321,7 @@ class MediaPart:
     kind: str = "image_url"  # or the Responses form, "input_image", or "video_url", "audio_url", "input_audio"
     url: str = ""  # the data: URL, as the client sent it
     format: str = ""  # an input_audio part's "format", as the client sent it
+    sound: bool = False  # a video part's own sound (use_audio_in_video): its bytes as an audio item
 
     @property
     def where(self) -> str:
@@ -318,6 +329,8 @@ class MediaPart:
 
     @property
     def modality(self) -> str:
+        if self.sound:
+            return "audio"
         return "video" if self.kind in VIDEO_PARTS else "audio" if self.kind in AUDIO_PARTS else "image"
 
 
@@ -341,11 +354,18 @@ class ChatPlan:
     settings: Mapping[str, Any] | None = None  # the body's mm_processor_kwargs, when trusted and given
     video_settings: Mapping[str, Any] | None = None  # the body's media_io_kwargs.video, likewise
     audios: list[MediaPart] = field(default_factory=list)
+    audio_in_video: bool = False  # the body's use_audio_in_video, with a video to apply it to
+
+    @property
+    def sounds(self) -> list[MediaPart]:
+        """Each video's own sound under ``use_audio_in_video``: the video's bytes as an audio item."""
+        return [replace(v, sound=True) for v in self.videos] if self.audio_in_video else []
 
     @property
     def media(self) -> list[MediaPart]:
-        """Every part to hand off, images, videos, then audio: the order of the rewrite's results."""
-        return [*self.images, *self.videos, *self.audios]
+        """Every item to hand off, images, videos, audio, then the videos' sounds: the order of the
+        rewrite's results."""
+        return [*self.images, *self.videos, *self.audios, *self.sounds]
 
 
 def _where(message: int, part: int) -> str:
@@ -373,15 +393,37 @@ def check_request_fields(body: Mapping[str, Any], *, trust_request_mm_kwargs: bo
     """Refuse the body fields in :data:`REFUSED_FIELDS` (set to anything but null or ``{}``), but
     ``mm_processor_kwargs`` and ``media_io_kwargs`` when trusted: then the settings the first gives
     (an object), or None (``video_settings``: the second's)."""
+    given = _item_settings(body)
     for name, why in REFUSED_FIELDS.items():
         if name in (SETTINGS_FIELD, MEDIA_IO_FIELD) and trust_request_mm_kwargs:
             continue
-        if body.get(name) not in (None, {}):
+        if (given if name == SETTINGS_FIELD else body.get(name)) not in (None, {}):
             raise EPDError(f"refused: {why}", name)
-    settings = body.get(SETTINGS_FIELD) if trust_request_mm_kwargs else None
+    settings = given if trust_request_mm_kwargs else None
     if settings is not None and not isinstance(settings, Mapping):
         raise EPDError(f"must be an object, got {type(settings).__name__}", SETTINGS_FIELD)
     return settings or None
+
+
+def _item_settings(body: Mapping[str, Any]) -> Any:
+    """The body's ``mm_processor_kwargs`` but ``use_audio_in_video``, which sets the prompt, not an item."""
+    given = body.get(SETTINGS_FIELD)
+    if isinstance(given, Mapping) and AUDIO_IN_VIDEO in given:
+        return {k: v for k, v in given.items() if k != AUDIO_IN_VIDEO}
+    return given
+
+
+def audio_in_video(body: Mapping[str, Any]) -> bool:
+    """The body's ``mm_processor_kwargs.use_audio_in_video``: taken without trust, since it
+    preprocesses no item otherwise (each video and its sound are encoded as they are alone; vLLM
+    interleaves their rows), where the served family declares it (``EpdContract.audio_in_video``)."""
+    given = body.get(SETTINGS_FIELD)
+    if not isinstance(given, Mapping) or AUDIO_IN_VIDEO not in given:
+        return False
+    value = given[AUDIO_IN_VIDEO]
+    if not isinstance(value, bool):
+        raise EPDError(f"must be a boolean, got {type(value).__name__}", f"{SETTINGS_FIELD}.{AUDIO_IN_VIDEO}")
+    return value
 
 
 def video_settings(body: Mapping[str, Any]) -> Mapping[str, Any] | None:
@@ -455,7 +497,7 @@ def check_chat_request(
                 videos.append(MediaPart(m, p, _data_url_bytes(url, where, "video"), kind, str(url)))
             elif kind in AUDIO_PARTS:
                 audios.append(_audio_part(m, p, kind, part.get(kind), where))
-    return ChatPlan(images, embeds, videos, settings, video, audios)
+    return ChatPlan(images, embeds, videos, settings, video, audios, audio_in_video(body) and bool(videos))
 
 
 def _audio_part(m: int, p: int, kind: str, payload: object, where: str) -> MediaPart:
@@ -481,8 +523,12 @@ def check_contract(plan: ChatPlan, contract: EpdContract) -> None:
     samples this client does not forward): forwarding its frames or samples would have a prefill
     worker run its own tower on them (or fail, tower-free), outside encode-server's cache and bounds.
     Refuse settings the family would refuse (``EpdContract.check_settings``), and settings on an item
-    taken as pixels + uuid (module docstring: vLLM would never ask the store for it)."""
-    modes = contract.modes_for({part.modality for part in plan.media})
+    taken as pixels + uuid (module docstring: vLLM would never ask the store for it). Refuse
+    ``use_audio_in_video`` where the family's contract does not declare it."""
+    if plan.audio_in_video and not contract.audio_in_video:
+        raise EPDError("not taken through the EPD path for the served family (its contract declares no "
+                       "audio_in_video)", f"{SETTINGS_FIELD}.{AUDIO_IN_VIDEO}")
+    modes = contract.modes_for({part.modality for part in plan.media}, plan.audio_in_video)
     if plan.video_settings:
         contract.check_settings(plan.video_settings, {"video"} if plan.videos else set(), f"{MEDIA_IO_FIELD}.video")
         if plan.videos and modes["video"] == "pixels_uuid":
@@ -500,8 +546,8 @@ def check_contract(plan: ChatPlan, contract: EpdContract) -> None:
         mode = modes[part.modality]
         if mode == "pixel_free" or (mode == "pixels_uuid" and part.modality in ("image", "video")):
             continue
-        if mode == "pixels_uuid" and part.modality in contract.pixel_free_alone:
-            continue  # audio beside an image or a video: its file + uuid
+        if mode == "pixels_uuid" and (part.modality in contract.pixel_free_alone or plan.audio_in_video):
+            continue  # audio beside an image or a video, or in a chat of videos with their sound: its file + uuid
         if mode == "pixels_uuid":
             why = f"its EPD mode for {part.modality} is pixels + uuid, and this client forwards no {part.modality} file"
         elif contract.mode == "pixels_uuid":
@@ -555,7 +601,7 @@ def _media_part(part: MediaPart, result: Result, contract: EpdContract, mode: st
         return {"type": part.kind, "image_url": image_url, "uuid": identifier}
     if mode == "pixels_uuid" and part.modality == "video":
         return {"type": part.kind, "video_url": {"url": part.url}, "uuid": identifier}
-    if mode == "pixels_uuid" and part.modality == "audio" and part.modality in contract.pixel_free_alone:
+    if mode == "pixels_uuid" and part.modality == "audio":  # check_contract allowed it
         if part.kind == "input_audio":
             payload = {"data": base64.b64encode(part.data).decode(), "format": part.format}
             return {"type": part.kind, "input_audio": payload, "uuid": identifier}
@@ -584,21 +630,40 @@ def apply_results(
     served family's EPD mode, and the trusted embeddings re-keyed by content. No I/O; ``body`` is
     not changed."""
     out = copy.deepcopy(dict(body))
-    modes = contract.modes_for({part.modality for part in plan.media}) if contract is not None else {}
+    modes = contract.modes_for({p.modality for p in plan.media}, plan.audio_in_video) if contract is not None else {}
+    named: list[tuple[tuple[int, int, bool], str, str]] = []  # (where, sound), modality, identifier
     for part, result in zip(plan.media, results, strict=True):
         assert contract is not None  # read whenever there are images or videos
-        out["messages"][part.message]["content"][part.part] = _media_part(part, result, contract, modes[part.modality])
+        if part.sound:  # vLLM's chat parser adds it from the video's part, under the video's uuid
+            named.append(((part.message, part.part, True), "audio", _identifier(part, result)))
+            continue
+        rewritten = _media_part(part, result, contract, modes[part.modality])
+        out["messages"][part.message]["content"][part.part] = rewritten
+        named.append(((part.message, part.part, False), part.modality, rewritten["uuid"]))
     if plan.media and all(mode == "pixel_free" for mode in modes.values()):
         out.pop(SETTINGS_FIELD, None)  # vLLM's processor sees no pixels: the metadata carries their effect
     if plan.video_settings is not None:
         out.pop(MEDIA_IO_FIELD, None)  # every video was handed off under them: vLLM loads none
     for e in plan.embeds:  # rebuilt from type and payload only: no other key of the client's goes on
-        out["messages"][e.message]["content"][e.part] = {
-            "type": e.type,
-            e.type: copy.deepcopy(e.payload),
-            "uuid": embeds_identifier(e.type, e.payload),
-        }
+        identifier = embeds_identifier(e.type, e.payload)
+        out["messages"][e.message]["content"][e.part] = {"type": e.type, e.type: copy.deepcopy(e.payload),
+                                                         "uuid": identifier}
+        named.append(((e.message, e.part, False), e.type.removesuffix("_embeds"), identifier))
+    if plan.audio_in_video:
+        out[SETTINGS_FIELD] = {AUDIO_IN_VIDEO: True}
+        out[EC_PARAMS_FIELD] = {EC_PARAMS_KEY: {"items": _items_in_vllms_order(named)}}
     return out
+
+
+def _items_in_vllms_order(named: list[tuple[tuple[int, int, bool], str, str]]) -> dict[str, list[str]]:
+    """Per modality, the identifiers in the order vLLM's chat parser adds the items (each part in
+    turn, a video's sound right after its video). vLLM hashes every uuid with the request's
+    ``mm_processor_kwargs``, so its connector is asked for identifiers no store holds; this list,
+    sent as ``ec_transfer_params``, names each of them (``encode_client.vllm_connector``)."""
+    items: dict[str, list[str]] = {}
+    for _, modality, identifier in sorted(named):
+        items.setdefault(modality, []).append(identifier)
+    return items
 
 
 def _refused_item(part: MediaPart, exc: ServerError) -> EPDError | ServerError:
@@ -644,10 +709,10 @@ def _rewrite_flow(body: Mapping[str, Any], plan: ChatPlan, client: BaseClient, c
     )
     sampled = {**(settings or {}), **(plan.video_settings or {})} or None  # the server's keys never clash
     jobs += [client._encode_flow([v.data], "handoff", "video", sampled) for v in plan.videos]
-    jobs += [client._encode_flow([a.data], "handoff", "audio", settings) for a in plan.audios]
+    jobs += [client._encode_flow([a.data], "handoff", "audio", settings) for a in [*plan.audios, *plan.sounds]]
     outcomes = yield jobs
     results: list[Result] = []
-    for part, outcome in zip([*named, *plan.videos, *plan.audios], outcomes, strict=True):
+    for part, outcome in zip([*named, *plan.videos, *plan.audios, *plan.sounds], outcomes, strict=True):
         if part is not None and isinstance(outcome, ServerError):
             raise _refused_item(part, outcome)
         results += _value(outcome)

@@ -36,6 +36,7 @@ from typing import NamedTuple
 from blake3 import blake3
 
 __all__ = [
+    "EC_PARAMS_KEY",
     "KEY_VERSION",
     "StoredIdentifier",
     "embeds_identifier",
@@ -48,6 +49,10 @@ __all__ = [
 ]
 
 KEY_VERSION = "v1"
+# The EPD path's entry in a request's ``ec_transfer_params``: ``{"items": {modality: [identifier, ...]}}``,
+# each modality's identifiers in vLLM's item order, for a request whose uuids vLLM hashes with its
+# ``mm_processor_kwargs`` (``use_audio_in_video``); read by ``encode_client.vllm_connector``.
+EC_PARAMS_KEY = "encode_server"
 IMAGE = "image"
 # The modalities a key names by a segment of their own (an image's key has none: as it always was).
 _KEYED_MODALITIES = ("video", "audio")

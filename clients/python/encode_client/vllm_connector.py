@@ -74,7 +74,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
 )
 
 from encode_client.fetch import EncoderFetcher
-from encode_client.keys import identifier_key
+from encode_client.keys import EC_PARAMS_KEY, identifier_key
 from encode_client.store import CorruptValue, StoredEmbedding, StoreReader
 
 if TYPE_CHECKING:
@@ -245,6 +245,7 @@ class EncodeServerECConnector(ECConnectorBase):
         self._fetcher: EncoderFetcher | None = None
         self._down_until = 0.0
         self._step: dict[str, PreparedLoad | None] = {}
+        self._aliases: dict[str, str] = {}  # this step's: vLLM's identifier -> the EPD path's (_named_items)
         self._loads: dict[str, PreparedLoad] = {}
         self._unavailable: set[str] = set()
         self._metadata_fields: dict[str, set[str]] = {}
@@ -270,6 +271,7 @@ class EncodeServerECConnector(ECConnectorBase):
         ahead = [
             f for f in request.mm_features if f.mm_position.offset + f.mm_position.length > num_computed_tokens
         ]
+        self._aliases.update(_named_items(request))
         wanted = {f.identifier: f.mm_position.get_num_embeds() for f in ahead if f.identifier not in self._step}
         if wanted:
             self._fetch(wanted)
@@ -315,6 +317,7 @@ class EncodeServerECConnector(ECConnectorBase):
         meta = EncodeServerECMetadata(loads=self._loads)
         self._loads = {}
         self._step = {}  # read afresh next step: a value may expire or be replaced meanwhile
+        self._aliases = {}
         return meta
 
     def take_unavailable_requests(self) -> set[str]:
@@ -419,7 +422,7 @@ class EncodeServerECConnector(ECConnectorBase):
             self.counts["redis_error"] += len(wanted)
             return
         # Identifiers of other shapes name no stored image: vLLM has the item's data itself.
-        stored = {i: k for i in wanted if (k := self._key(i)) is not None}
+        stored = {i: k for i in wanted if (k := self._key(self._aliases.get(i, i))) is not None}
         if not stored:
             return
         self._read_store(stored, wanted)
@@ -427,9 +430,10 @@ class EncodeServerECConnector(ECConnectorBase):
         fetcher = self._encoder() if missing else None
         if fetcher is None:
             return
-        answers = fetcher.fetch_many(missing)
+        answers = fetcher.fetch_many([self._aliases.get(i, i) for i in missing])
         for identifier in missing:
-            self._step[identifier] = self._check(identifier, answers.get(identifier), wanted[identifier], "encoder")
+            answer = answers.get(self._aliases.get(identifier, identifier))
+            self._step[identifier] = self._check(identifier, answer, wanted[identifier], "encoder")
             if self._step[identifier] is not None:
                 log.info("image %s: no valid value in Redis; served by encode-server", identifier)
 
@@ -502,6 +506,33 @@ class EncodeServerECConnector(ECConnectorBase):
             "(Logged once per dtype.)",
             source, stored, engine, engine, engine,
         )
+
+
+def _named_items(request: Request) -> dict[str, str]:
+    """vLLM's identifier -> the EPD path's, for a request whose uuids vLLM hashed together with its
+    ``mm_processor_kwargs`` (``use_audio_in_video``): the proxy lists, in ``ec_transfer_params``
+    (``encode_client.keys.EC_PARAMS_KEY``), each modality's identifiers in vLLM's item order, and
+    the request's features of that modality are in the same order (by their place in the prompt).
+    A list that does not match the features item for item names nothing: never a guess."""
+    params = getattr(request, "ec_transfer_params", None)
+    named = params.get(EC_PARAMS_KEY) if isinstance(params, dict) else None
+    items = named.get("items") if isinstance(named, dict) else None
+    if not isinstance(items, dict):
+        return {}
+    features: dict[str, list[str]] = {}
+    for feature in request.mm_features:
+        features.setdefault(feature.modality, []).append(feature.identifier)
+    if set(items) != set(features) or any(
+        not isinstance(listed, list) or len(listed) != len(features[modality])
+        or not all(isinstance(i, str) for i in listed)
+        for modality, listed in items.items()
+    ):
+        log.warning("request %s: its ec_transfer_params name %s, its items are %s: not used", request.request_id,
+                    {m: len(v) if isinstance(v, list) else v for m, v in items.items()},
+                    {m: len(v) for m, v in features.items()})
+        return {}
+    return {ours: theirs for modality, listed in items.items()
+            for ours, theirs in zip(features[modality], listed, strict=True)}
 
 
 def _refuse_deepstack_without_tower(model_config: Any) -> None:

@@ -59,6 +59,7 @@ def test_a_batch_mixing_audio_images_and_a_video_gives_each_its_own_rows(encoder
     assert plan.meta["second_per_grid_ts"] == 1.0
 
 
-def test_use_audio_in_video_is_not_a_setting_of_the_family() -> None:
-    with pytest.raises(BadInput, match="use_audio_in_video is not a setting of this model's family"):
+def test_use_audio_in_video_on_an_item_is_refused_with_what_to_send_instead() -> None:
+    with pytest.raises(BadInput, match="use_audio_in_video is the prompt's setting, not an item's: send the video "
+                                       "as a video item and its sound as an audio item"):
         resolve(FAMILY.settings, {}, {"use_audio_in_video": True}, {}, "video")

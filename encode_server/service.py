@@ -38,6 +38,7 @@ from encode_server.core.errors import (
 from encode_server.core.hashing import CacheKey, fingerprint, mm_hash, parse_mm_hash
 from encode_server.core.settings import describe as describe_settings
 from encode_server.core.settings import digest as settings_digest
+from encode_server.core.settings import refuse_prompt_keys
 from encode_server.core.settings import resolve as resolve_settings
 from encode_server.core.types import (
     AUDIO,
@@ -241,6 +242,7 @@ class EncodeService:
         if not given:
             return None
         try:
+            refuse_prompt_keys(given)
             if not self.settings.trust_request_mm_kwargs:
                 raise BadInput(
                     "per-request mm_processor_kwargs are off on this server (start it with "

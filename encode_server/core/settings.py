@@ -36,7 +36,7 @@ import blake3
 from encode_server.core.errors import BadInput
 from encode_server.core.hashing import frame
 
-__all__ = ["SETTINGS_DOMAIN", "Setting", "describe", "digest", "resolve"]
+__all__ = ["AUDIO_IN_VIDEO", "SETTINGS_DOMAIN", "Setting", "describe", "digest", "refuse_prompt_keys", "resolve"]
 
 SETTINGS_DOMAIN = "encode-server/mm-processor-kwargs/v1"
 # vLLM's key for the Omni thinkers' video with its own sound: a setting of the prompt, never an item's
@@ -106,6 +106,15 @@ class Setting:
         return float(value) if self.kind == "float" else value  # type: ignore[arg-type]
 
 
+def refuse_prompt_keys(given: object) -> None:
+    """Refuse a key of vLLM's ``mm_processor_kwargs`` that sets the prompt, not an item
+    (``use_audio_in_video``), with what to send instead: whether or not settings are on."""
+    if isinstance(given, Mapping) and AUDIO_IN_VIDEO in given:
+        raise BadInput(f"mm_processor_kwargs.{AUDIO_IN_VIDEO} is the prompt's setting, not an item's: send the video "
+                       "as a video item and its sound as an audio item of the same bytes (encode-epd-proxy does both)",
+                       type="invalid_setting")
+
+
 def resolve(
     declared: Sequence[Setting],
     defaults: Mapping[str, Any],
@@ -119,16 +128,13 @@ def resolve(
     or declares for another modality, a wrong type or a value out of bounds is ``BadInput``."""
     if not given:
         return None
+    refuse_prompt_keys(given)
     if not isinstance(given, Mapping):
         raise BadInput(f"mm_processor_kwargs must be an object, got {type(given).__name__}", type="invalid_setting")
     by_name = {s.name: s for s in declared}
     effective = {s.name: defaults[s.name] for s in declared if modality in s.modalities}
     for name, value in given.items():
         setting = by_name.get(name)
-        if setting is None and name == AUDIO_IN_VIDEO:
-            raise BadInput(f"mm_processor_kwargs.{name} is the prompt's setting, not an item's: send the video as a "
-                           "video item and its sound as an audio item of the same bytes (encode-epd-proxy does both)",
-                           type="invalid_setting")
         if setting is None:
             known = ", ".join(by_name) or "none"
             raise BadInput(f"mm_processor_kwargs.{name} is not a setting of this model's family (its keys: {known})",

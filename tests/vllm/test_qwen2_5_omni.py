@@ -11,7 +11,12 @@ Then the EPD path, pixel-free for all three modalities: a tower-free EC consumer
 builds neither tower) given a chat mixing audio, an image and a video as the proxy rewrites it
 (metadata + uuid) answers as plain vLLM on the files, and zeros stored under the items' keys change
 the answer. (``test_proxy_families.py`` runs the same chats through ``encode-epd-proxy`` and vLLM's
-OpenAI server.) ``use_audio_in_video`` is refused, naming the item.
+OpenAI server.)
+
+``use_audio_in_video`` (a video's own sound, its rows interleaved with the video's): encode-server
+encodes the sound as an audio item of the video's bytes, equal to vLLM's rows for it; the rewrite
+sends the video as its file + uuid and names both items in ``ec_transfer_params``, and an EC consumer
+(towers built, never run for them) answers as plain vLLM on the file, both items from the store.
 """
 
 from __future__ import annotations
@@ -30,7 +35,16 @@ import redis
 from tests.redis_procs import delete_prefix
 from tests.server import ServerProcess, start_server
 from tests.tiny.qwen2_5_omni import make_tiny_qwen2_5_omni
-from tests.vllm.conftest import REDIS_URL, connector_config, engine, model_runner, stored_value, tiny_checkpoint
+from tests.videos import make_video
+from tests.vllm.conftest import (
+    REDIS_URL,
+    connector_config,
+    engine,
+    model_runner,
+    scheduler_connector,
+    stored_value,
+    tiny_checkpoint,
+)
 from tests.vllm.epd_stack import media_items
 
 PREFIX = f"test-vllm-qwen2-5-omni-{os.getpid()}"
@@ -74,6 +88,12 @@ def _mixed(items: dict[str, tuple[str, bytes, str]], audio: str, image: str, vid
 
 MIXED = [("audio-1s-16000Hz-1ch-wav", "image-150x100", "video-4f-2fps-56x56"),
          ("audio-2.5s-44100Hz-1ch-wav", "image-56x56", "video-21f-6fps-84x56")]
+# Videos with their own sound (AAC in mp4, Opus in webm), for use_audio_in_video: the first's chat
+# against plain vLLM, the second's (never sent before) for the zeros control.
+SOUND_CLIPS = {"sound-mp4": dict(count=8, fps=2.0, width=56, height=56, sound_rate=16_000, seed=3),
+               "sound-webm": dict(count=5, fps=2.0, width=84, height=56, sound_rate=24_000, seed=4,
+                                  codec="libvpx-vp9")}
+AUDIO_IN_VIDEO = {"use_audio_in_video": True}
 
 
 def _tower_parameters(llm: Any) -> int:
@@ -81,30 +101,53 @@ def _tower_parameters(llm: Any) -> int:
     return sum(p.numel() for name, p in model.named_parameters() if name.startswith(("visual.", "audio_tower.")))
 
 
-def _greedy(llm: Any, messages: list[dict[str, Any]]) -> list[int]:
+def _greedy(llm: Any, messages: list[dict[str, Any]], mm_processor_kwargs: dict[str, Any] | None = None,
+            ec_transfer_params: dict[str, Any] | None = None) -> list[int]:
+    """Greedy tokens for ``messages``, with the request fields the proxy would send (``ec_transfer_params``
+    reaches the connector as the OpenAI server passes it: in the sampling params' ``extra_args``)."""
     from vllm import SamplingParams
 
-    out = llm.chat(messages, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    extra = {"ec_transfer_params": ec_transfer_params} if ec_transfer_params else None
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, extra_args=extra)
+    out = llm.chat(messages, params, use_tqdm=False, mm_processor_kwargs=mm_processor_kwargs)
     return list(out[0].outputs[0].token_ids)
 
 
 @pytest.fixture(scope="module")
-def vllm_side(checkpoint: Path, items: dict[str, tuple[str, bytes, str]]) -> dict[str, Any]:
+def sound_clips() -> dict[str, tuple[bytes, str]]:
+    """name -> (a video with its sound, its data URL)."""
+    out = {}
+    for name, spec in SOUND_CLIPS.items():
+        data = make_video(**spec)  # type: ignore[arg-type]
+        mime = "video/webm" if spec.get("codec") == "libvpx-vp9" else "video/mp4"
+        out[name] = (data, f"data:{mime};base64," + base64.b64encode(data).decode())
+    return out
+
+
+@pytest.fixture(scope="module")
+def vllm_side(checkpoint: Path, items: dict[str, tuple[str, bytes, str]],
+              sound_clips: dict[str, tuple[bytes, str]]) -> dict[str, Any]:
     """vLLM's rows and placeholder count for every item (a chat each, under a uuid), its tower
-    parameters, and its greedy tokens for the mixed chats."""
+    parameters, and its greedy tokens for the mixed chats; for each video with its sound, the
+    sound's rows and count (the file as an ``audio_url``: vLLM's loader reads a video's sound so for
+    ``use_audio_in_video`` too) and the greedy tokens of its chat with ``use_audio_in_video``."""
     from vllm import SamplingParams
 
-    rows, counts = {}, {}
+    rows, counts, sound_greedy = {}, {}, {}
     with engine(checkpoint, tower=True, limit_mm_per_prompt=LIMITS) as llm:
         tokenizer = llm.get_tokenizer()
-        for name, (kind, _, url) in items.items():
+        sounds = {f"{name}-audio": ("audio", data, url) for name, (data, url) in sound_clips.items()}
+        for name, (kind, _, url) in {**items, **sounds}.items():
             out = llm.chat(_chat([(kind, url, f"own-{name}")]), SamplingParams(max_tokens=1, temperature=0.0),
                            use_tqdm=False)
             counts[name] = out[0].prompt_token_ids.count(tokenizer.convert_tokens_to_ids(TOKEN[kind]))
             rows[name] = model_runner(llm).encoder_cache[f"own-{name}"].float().cpu().numpy()
         greedy = [_greedy(llm, _mixed(items, *names)) for names in MIXED]
+        for name, (_, url) in sound_clips.items():
+            sound_greedy[name] = _greedy(llm, _chat([("video", url, None)]), AUDIO_IN_VIDEO)
         towers = _tower_parameters(llm)
-    return {"rows": rows, "counts": counts, "greedy": greedy, "tower_parameters": towers}
+    return {"rows": rows, "counts": counts, "greedy": greedy, "tower_parameters": towers,
+            "sound_greedy": sound_greedy}
 
 
 @pytest.fixture(scope="module")
@@ -175,24 +218,79 @@ def test_a_tower_free_consumer_answers_a_mixed_chat_as_plain_vllm_and_zeros_chan
     assert answers[1] != vllm_side["greedy"][1], "zeros under the keys did not change the answer"
 
 
-def test_use_audio_in_video_is_refused_naming_the_item(
+def test_a_videos_sound_is_an_audio_item_of_its_bytes_equal_to_vllms(
+    server: ServerProcess, sound_clips: dict[str, tuple[bytes, str]], vllm_side: dict[str, Any]
+) -> None:
+    """A video's sound (AAC in mp4, Opus at 24 kHz in webm) sent as an audio item of the video's
+    bytes: rows and count == vLLM's for the same file read as audio (its loader, resampler, feature
+    extractor, tower), which is how vLLM reads a video's sound under ``use_audio_in_video``."""
+    for name, (data, _) in sound_clips.items():
+        r = _post(server, "/v1/encode", "audio", data)
+        assert r.status_code == 200, (name, r.text)
+        item = r.json()["items"][0]
+        ours = np.frombuffer(base64.b64decode(item["embedding"]), dtype=np.float32).reshape(item["shape"])
+        theirs = vllm_side["rows"][f"{name}-audio"]
+        assert ours.shape == theirs.shape, (name, ours.shape, theirs.shape)
+        diff, scale = float(np.abs(ours - theirs).max()), float(np.abs(theirs).max())
+        print(f"\n{name}'s sound: {ours.shape[0]} rows, max |diff| {diff:.1e} of max |x| {scale:.2f}")
+        assert diff <= TOLERANCE * max(1.0, scale), name
+        counted = _post(server, "/v1/tokens", "audio", data).json()["items"][0]
+        assert counted["num_tokens"] == item["num_tokens"] == vllm_side["counts"][f"{name}-audio"], name
+
+
+def test_use_audio_in_video_through_the_rewrite_answers_as_plain_vllm_from_the_store(
+    checkpoint: Path, server: ServerProcess, sound_clips: dict[str, tuple[bytes, str]], vllm_side: dict[str, Any]
+) -> None:
+    """The chat ``encode-epd-proxy`` sends for a video with ``use_audio_in_video``: its file + uuid,
+    the key, ``ec_transfer_params`` naming the video and its sound. vLLM hashes both uuids with the
+    key; the connector maps its identifiers to the listed ones and serves both items from Redis (its
+    towers, built, never run for them), and the answer is plain vLLM's on the file. Zeros under the
+    second clip's keys change its answer."""
+    from encode_client import Client
+    from encode_client.epd import rewrite_chat_request
+
+    config = connector_config(REDIS_URL, server.url, PREFIX)
+    store = redis.Redis.from_url(REDIS_URL)
+    with (engine(checkpoint, config, tower=True, limit_mm_per_prompt=LIMITS) as llm,
+          Client(server.url, response="json", timeout=120) as client):
+        fingerprint = str(client.model()["fingerprint"])
+        connector, answers = scheduler_connector(llm), {}
+        for i, (name, (_, url)) in enumerate(sound_clips.items()):
+            body = {"model": "tiny", "messages": _chat([("video", url, None)]), "mm_processor_kwargs": AUDIO_IN_VIDEO}
+            rewritten, results = rewrite_chat_request(body, client)
+            assert [r.key.rsplit(":", 2)[-2] for r in results] == ["video", "audio"]
+            assert rewritten["messages"][0]["content"][0]["video_url"]["url"] == url
+            assert rewritten["mm_processor_kwargs"] == AUDIO_IN_VIDEO
+            if i == 1:  # the negative control
+                for result in results:
+                    store.set(result.key, stored_value(np.zeros(result.shape, dtype=np.float32), fingerprint,
+                                                       result.hash, result.meta))
+            before = dict(connector.counts)
+            answers[name] = _greedy(llm, rewritten["messages"], rewritten["mm_processor_kwargs"],
+                                    rewritten["ec_transfer_params"])
+            served = {k: connector.counts[k] - before.get(k, 0) for k in ("from_redis", "local_fallback")}
+            assert served == {"from_redis": 2, "local_fallback": 0}, (name, dict(connector.counts))
+    (first, plain), (second, plain_second) = [(answers[n], vllm_side["sound_greedy"][n]) for n in SOUND_CLIPS]
+    print(f"\nuse_audio_in_video: through the rewrite {first}, plain vLLM {plain}; under zeros {second}, "
+          f"plain vLLM {plain_second}")
+    assert first == plain
+    assert second != plain_second, "zeros under the keys did not change the answer"
+
+
+def test_use_audio_in_video_on_an_item_or_for_a_silent_video_is_refused_naming_it(
     server: ServerProcess, items: dict[str, tuple[str, bytes, str]]
 ) -> None:
-    """vLLM's ``use_audio_in_video`` (a video's own sound interleaved with its frames) is not served:
-    asked of encode-server, a 400 naming the item; asked of the proxy's rewrite, refused before any
-    hand-off, trusted or not (a server that takes settings names the key:
-    tests/unit/encoders/test_qwen2_5_omni.py)."""
+    """encode-server takes the key on no item (a 400 naming it: it is the prompt's); the rewrite of a
+    chat whose video has no sound fails naming the part, with the server's reason, before vLLM."""
     from encode_client import Client
     from encode_client.epd import EPDError, rewrite_chat_request
 
     kind, data, url = items["video-4f-2fps-56x56"]
     for path in ("/v1/encode", "/v1/tokens"):
-        r = _post(server, path, kind, data, mm_processor_kwargs={"use_audio_in_video": True})
+        r = _post(server, path, kind, data, mm_processor_kwargs=AUDIO_IN_VIDEO)
         assert r.status_code == 400 and r.json()["error"]["index"] == 0, r.text
-    body = {"model": "tiny", "messages": _chat([(kind, url, None)]),
-            "mm_processor_kwargs": {"use_audio_in_video": True}}
-    with Client(server.url, response="json", timeout=60) as client:
-        for trusted in (False, True):
-            with pytest.raises(EPDError) as refused:
-                rewrite_chat_request(body, client, trust_request_mm_kwargs=trusted)
-            assert refused.value.where == "mm_processor_kwargs", refused.value
+        assert "its sound as an audio item" in r.json()["error"]["message"]
+    body = {"model": "tiny", "messages": _chat([(kind, url, None)]), "mm_processor_kwargs": AUDIO_IN_VIDEO}
+    with Client(server.url, response="json", timeout=60) as client, pytest.raises(EPDError) as refused:
+        rewrite_chat_request(body, client)
+    assert refused.value.where == "messages[0].content[0]" and "no audio stream" in str(refused.value), refused.value

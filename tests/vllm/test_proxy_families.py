@@ -39,6 +39,7 @@ from encode_server.encoders import FAMILIES, Family
 from tests.audios import make_audio
 from tests.redis_procs import delete_prefix
 from tests.server import ServerProcess, start_server
+from tests.videos import make_video
 from tests.vllm.conftest import REDIS_URL, metric, png, running_proxy, stored_value, tiny_checkpoint
 from tests.vllm.epd_stack import (
     Relay,
@@ -110,10 +111,13 @@ def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
         limits = {"image": len(case.sizes), "video": 1 if clips else 0}
         if case.audio:
             limits = {"audio": len(case.audio)} | ({k: v for k, v in limits.items() if v} if case.sizes else {})
+        # use_audio_in_video is an mm_processor_kwargs key: vLLM and the proxy take it only trusted
+        sound = family.epd is not None and family.epd.audio_in_video
+        args = [*case.vllm_args, *(["--trust-request-mm-kwargs"] if sound else [])]
         with (
-            vllm_openai_server(model, extra, logs, case.vllm_args, tower=True, limits=limits) as consumer,
+            vllm_openai_server(model, extra, logs, args, tower=True, limits=limits) as consumer,
             Relay(consumer["port"]) as relay,
-            running_proxy(relay.url, [server.url]) as proxy,
+            running_proxy(relay.url, [server.url], trust_request_mm_kwargs=sound) as proxy,
         ):
             print(f"\n{name}: EPD stack ready (vLLM OpenAI server in {consumer['startup_s']:.1f} s)")
             yield Stack(family, case, server, consumer, relay, proxy, prefix, clips)
@@ -229,6 +233,54 @@ def _zeros_under_the_keys(stack: Stack, body: dict[str, Any], media: list[bytes]
         store.set(result.key, zeros)  # the key the hand-off wrote
     poisoned = answer_text(post_chat(stack.consumer["url"], rewritten))
     assert poisoned != plain, "zeros under the keys did not change the answer: vLLM did not read the store"
+
+
+AUDIO_IN_VIDEO = {"use_audio_in_video": True}
+
+
+def test_a_video_with_its_sound_answers_as_plain_vllm_where_the_family_takes_use_audio_in_video(
+    stack: Stack,
+) -> None:
+    """Where the contract declares ``audio_in_video`` (the Omni thinkers): a video with its own sound
+    and ``use_audio_in_video``, through the proxy (both it and vLLM started with
+    ``--trust-request-mm-kwargs``, which vLLM needs for the key), answers as plain vLLM on the file.
+    vLLM was sent the file under the video's identifier, the key, and ``ec_transfer_params`` naming
+    the video and its sound; both were handed off; zeros under both keys of a fresh clip (Opus in
+    webm) change its answer. Any other family (its proxy untrusted): a 400
+    naming the field, nothing sent to vLLM."""
+    sound = make_video(8, 2.0, 56, 56, sound_rate=16_000, seed=7)
+    body = chat([], video_url_part(sound), mm_processor_kwargs=AUDIO_IN_VIDEO)
+    epd = stack.family.epd
+    mark = stack.relay.mark()
+    if epd is None or not epd.audio_in_video:
+        r = post_chat(stack.proxy.url, body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "mm_processor_kwargs", r.text
+        assert stack.relay.since(mark) == b"", "a refused request reached vLLM"
+        return
+    encoded, _ = _encoded_and_hits(stack.server)
+    first = answer_text(post_chat(stack.proxy.url, body))
+    sent = stack.relay.since(mark)
+    assert stack.relay.uuids_since(mark) == [own_identifier(mm_hash(sound), "video")]
+    assert base64.b64encode(sound)[-64:] in sent and b"use_audio_in_video" in sent
+    assert b'"ec_transfer_params"' in sent and own_identifier(mm_hash(sound), "audio").encode() in sent
+    assert _encoded_and_hits(stack.server)[0] == encoded + 2, "the video and its sound were not both handed off"
+    plain = answer_text(post_chat(stack.consumer["url"], body))
+    print(f"\n{stack.family.name}, a video with its sound: through the proxy {first!r}, plain vLLM {plain!r}")
+    assert first == plain
+
+    fresh = make_video(5, 2.0, 84, 56, sound_rate=24_000, seed=8, codec="libvpx-vp9")
+    body = chat([], video_url_part(fresh, "video/webm"), mm_processor_kwargs=AUDIO_IN_VIDEO)
+    plain = answer_text(post_chat(stack.consumer["url"], body))
+    store = redis.Redis.from_url(REDIS_URL)
+    with Client(stack.server.url, response="json", timeout=60) as client:
+        rewritten, results = rewrite_chat_request(body, client, trust_request_mm_kwargs=True)
+        fingerprint = str(client.model()["fingerprint"])
+    assert [r.key for r in results] == [store_key(fingerprint, mm_hash(fresh), prefix=stack.prefix, modality=m)
+                                        for m in ("video", "audio")]
+    for result in results:
+        store.set(result.key, stored_value(np.zeros(result.shape, dtype=np.float32), fingerprint, result.hash,
+                                           result.meta))
+    assert answer_text(post_chat(stack.consumer["url"], rewritten)) != plain, "zeros did not change the answer"
 
 
 def test_zeros_stored_under_an_images_key_change_the_answer(stack: Stack) -> None:

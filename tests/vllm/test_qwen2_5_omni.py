@@ -257,7 +257,7 @@ def test_use_audio_in_video_through_the_rewrite_answers_as_plain_vllm_from_the_s
         connector, answers = scheduler_connector(llm), {}
         for i, (name, (_, url)) in enumerate(sound_clips.items()):
             body = {"model": "tiny", "messages": _chat([("video", url, None)]), "mm_processor_kwargs": AUDIO_IN_VIDEO}
-            rewritten, results = rewrite_chat_request(body, client)
+            rewritten, results = rewrite_chat_request(body, client, trust_request_mm_kwargs=True)
             assert [r.key.rsplit(":", 2)[-2] for r in results] == ["video", "audio"]
             assert rewritten["messages"][0]["content"][0]["video_url"]["url"] == url
             assert rewritten["mm_processor_kwargs"] == AUDIO_IN_VIDEO
@@ -292,5 +292,5 @@ def test_use_audio_in_video_on_an_item_or_for_a_silent_video_is_refused_naming_i
         assert "its sound as an audio item" in r.json()["error"]["message"]
     body = {"model": "tiny", "messages": _chat([(kind, url, None)]), "mm_processor_kwargs": AUDIO_IN_VIDEO}
     with Client(server.url, response="json", timeout=60) as client, pytest.raises(EPDError) as refused:
-        rewrite_chat_request(body, client)
+        rewrite_chat_request(body, client, trust_request_mm_kwargs=True)
     assert refused.value.where == "messages[0].content[0]" and "no audio stream" in str(refused.value), refused.value

@@ -393,13 +393,12 @@ def check_request_fields(body: Mapping[str, Any], *, trust_request_mm_kwargs: bo
     """Refuse the body fields in :data:`REFUSED_FIELDS` (set to anything but null or ``{}``), but
     ``mm_processor_kwargs`` and ``media_io_kwargs`` when trusted: then the settings the first gives
     (an object), or None (``video_settings``: the second's)."""
-    given = _item_settings(body)
     for name, why in REFUSED_FIELDS.items():
         if name in (SETTINGS_FIELD, MEDIA_IO_FIELD) and trust_request_mm_kwargs:
             continue
-        if (given if name == SETTINGS_FIELD else body.get(name)) not in (None, {}):
+        if body.get(name) not in (None, {}):
             raise EPDError(f"refused: {why}", name)
-    settings = given if trust_request_mm_kwargs else None
+    settings = _item_settings(body) if trust_request_mm_kwargs else None
     if settings is not None and not isinstance(settings, Mapping):
         raise EPDError(f"must be an object, got {type(settings).__name__}", SETTINGS_FIELD)
     return settings or None
@@ -414,9 +413,10 @@ def _item_settings(body: Mapping[str, Any]) -> Any:
 
 
 def audio_in_video(body: Mapping[str, Any]) -> bool:
-    """The body's ``mm_processor_kwargs.use_audio_in_video``: taken without trust, since it
-    preprocesses no item otherwise (each video and its sound are encoded as they are alone; vLLM
-    interleaves their rows), where the served family declares it (``EpdContract.audio_in_video``)."""
+    """A trusted body's ``mm_processor_kwargs.use_audio_in_video`` (refused untrusted, as vLLM
+    refuses it without its ``--trust-request-mm-kwargs``), where the served family declares it
+    (``EpdContract.audio_in_video``). Not one of the server's settings: each video and its sound are
+    encoded as they are alone, and vLLM interleaves their rows."""
     given = body.get(SETTINGS_FIELD)
     if not isinstance(given, Mapping) or AUDIO_IN_VIDEO not in given:
         return False
@@ -497,7 +497,8 @@ def check_chat_request(
                 videos.append(MediaPart(m, p, _data_url_bytes(url, where, "video"), kind, str(url)))
             elif kind in AUDIO_PARTS:
                 audios.append(_audio_part(m, p, kind, part.get(kind), where))
-    return ChatPlan(images, embeds, videos, settings, video, audios, audio_in_video(body) and bool(videos))
+    with_sound = trust_request_mm_kwargs and audio_in_video(body) and bool(videos)
+    return ChatPlan(images, embeds, videos, settings, video, audios, with_sound)
 
 
 def _audio_part(m: int, p: int, kind: str, payload: object, where: str) -> MediaPart:

@@ -2,7 +2,8 @@
 rows interleaved with the video's by vLLM): the contract both Omni families publish for it, and a
 chat rewritten for it: every item as its file + uuid, each video handed off twice (as a video and,
 the same bytes, as an audio item), the key kept for vLLM and the identifiers listed in
-``ec_transfer_params`` in vLLM's item order, since vLLM hashes every uuid with the key (pure).
+``ec_transfer_params`` in vLLM's item order, since vLLM hashes every uuid with the key. Taken only
+with ``--trust-request-mm-kwargs``, as vLLM takes it (pure).
 Against vLLM: tests/vllm/test_qwen2_5_omni.py and test_proxy_families.py."""
 
 from __future__ import annotations
@@ -58,8 +59,8 @@ def _answer(data: bytes, modality: str) -> Result:
     return Result(0, h, "encoded", None, 4, (), None, meta=meta, key=cache_key(FP, h, prefix="e", modality=modality))
 
 
-def _rewrite(body: dict[str, Any], family: Any = QWEN2_5_OMNI, **trust: bool) -> tuple[dict[str, Any], list[Any]]:
-    plan = check_chat_request(body, **trust)
+def _rewrite(body: dict[str, Any], family: Any = QWEN2_5_OMNI) -> tuple[dict[str, Any], list[Any]]:
+    plan = check_chat_request(body, trust_request_mm_kwargs=True)
     contract = _contract(family)
     check_contract(plan, contract)
     handed = [(part.data, part.modality) for part in plan.media]
@@ -76,7 +77,7 @@ def test_both_omni_thinkers_publish_it_and_no_other_family_does() -> None:
 
 @pytest.mark.parametrize("family", [QWEN2_5_OMNI, QWEN3_OMNI], ids=["qwen2_5_omni", "qwen3_omni"])
 def test_a_video_with_its_sound_goes_as_its_file_with_both_items_named(family: Any) -> None:
-    """No trust needed (it preprocesses no item); the video stays a ``video_url`` with its
+    """The video stays a ``video_url`` with its
     identifier (vLLM's chat parser takes the sound only from the file), its bytes are handed off as a
     video and as an audio item, the key goes on to vLLM alone, and both identifiers are listed."""
     out, handed = _rewrite(_chat(_video(MP4), **{"mm_processor_kwargs": KWARGS}), family)
@@ -123,7 +124,8 @@ def test_without_a_video_or_when_false_the_chat_is_rewritten_as_without_it() -> 
 @pytest.mark.parametrize("value", [1, "true", None, [True]])
 def test_a_value_that_is_not_a_boolean_is_refused_naming_the_key(value: Any) -> None:
     with pytest.raises(EPDError) as refused:
-        check_chat_request(_chat(_video(MP4), **{"mm_processor_kwargs": {"use_audio_in_video": value}}))
+        check_chat_request(_chat(_video(MP4), **{"mm_processor_kwargs": {"use_audio_in_video": value}}),
+                           trust_request_mm_kwargs=True)
     assert refused.value.where == "mm_processor_kwargs.use_audio_in_video"
 
 
@@ -131,16 +133,18 @@ def test_a_family_that_does_not_declare_it_refuses_it_before_any_hand_off() -> N
     """A server older than the key, or a family vLLM takes it for not: refused, naming the key."""
     older = {**QWEN2_5_OMNI.describe()}
     older["epd"] = {k: v for k, v in older["epd"].items() if k != "audio_in_video"}
-    plan = check_chat_request(_chat(_video(MP4), **{"mm_processor_kwargs": KWARGS}))
+    plan = check_chat_request(_chat(_video(MP4), **{"mm_processor_kwargs": KWARGS}), trust_request_mm_kwargs=True)
     with pytest.raises(EPDError) as refused:
         check_contract(plan, EpdContract.from_model({"id": "omni", "family": older}))
     assert refused.value.where == "mm_processor_kwargs.use_audio_in_video"
 
 
-def test_other_keys_beside_it_stay_refused_untrusted_and_for_items_sent_as_files() -> None:
-    body = _chat(_video(MP4), **{"mm_processor_kwargs": {**KWARGS, "max_pixels": 10_000}})
+def test_untrusted_it_is_refused_as_vllm_refuses_it_and_other_keys_beside_it_stay_refused() -> None:
+    """A proxy without ``--trust-request-mm-kwargs`` refuses the key (vLLM without its flag of that
+    name does); trusted, another key beside it is still one of the server's settings, refused for
+    items that go as their files."""
     with pytest.raises(EPDError) as refused:
-        check_chat_request(body)
+        check_chat_request(_chat(_video(MP4), **{"mm_processor_kwargs": KWARGS}))
     assert refused.value.where == "mm_processor_kwargs"
     with pytest.raises(EPDError, match="takes no per-request processor settings"):
-        _rewrite(body, trust_request_mm_kwargs=True)
+        _rewrite(_chat(_video(MP4), **{"mm_processor_kwargs": {**KWARGS, "max_pixels": 10_000}}))

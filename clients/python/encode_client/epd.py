@@ -63,6 +63,17 @@ one it goes as its file with the identifier added (``{"type": "audio_url", "audi
 "data:audio/wav;base64,..."}, "uuid": "<identifier>"}``, an ``input_audio`` part likewise): vLLM
 0.32 fails a Qwen3-Omni request that mixes metadata-only audio with an image or a video.
 
+A chat with ``mm_processor_kwargs.use_audio_in_video`` (trusted only, as vLLM takes it; a family
+whose contract declares ``audio_in_video``: the Omni thinkers) has each video's own sound
+interleaved with its frames by vLLM. vLLM's chat parser takes the sound only from the video's file,
+so every item of such a chat goes as its file with its identifier added (pixels + uuid), each video
+is handed off twice (as a video, and its bytes as an audio item: its sound), the key goes on to
+vLLM, and, since vLLM hashes every ``uuid`` with the request's ``mm_processor_kwargs``, the
+identifiers go too, each modality's in vLLM's item order (a video's sound right after its video),
+for the connector to map vLLM's to them::
+
+    "ec_transfer_params": {"encode_server": {"items": {"video": ["video:<mm_hash>"], "audio": ["audio:<mm_hash>"]}}}
+
 A video or audio part for a family whose contract takes no item of its modality (a ``pixels_uuid``
 family's video or audio, one that declares no ``video`` / ``audio`` fields, a modality
 ``modes`` does not name) is refused, naming the part, before anything is handed off: it is never

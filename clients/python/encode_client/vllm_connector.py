@@ -25,6 +25,13 @@ required); ``fingerprint`` or ``encoder_url`` (one URL or a list of encode-serve
 connector serves every tenant: a tenant-scoped identifier names its tenant's key, so no setting
 says whose images these are.
 
+A request whose ``mm_processor_kwargs`` vLLM hashes into every item's identifier (the Omni
+thinkers' ``use_audio_in_video``) carries the EPD path's own identifiers in its
+``ec_transfer_params`` (``{"encode_server": {"items": {modality: [identifier, ...]}}}``, each
+modality's in vLLM's item order, set by ``encode_client.epd``): the connector maps the request's
+items to them, modality by modality and item for item, and reads those keys; a list that does not
+match the request's items names nothing.
+
 Where the read happens, and why: vLLM decides on the scheduler side, in ``has_cache_item``,
 whether an image comes from the connector or from its own encoder, and once it has said
 "connector" the worker cannot fall back (an embedding missing from the worker's encoder cache is

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import redis
 from encode_client import Client, mm_hash
-from encode_client.keys import epd_identifier
+from encode_client.keys import EC_PARAMS_KEY, epd_identifier
 from encode_client.proxy import EPDProxy
 
 from encode_server.core.settings import digest
@@ -197,21 +197,31 @@ def internvl(tmp_path_factory: pytest.TempPathFactory, logs: Path) -> Iterator[S
         yield running
 
 
-def test_internvls_tile_range_through_the_proxy_is_refused_naming_the_field_and_nothing_moves(
+def test_internvls_tile_range_through_the_proxy_answers_as_plain_vllm_given_the_same_kwargs(
     internvl: Stack,
 ) -> None:
-    """A pixels + uuid family: vLLM would have to see the kwargs to size the placeholder, and then
-    never reads the store (``test_vllm_hashes_a_uuid_with_the_requests_kwargs``), so the proxy
-    refuses them before anything is handed off or sent."""
+    """A pixels + uuid family: vLLM's processor tiles the image under the kwargs (so they go on with
+    the pixels) and hashes its uuid with them; the proxy names the settings' entry in
+    ``ec_transfer_params``, the connector reads it, and the answer (text and prompt length) is plain
+    vLLM's with the same kwargs. Two tile ranges: two entries, two answers, each vLLM's; the
+    repeat is a hit."""
+    data = png(300, 200, seed=3330)
     text = httpx.get(internvl.server.url + "/metrics", timeout=10).text
     encoded = metric(text, "encode_server_items_total", status="encoded")
-    mark = internvl.relay.mark()
-    r = post_chat(internvl.proxy.url, chat([png(300, 200, seed=3330)], mm_processor_kwargs=TILES))
-    assert r.status_code == 400 and r.json()["error"]["param"] == "mm_processor_kwargs", r.text
-    assert "pixels + uuid" in r.json()["error"]["message"]
-    assert internvl.relay.since(mark) == b""
+    for settings in (TILES, MORE_TILES, TILES):
+        body = chat([data], mm_processor_kwargs=settings)
+        mark = internvl.relay.mark()
+        got = _answer(internvl.proxy.url, body)
+        sent = internvl.relay.since(mark)
+        identifier = _identifier(internvl, settings, data)
+        assert internvl.relay.uuids_since(mark) == [identifier]
+        assert b"image_url" in sent and b"mm_processor_kwargs" in sent and b"ec_transfer_params" in sent
+        assert f'"items": {{"image": ["{identifier}"]}}'.encode() in sent
+        plain = _answer(internvl.vllm["url"], body)
+        print(f"\nInternVL {settings}: proxy {got}, plain vLLM {plain}")
+        assert got == plain
     text = httpx.get(internvl.server.url + "/metrics", timeout=10).text
-    assert metric(text, "encode_server_items_total", status="encoded") == encoded
+    assert metric(text, "encode_server_items_total", status="encoded") == encoded + 2  # the repeat was a hit
 
 
 @pytest.mark.parametrize(("size", "settings"), [((300, 200), TILES), ((300, 200), MORE_TILES), ((30, 400), TILES),
@@ -223,12 +233,13 @@ def test_internvls_tokens_under_a_tile_range_equal_vllms_placeholder_count(
     assert ours == vllms != 0
 
 
-def test_vllm_hashes_a_uuid_with_the_requests_kwargs_so_it_never_reads_the_settings_entry(internvl: Stack) -> None:
-    """Why the proxy refuses settings for a pixels + uuid family, measured: an image handed off
-    under a tile range, sent to vLLM with its pixels, the kwargs and the identifier of the entry,
-    with zeros stored there, answers as plain vLLM on the pixels: vLLM 0.32 asked its connector for
-    the uuid hashed with the kwargs (``ProcessorInputs.get_mm_hashes``), which no store holds, and
-    ran its own tower. Should a vLLM read the uuid as given, this fails: then let them through."""
+def test_vllm_hashes_a_uuid_with_the_requests_kwargs_and_reads_the_entry_the_proxy_names(internvl: Stack) -> None:
+    """Why the proxy names the entry in ``ec_transfer_params``, measured: an image handed off under
+    a tile range, sent to vLLM with its pixels, the kwargs and the identifier of the entry, with
+    zeros stored there, answers as plain vLLM on the pixels: vLLM 0.32 asked its connector for the
+    uuid hashed with the kwargs (``ProcessorInputs.get_mm_hashes``), which no store holds, and ran
+    its own tower. The same request with ``ec_transfer_params`` naming the entry answers otherwise:
+    the connector read the zeros."""
     data = png(300, 200, seed=3350)
     body = chat([data], mm_processor_kwargs=TILES)
     plain = _answer(internvl.vllm["url"], body)
@@ -244,17 +255,8 @@ def test_vllm_hashes_a_uuid_with_the_requests_kwargs_so_it_never_reads_the_setti
     named = copy.deepcopy(body)
     named["messages"][0]["content"][0]["uuid"] = identifier
     assert _answer(internvl.vllm["url"], named) == plain
-    # The same without the kwargs (under the defaults' identifier, zeros there too): vLLM reads the store.
-    with Client(internvl.server.url, response="json", timeout=60) as client:
-        (default,) = client.hand_off([data])
-        (default_embedding,) = client.encode([data])
-    assert default.key is not None
-    redis.Redis.from_url(REDIS_URL).set(
-        default.key, stored_value(np.zeros_like(default_embedding.numpy()), fingerprint, default.hash, default.meta))
-    unnamed = chat([data])
-    plain_default = _answer(internvl.vllm["url"], unnamed)
-    unnamed["messages"][0]["content"][0]["uuid"] = epd_identifier(default.key, mm_hash(data))
-    assert _answer(internvl.vllm["url"], unnamed)[0] != plain_default[0], "vLLM did not read the defaults' entry"
+    named["ec_transfer_params"] = {EC_PARAMS_KEY: {"items": {"image": [identifier]}}}
+    assert _answer(internvl.vllm["url"], named)[0] != plain[0], "the connector did not read the named entry"
 
 
 # -- Qwen3-VL: pixel-free like Qwen2.5-VL, its processor's factor 32 ---------------------------------

@@ -97,11 +97,12 @@ an item (``check_chat_request``; each refusal is an ``EPDError`` naming the part
   key of the right type within its bounds), checked before anything is handed off; every item is
   handed off under them, so encode-server preprocesses it so and names it by its bytes *and* the
   settings (``p:{settings_digest}:`` in its identifier: ``encode_client.keys``). They are dropped
-  from the body for a ``pixel_free`` family (the metadata already carries the grid they gave). A
-  ``pixels_uuid`` family's images with settings are refused: vLLM's processor would have to see them
-  to size the placeholder, and vLLM 0.32 then hashes the item's ``uuid`` together with the kwargs
-  (``ProcessorInputs.get_mm_hashes``), so its connector is asked for an identifier no store holds
-  and vLLM runs its own tower (measured: ``tests/vllm/test_proxy_settings.py``).
+  from the body for a ``pixel_free`` family (the metadata already carries the grid they gave). For
+  a ``pixels_uuid`` item they stay (vLLM's processor sizes its placeholder from the pixels under
+  them), and since vLLM 0.32 then hashes every item's ``uuid`` together with them
+  (``ProcessorInputs.get_mm_hashes``), the rewrite lists the identifiers in ``ec_transfer_params``
+  as for ``use_audio_in_video`` (below), for the connector to read the entries under them
+  (measured: ``tests/vllm/test_proxy_settings.py``).
   ``media_io_kwargs`` likewise, only when trusted and only ``video``'s keys the family declares
   for vLLM's video loader (``vllm_field`` ``media_io_kwargs.video``: the Qwen video families'
   ``fps``), checked before anything moves: every video is handed off under them (with the
@@ -534,8 +535,8 @@ def check_contract(plan: ChatPlan, contract: EpdContract) -> None:
     does not name: an image for Qwen2-Audio, audio for a vision family; pixels + uuid audio, whose
     samples this client does not forward): forwarding its frames or samples would have a prefill
     worker run its own tower on them (or fail, tower-free), outside encode-server's cache and bounds.
-    Refuse settings the family would refuse (``EpdContract.check_settings``), and settings on an item
-    taken as pixels + uuid (module docstring: vLLM would never ask the store for it). Refuse
+    Refuse settings the family would refuse (``EpdContract.check_settings``), loading settings on a
+    video taken as pixels + uuid (vLLM's loader would sample its file by them: not measured), and
     ``use_audio_in_video`` where the family's contract does not declare it."""
     if plan.audio_in_video and not contract.audio_in_video:
         raise EPDError("not taken through the EPD path for the served family (its contract declares no "
@@ -548,12 +549,6 @@ def check_contract(plan: ChatPlan, contract: EpdContract) -> None:
                            "the file by them and hash its uuid with them", f"{MEDIA_IO_FIELD}.video")
     if plan.settings:
         contract.check_settings(plan.settings, {part.modality for part in plan.media})
-        if "pixels_uuid" in modes.values():
-            raise EPDError(
-                "refused for this family (EPD mode pixels + uuid): vLLM hashes an item's uuid together with "
-                "per-request mm_processor_kwargs, so it would never read encode-server's embedding; send the chat "
-                "to vLLM without the proxy, or set them as vLLM's and encode-server's defaults", SETTINGS_FIELD,
-            )
     for part in plan.media:
         mode = modes[part.modality]
         if mode == "pixel_free" or (mode == "pixels_uuid" and part.modality in ("image", "video")):
@@ -652,8 +647,10 @@ def apply_results(
         rewritten = _media_part(part, result, contract, modes[part.modality])
         out["messages"][part.message]["content"][part.part] = rewritten
         named.append(((part.message, part.part, False), part.modality, rewritten["uuid"]))
+    kwargs = {**(plan.settings or {}), **({AUDIO_IN_VIDEO: True} if plan.audio_in_video else {})}
     if plan.media and all(mode == "pixel_free" for mode in modes.values()):
         out.pop(SETTINGS_FIELD, None)  # vLLM's processor sees no pixels: the metadata carries their effect
+        kwargs = {}
     if plan.video_settings is not None:
         out.pop(MEDIA_IO_FIELD, None)  # every video was handed off under them: vLLM loads none
     for e in plan.embeds:  # rebuilt from type and payload only: no other key of the client's goes on
@@ -661,8 +658,8 @@ def apply_results(
         out["messages"][e.message]["content"][e.part] = {"type": e.type, e.type: copy.deepcopy(e.payload),
                                                          "uuid": identifier}
         named.append(((e.message, e.part, False), e.type.removesuffix("_embeds"), identifier))
-    if plan.audio_in_video:
-        out[SETTINGS_FIELD] = {AUDIO_IN_VIDEO: True}
+    if plan.media and kwargs:  # vLLM's processor sees an item's file: it takes them, and hashes every uuid with them
+        out[SETTINGS_FIELD] = kwargs
         out[EC_PARAMS_FIELD] = {EC_PARAMS_KEY: {"items": _items_in_vllms_order(named)}}
     return out
 

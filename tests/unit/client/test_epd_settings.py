@@ -97,13 +97,22 @@ def test_every_item_is_handed_off_under_the_settings_and_vllm_gets_the_grid_not_
     assert all(item["mm_processor_kwargs"] == FEWER for item in wire.json["items"])
 
 
-def test_settings_on_a_pixels_uuid_familys_images_are_refused_before_anything_is_handed_off() -> None:
-    """vLLM 0.32 hashes a uuid with the request's kwargs: it would never read the store's entry."""
+@pytest.mark.parametrize("run", [_run_sync, _run_async], ids=["sync", "async"])
+def test_a_pixels_uuid_familys_images_keep_the_kwargs_and_their_identifiers_go_to_the_connector(run: Any) -> None:
+    """vLLM's processor sizes such an image from its pixels under the kwargs, so they stay; vLLM 0.32
+    hashes every uuid with them, so the identifiers (the settings' entries) are listed in
+    ``ec_transfer_params`` in order, for the connector to read those entries."""
     script = _Script()
-    with pytest.raises(EPDError, match="pixels \\+ uuid") as refused:
-        _run_sync(chat(image(PNG_A)) | {"mm_processor_kwargs": FEWER}, script, contract=PIXELS_UUID,
-                  trust_request_mm_kwargs=True)
-    assert refused.value.where == "mm_processor_kwargs" and script.calls == []
+    body = chat(image(PNG_A), image(PNG_B)) | {"mm_processor_kwargs": FEWER}
+    rewritten, _ = run(body, script, contract=PIXELS_UUID, trust_request_mm_kwargs=True)
+    handoffs = [call for call in script.calls if call.op == "handoff"]
+    assert handoffs and all(item.settings == FEWER for call in handoffs for item in call.payload)
+    assert rewritten["mm_processor_kwargs"] == FEWER
+    uuids = [part["uuid"] for part in rewritten["messages"][0]["content"] if "uuid" in part]
+    assert len(uuids) == 2  # the server's keys' (a real one's: p:{digest}:..., tests/vllm/test_proxy_settings.py)
+    assert rewritten["ec_transfer_params"] == {"encode_server": {"items": {"image": uuids}}}
+    assert [p["image_url"]["url"] for p in rewritten["messages"][0]["content"][:2]] == [
+        p["image_url"]["url"] for p in body["messages"][0]["content"][:2]]
 
 
 def test_the_clients_wire_carries_settings_as_json_and_leaves_todays_bodies_alone() -> None:

@@ -197,30 +197,61 @@ def internvl(tmp_path_factory: pytest.TempPathFactory, logs: Path) -> Iterator[S
         yield running
 
 
-def test_internvls_tile_range_through_the_proxy_answers_as_plain_vllm_given_the_same_kwargs(
-    internvl: Stack,
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory: pytest.TempPathFactory, logs: Path) -> Iterator[Stack]:
+    case = PROXY_CASES["gemma3"]
+    model = tiny_checkpoint(tmp_path_factory, case.build)
+    with _trusting_stack(model, f"{PREFIX}-gemma3", logs, ("--trust-request-mm-kwargs", *case.vllm_args),
+                         {"image": 2, "video": 0}) as running:
+        yield running
+
+
+# Each pixels + uuid family that declares settings: two of them, then the first again (a hit).
+PAN_AND_SCAN = {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 32}
+FEWER_CROPS = {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 16, "pan_and_scan_max_num_crops": 2,
+               "pan_and_scan_min_ratio_to_activate": 1.0}
+PIXELS_SETTINGS = {"internvl": (TILES, MORE_TILES), "gemma3": (PAN_AND_SCAN, FEWER_CROPS)}
+WIDE = {"internvl": (300, 200), "gemma3": (600, 100)}  # Gemma 3: 4 crops under the first, 2 under the second
+
+
+def test_every_pixels_uuid_family_that_declares_settings_is_proven_here() -> None:
+    from encode_server.encoders import FAMILIES
+
+    taking = {f.name for f in FAMILIES if f.epd is not None and f.epd.mode == "pixels_uuid"
+              and any("image" in setting.modalities for setting in f.settings)}
+    assert taking == set(PIXELS_SETTINGS)
+
+
+@pytest.mark.parametrize("name", sorted(PIXELS_SETTINGS))
+def test_a_pixels_uuid_familys_settings_through_the_proxy_answer_as_plain_vllm_given_the_same_kwargs(
+    name: str, request: pytest.FixtureRequest
 ) -> None:
-    """A pixels + uuid family: vLLM's processor tiles the image under the kwargs (so they go on with
-    the pixels) and hashes its uuid with them; the proxy names the settings' entry in
-    ``ec_transfer_params``, the connector reads it, and the answer (text and prompt length) is plain
-    vLLM's with the same kwargs. Two tile ranges: two entries, two answers, each vLLM's; the
-    repeat is a hit."""
-    data = png(300, 200, seed=3330)
-    text = httpx.get(internvl.server.url + "/metrics", timeout=10).text
+    """A pixels + uuid family (InternVL's tile range, Gemma 3's pan-and-scan): vLLM's processor
+    sizes the image under the kwargs (so they go on with the pixels) and hashes its uuid with them;
+    the proxy names the settings' entry in ``ec_transfer_params``, the connector reads it, and the
+    answer (text and prompt length) is plain vLLM's with the same kwargs. Two settings: two entries,
+    two answers (two prompt lengths), each vLLM's; the repeat is a hit."""
+    running: Stack = request.getfixturevalue(name)
+    data = png(*WIDE[name], seed=3330)
+    text = httpx.get(running.server.url + "/metrics", timeout=10).text
     encoded = metric(text, "encode_server_items_total", status="encoded")
-    for settings in (TILES, MORE_TILES, TILES):
+    first, second = PIXELS_SETTINGS[name]
+    answers = []
+    for settings in (first, second, first):
         body = chat([data], mm_processor_kwargs=settings)
-        mark = internvl.relay.mark()
-        got = _answer(internvl.proxy.url, body)
-        sent = internvl.relay.since(mark)
-        identifier = _identifier(internvl, settings, data)
-        assert internvl.relay.uuids_since(mark) == [identifier]
-        assert b"image_url" in sent and b"mm_processor_kwargs" in sent and b"ec_transfer_params" in sent
-        assert f'"items": {{"image": ["{identifier}"]}}'.encode() in sent
-        plain = _answer(internvl.vllm["url"], body)
-        print(f"\nInternVL {settings}: proxy {got}, plain vLLM {plain}")
+        mark = running.relay.mark()
+        got = _answer(running.proxy.url, body)
+        sent = running.relay.since(mark)
+        identifier = _identifier(running, settings, data)
+        assert running.relay.uuids_since(mark) == [identifier]
+        assert b"image_url" in sent and b"mm_processor_kwargs" in sent
+        assert f'"ec_transfer_params": {{"encode_server": {{"items": {{"image": ["{identifier}"]}}}}}}'.encode() in sent
+        plain = _answer(running.vllm["url"], body)
+        print(f"\n{name} {settings}: proxy {got}, plain vLLM {plain}")
         assert got == plain
-    text = httpx.get(internvl.server.url + "/metrics", timeout=10).text
+        answers.append(got)
+    assert answers[0][1] != answers[1][1]  # the settings took effect: two row counts
+    text = httpx.get(running.server.url + "/metrics", timeout=10).text
     assert metric(text, "encode_server_items_total", status="encoded") == encoded + 2  # the repeat was a hit
 
 
@@ -238,25 +269,31 @@ def test_vllm_hashes_a_uuid_with_the_requests_kwargs_and_reads_the_entry_the_pro
     a tile range, sent to vLLM with its pixels, the kwargs and the identifier of the entry, with
     zeros stored there, answers as plain vLLM on the pixels: vLLM 0.32 asked its connector for the
     uuid hashed with the kwargs (``ProcessorInputs.get_mm_hashes``), which no store holds, and ran
-    its own tower. The same request with ``ec_transfer_params`` naming the entry answers otherwise:
-    the connector read the zeros."""
-    data = png(300, 200, seed=3350)
-    body = chat([data], mm_processor_kwargs=TILES)
-    plain = _answer(internvl.vllm["url"], body)
-    with Client(internvl.server.url, response="json", timeout=60) as client:
-        (result,) = client.hand_off([data], mm_processor_kwargs=TILES)
-        fingerprint = str(client.model()["fingerprint"])
-        (embedding,) = client.encode([data], mm_processor_kwargs=TILES)
-    assert result.key is not None
-    identifier = epd_identifier(result.key, mm_hash(data))
-    assert identifier == _identifier(internvl, TILES, data)
-    zeros = stored_value(np.zeros_like(embedding.numpy()), fingerprint, result.hash, result.meta)
-    redis.Redis.from_url(REDIS_URL).set(result.key, zeros)
-    named = copy.deepcopy(body)
-    named["messages"][0]["content"][0]["uuid"] = identifier
-    assert _answer(internvl.vllm["url"], named) == plain
-    named["ec_transfer_params"] = {EC_PARAMS_KEY: {"items": {"image": [identifier]}}}
-    assert _answer(internvl.vllm["url"], named)[0] != plain[0], "the connector did not read the named entry"
+    its own tower. Another image's same request with ``ec_transfer_params`` naming its entry answers
+    otherwise: the connector read the zeros. (Another image: vLLM's encoder cache may still hold the
+    first one's rows under the hashed identifier, and would not ask the connector again.)"""
+    answers = []
+    for seed, named_by_params in ((3350, False), (3351, True)):
+        data = png(300, 200, seed=seed)
+        body = chat([data], mm_processor_kwargs=TILES)
+        plain = _answer(internvl.vllm["url"], body)
+        with Client(internvl.server.url, response="json", timeout=60) as client:
+            (result,) = client.hand_off([data], mm_processor_kwargs=TILES)
+            fingerprint = str(client.model()["fingerprint"])
+            (embedding,) = client.encode([data], mm_processor_kwargs=TILES)
+        assert result.key is not None
+        identifier = epd_identifier(result.key, mm_hash(data))
+        assert identifier == _identifier(internvl, TILES, data)
+        zeros = stored_value(np.zeros_like(embedding.numpy()), fingerprint, result.hash, result.meta)
+        redis.Redis.from_url(REDIS_URL).set(result.key, zeros)
+        named = copy.deepcopy(body)
+        named["messages"][0]["content"][0]["uuid"] = identifier
+        if named_by_params:
+            named["ec_transfer_params"] = {EC_PARAMS_KEY: {"items": {"image": [identifier]}}}
+        answers.append((_answer(internvl.vllm["url"], named), plain))
+    (unnamed, plain), (read, plain_other) = answers
+    assert unnamed == plain, "vLLM read the uuid as given: the proxy's list is not needed"
+    assert read[0] != plain_other[0], "the connector did not read the entry the list names"
 
 
 # -- Qwen3-VL: pixel-free like Qwen2.5-VL, its processor's factor 32 ---------------------------------

@@ -128,9 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--trust-request-mm-kwargs", action="store_true",
         help="take a chat's mm_processor_kwargs (e.g. Qwen's max_pixels) and media_io_kwargs.video (a Qwen video's "
         "fps), as vLLM's flag of this name does: checked against the served family's keys, every image or video "
-        "handed off under them (named by its bytes and the settings), dropped for vLLM (the grid carries them; "
-        "refused for a pixels + uuid family, whose uuid vLLM would hash with them); encode-server needs its own "
-        "flag of this name",
+        "handed off under them (named by its bytes and the settings), dropped for vLLM where the grid carries them, "
+        "kept for a pixels + uuid family's processor, with the identifiers vLLM then hashes named to its connector); "
+        "also the Omni thinkers' use_audio_in_video; encode-server needs its own flag of this name for settings",
     )
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds vLLM may take for its next byte")
     parser.add_argument("--connect-timeout", type=float, default=5.0, help="seconds to connect to vLLM")

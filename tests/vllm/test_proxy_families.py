@@ -258,9 +258,12 @@ def test_a_video_with_its_sound_answers_as_plain_vllm_where_the_family_takes_use
         assert stack.relay.since(mark) == b"", "a refused request reached vLLM"
         return
     encoded, _ = _encoded_and_hits(stack.server)
+    sounds = metric(httpx.get(stack.proxy.url + "/metrics", timeout=10).text, "encode_epd_proxy_handoff_audios_total")
     first = answer_text(post_chat(stack.proxy.url, body))
     sent = stack.relay.since(mark)
     assert stack.relay.uuids_since(mark) == [own_identifier(mm_hash(sound), "video")]
+    proxied = httpx.get(stack.proxy.url + "/metrics", timeout=10).text
+    assert metric(proxied, "encode_epd_proxy_handoff_audios_total") == sounds + 1  # the video's sound
     assert base64.b64encode(sound)[-64:] in sent and b"use_audio_in_video" in sent
     assert b'"ec_transfer_params"' in sent and own_identifier(mm_hash(sound), "audio").encode() in sent
     assert _encoded_and_hits(stack.server)[0] == encoded + 2, "the video and its sound were not both handed off"

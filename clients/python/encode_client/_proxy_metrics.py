@@ -35,7 +35,8 @@ class ProxyMetrics:
             registry=r,
         )
         self.handoff_audios = Counter(
-            "handoff_audios", "Audio files handed off to encode-server (each in a call of its own).", namespace=ns,
+            "handoff_audios", "Audio items handed off to encode-server (each in a call of its own; a video's own sound "
+            "under use_audio_in_video is one).", namespace=ns,
             registry=r,
         )
         self.upstream_seconds = Histogram(

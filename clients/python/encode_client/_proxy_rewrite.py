@@ -62,7 +62,7 @@ async def prepare_body(
         rewritten, results = await rewrite_chat_plan_async(parsed, plan, encoder, contract=contract)
         if results:
             seconds = time.perf_counter() - started
-        images, videos, audios = len(plan.images), len(plan.videos), len(plan.audios)
+        images, videos, audios = len(plan.images), len(plan.videos), len(plan.audios) + len(plan.sounds)
     else:
         check_request_fields(parsed, trust_request_mm_kwargs=trust_request_mm_kwargs)
         rewritten = dict(parsed)

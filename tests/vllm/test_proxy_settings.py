@@ -188,21 +188,25 @@ TILES = {"max_patches": 2}
 MORE_TILES = {"min_patches": 3, "max_patches": 4}
 
 
-@pytest.fixture(scope="module")
-def internvl(tmp_path_factory: pytest.TempPathFactory, logs: Path) -> Iterator[Stack]:
-    case = PROXY_CASES["internvl"]
+@contextmanager
+def _family_stack(name: str, tmp_path_factory: pytest.TempPathFactory, logs: Path) -> Iterator[Stack]:
+    """A trusting stack on the family's tiny checkpoint (its ``PROXY_CASES`` record), images only."""
+    case = PROXY_CASES[name]
     model = tiny_checkpoint(tmp_path_factory, case.build)
-    with _trusting_stack(model, f"{PREFIX}-internvl", logs, ("--trust-request-mm-kwargs", *case.vllm_args),
+    with _trusting_stack(model, f"{PREFIX}-{name}", logs, ("--trust-request-mm-kwargs", *case.vllm_args),
                          {"image": 2, "video": 0}) as running:
         yield running
 
 
 @pytest.fixture(scope="module")
+def internvl(tmp_path_factory: pytest.TempPathFactory, logs: Path) -> Iterator[Stack]:
+    with _family_stack("internvl", tmp_path_factory, logs) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
 def gemma3(tmp_path_factory: pytest.TempPathFactory, logs: Path) -> Iterator[Stack]:
-    case = PROXY_CASES["gemma3"]
-    model = tiny_checkpoint(tmp_path_factory, case.build)
-    with _trusting_stack(model, f"{PREFIX}-gemma3", logs, ("--trust-request-mm-kwargs", *case.vllm_args),
-                         {"image": 2, "video": 0}) as running:
+    with _family_stack("gemma3", tmp_path_factory, logs) as running:
         yield running
 
 

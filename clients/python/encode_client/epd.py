@@ -647,10 +647,8 @@ def apply_results(
         rewritten = _media_part(part, result, contract, modes[part.modality])
         out["messages"][part.message]["content"][part.part] = rewritten
         named.append(((part.message, part.part, False), part.modality, rewritten["uuid"]))
-    kwargs = {**(plan.settings or {}), **({AUDIO_IN_VIDEO: True} if plan.audio_in_video else {})}
-    if plan.media and all(mode == "pixel_free" for mode in modes.values()):
-        out.pop(SETTINGS_FIELD, None)  # vLLM's processor sees no pixels: the metadata carries their effect
-        kwargs = {}
+    if plan.media:  # pixel-free, the metadata carries their effect; none left (use_audio_in_video false): vLLM's own
+        out.pop(SETTINGS_FIELD, None)
     if plan.video_settings is not None:
         out.pop(MEDIA_IO_FIELD, None)  # every video was handed off under them: vLLM loads none
     for e in plan.embeds:  # rebuilt from type and payload only: no other key of the client's goes on
@@ -658,8 +656,9 @@ def apply_results(
         out["messages"][e.message]["content"][e.part] = {"type": e.type, e.type: copy.deepcopy(e.payload),
                                                          "uuid": identifier}
         named.append(((e.message, e.part, False), e.type.removesuffix("_embeds"), identifier))
-    if plan.media and kwargs:  # vLLM's processor sees an item's file: it takes them, and hashes every uuid with them
-        out[SETTINGS_FIELD] = kwargs
+    kwargs = {**(plan.settings or {}), **({AUDIO_IN_VIDEO: True} if plan.audio_in_video else {})}
+    if kwargs and "pixels_uuid" in modes.values():  # vLLM's processor sees a file: it takes them, and hashes
+        out[SETTINGS_FIELD] = kwargs  # every uuid with them, so the connector is told which entry each names
         out[EC_PARAMS_FIELD] = {EC_PARAMS_KEY: {"items": _items_in_vllms_order(named)}}
     return out
 

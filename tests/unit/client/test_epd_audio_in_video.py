@@ -111,14 +111,18 @@ def test_every_item_of_such_a_chat_goes_as_its_file_and_is_listed_in_vllms_order
 
 
 def test_without_a_video_or_when_false_the_chat_is_rewritten_as_without_it() -> None:
-    """No video to take the sound of: nothing to interleave, so nothing changes (a pixel-free
-    chat, the key dropped with the other settings, no list)."""
+    """No video to take the sound of, or the key false (vLLM's default): nothing to interleave, so
+    nothing changes: the key is dropped (vLLM would hash every uuid with it), no list; a pixel-free
+    chat for Qwen2.5-Omni, Qwen3-Omni's video as its file + uuid as always."""
     for body in (_chat(AUDIO, IMAGE, **{"mm_processor_kwargs": KWARGS}),
                  _chat(_video(MP4), **{"mm_processor_kwargs": {"use_audio_in_video": False}})):
         out, handed = _rewrite(body)
         assert "mm_processor_kwargs" not in out and "ec_transfer_params" not in out
         assert all(p["type"].endswith("_embeds") for p in out["messages"][0]["content"][:-1])
         assert len(handed) == len(out["messages"][0]["content"]) - 1
+    out, handed = _rewrite(_chat(_video(MP4), **{"mm_processor_kwargs": {"use_audio_in_video": False}}), QWEN3_OMNI)
+    assert "mm_processor_kwargs" not in out and "ec_transfer_params" not in out and handed == [(MP4, "video")]
+    assert out["messages"][0]["content"][0]["type"] == "video_url"
 
 
 @pytest.mark.parametrize("value", [1, "true", None, [True]])

@@ -26,7 +26,7 @@ connector serves every tenant: a tenant-scoped identifier names its tenant's key
 says whose images these are.
 
 A request whose ``mm_processor_kwargs`` vLLM hashes into every item's identifier (the Omni
-thinkers' ``use_audio_in_video``) carries the EPD path's own identifiers in its
+thinkers' ``use_audio_in_video``, a pixels + uuid family's per-request settings) carries the EPD path's own identifiers in its
 ``ec_transfer_params`` (``{"encode_server": {"items": {modality: [identifier, ...]}}}``, each
 modality's in vLLM's item order, set by ``encode_client.epd``): the connector maps the request's
 items to them, modality by modality and item for item, and reads those keys; a list that does not
@@ -517,7 +517,7 @@ class EncodeServerECConnector(ECConnectorBase):
 
 def _named_items(request: Request) -> dict[str, str]:
     """vLLM's identifier -> the EPD path's, for a request whose uuids vLLM hashed together with its
-    ``mm_processor_kwargs`` (``use_audio_in_video``): the proxy lists, in ``ec_transfer_params``
+    ``mm_processor_kwargs`` (``use_audio_in_video``, a pixels + uuid item's settings): the proxy lists, in ``ec_transfer_params``
     (``encode_client.keys.EC_PARAMS_KEY``), each modality's identifiers in vLLM's item order, and
     the request's features of that modality are in the same order (by their place in the prompt).
     A list that does not match the features item for item names nothing: never a guess."""

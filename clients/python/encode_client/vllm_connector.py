@@ -26,11 +26,11 @@ connector serves every tenant: a tenant-scoped identifier names its tenant's key
 says whose images these are.
 
 A request whose ``mm_processor_kwargs`` vLLM hashes into every item's identifier (the Omni
-thinkers' ``use_audio_in_video``, a pixels + uuid family's per-request settings) carries the EPD path's own identifiers in its
-``ec_transfer_params`` (``{"encode_server": {"items": {modality: [identifier, ...]}}}``, each
-modality's in vLLM's item order, set by ``encode_client.epd``): the connector maps the request's
-items to them, modality by modality and item for item, and reads those keys; a list that does not
-match the request's items names nothing.
+thinkers' ``use_audio_in_video``, a pixels + uuid family's per-request settings) carries the EPD
+path's own identifiers in its ``ec_transfer_params`` (``{"encode_server": {"items": {modality:
+[identifier, ...]}}}``, each modality's in vLLM's item order, set by ``encode_client.epd``): the
+connector maps the request's items to them, modality by modality and item for item, and reads
+those keys; a list that does not match the request's items names nothing.
 
 Where the read happens, and why: vLLM decides on the scheduler side, in ``has_cache_item``,
 whether an image comes from the connector or from its own encoder, and once it has said
@@ -517,8 +517,9 @@ class EncodeServerECConnector(ECConnectorBase):
 
 def _named_items(request: Request) -> dict[str, str]:
     """vLLM's identifier -> the EPD path's, for a request whose uuids vLLM hashed together with its
-    ``mm_processor_kwargs`` (``use_audio_in_video``, a pixels + uuid item's settings): the proxy lists, in ``ec_transfer_params``
-    (``encode_client.keys.EC_PARAMS_KEY``), each modality's identifiers in vLLM's item order, and
+    ``mm_processor_kwargs`` (``use_audio_in_video``, a pixels + uuid item's settings): the proxy
+    lists, in ``ec_transfer_params`` (``encode_client.keys.EC_PARAMS_KEY``), each modality's
+    identifiers in vLLM's item order, and
     the request's features of that modality are in the same order (by their place in the prompt).
     A list that does not match the features item for item names nothing: never a guess."""
     params = getattr(request, "ec_transfer_params", None)

@@ -173,6 +173,7 @@ bench-epd: install tools vllm-env
 bench-tower-memory: install tools
 	$(BIN)/python -m bench.tower_memory
 	$(BIN)/python -m bench.tower_memory --case qwen2_audio_7b
+	$(BIN)/python -m bench.tower_memory --case qwen2_5_omni_7b
 
 # 10 minutes of mixed load with Redis paused once (the figures in docs/robustness.md); the tests
 # run its 60-second form.

@@ -1,17 +1,23 @@
 """The memory a tower-free prefill frees, measured: vLLM with ``--load-format dummy`` on a real
 model's config, with its tower and without (its modalities' ``--limit-mm-per-prompt`` at 0), on
-this machine. Two cases (``--case``):
+this machine. Three cases (``--case``):
 
 - ``qwen2_5_vl_3b`` (the default): Qwen2.5-VL-3B-Instruct's ``config.json``, the real 32-block,
   1280-wide vision tower and merger, the real 2048-wide language model and 151,936-token vocabulary;
 - ``qwen2_audio_7b``: Qwen2-Audio-7B-Instruct's, the real Whisper-large audio encoder (32 layers,
   1,280 wide, 128 mel bins) and its projector, the real 4096-wide language model (32 KV heads) and
-  156,032-token vocabulary: the audio tower a tower-free audio prefill drops.
+  156,032-token vocabulary: the audio tower a tower-free audio prefill drops;
+- ``qwen2_5_omni_7b``: Qwen2.5-Omni-7B's thinker (vLLM's ``Qwen2_5OmniThinkerForConditionalGeneration``,
+  saved as the project's tiny Omni is: the whole ``qwen2_5_omni`` config, ``Qwen2_5OmniModel``): the
+  real 32-block, 1280-wide vision tower and merger (to 3,584), the real Whisper-large-like audio
+  encoder (32 layers, 1,280 wide, 128 mel bins, projected to 3,584), the real 3584-wide language
+  model (4 KV heads, 152,064-token vocabulary, untied): both towers, which a tower-free prefill
+  (image, video and audio limits 0) drops together.
 
 Each is written here, offline (the tokenizer and processor files are the case's tiny test model's,
 which is all a dummy load reads besides the config), with ``--layers`` of its decoder layers
-(default 8 for the 3B, 2 for the 7B: the whole models in bfloat16 are 7.5 and 15.6 GB of weights,
-more than this shared machine may spend; the tower is always whole). Each run is a fresh process
+(default 8 for the 3B, 2 for the 7Bs: the whole models in bfloat16 are 7.5, 15.6 and 17.8 GB of
+weights, more than this shared machine may spend; the towers are always whole). Each run is a fresh process
 (the engine in-process) that reports:
 
 - its weights: every parameter vLLM built, in bytes, and those of the tower (the case's prefixes);
@@ -27,10 +33,10 @@ bytes), and an H200 at ``--gpu-memory-utilization 0.9``. On a GPU vLLM also prof
 on its largest input and reserves that activation peak; a tower-free engine skips the run (vLLM's
 CPU backend runs no profile in eager mode, so that share is not measured here).
 
-Run: ``python -m bench.tower_memory [--case qwen2_audio_7b]`` (needs the vLLM test environment,
-``make vllm-env``; it checks free memory first and stops a run whose memory passes ``--cap-gib``).
-Writes ``bench/results/tower_memory.json`` (``tower_memory_audio.json`` for the audio case) and
-prints a table.
+Run: ``python -m bench.tower_memory [--case qwen2_audio_7b|qwen2_5_omni_7b]`` (needs the vLLM test
+environment, ``make vllm-env``; it checks free memory first and stops a run whose memory passes
+``--cap-gib``). Writes ``bench/results/tower_memory.json`` (``tower_memory_audio.json`` for the audio
+case, ``tower_memory_omni.json`` for the Omni) and prints a table.
 """
 
 from __future__ import annotations
@@ -102,9 +108,56 @@ QWEN2_AUDIO_7B: dict[str, Any] = {
 }
 
 
+# Qwen/Qwen2.5-Omni-7B's thinker, saved as the project's tiny Omni is (tests/tiny/qwen2_5_omni.py: the
+# whole Qwen2_5OmniConfig, no talker), the sizes transformers' Qwen2_5OmniThinkerConfig defaults to
+# (its sub-configs' defaults are the 7B's) except the vision width: the class defaults
+# ``hidden_size`` to 3584 (the language model's) where the 7B's tower is 1,280 wide
+# (``intermediate_size`` 3420 and 16 heads are a 1280-wide Qwen2.5-VL tower's); ``tokens_per_second``
+# is vLLM's fallback (the class has the thinker's ``position_id_per_seconds``, 25), and the language
+# model is untied (Qwen2.5-7B's lm_head is its own; the text class defaults to tied). Token ids are
+# the tiny tokenizer's, see make_config.
+QWEN2_5_OMNI_7B: dict[str, Any] = {
+    "architectures": ["Qwen2_5OmniModel"],
+    "model_type": "qwen2_5_omni",
+    "enable_audio_output": False,
+    "thinker_config": {
+        "model_type": "qwen2_5_omni_thinker",
+        "audio_config": {
+            "model_type": "qwen2_5_omni_audio_encoder", "num_mel_bins": 128, "encoder_layers": 32,
+            "encoder_attention_heads": 20, "encoder_ffn_dim": 5120, "d_model": 1280, "activation_function": "gelu",
+            "scale_embedding": False, "max_source_positions": 1500, "n_window": 100, "output_dim": 3584,
+        },
+        "vision_config": {
+            "model_type": "qwen2_5_omni_vision_encoder", "depth": 32, "hidden_act": "silu", "hidden_size": 1280,
+            "intermediate_size": 3420, "num_heads": 16, "in_channels": 3, "out_hidden_size": 3584, "patch_size": 14,
+            "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 112,
+            "fullatt_block_indexes": [7, 15, 23, 31], "tokens_per_second": 25,
+        },
+        "text_config": {
+            "model_type": "qwen2_5_omni_text", "hidden_size": 3584, "intermediate_size": 18944,
+            "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4, "hidden_act": "silu",
+            "max_position_embeddings": 32768, "rms_norm_eps": 1e-06, "sliding_window": 32768,
+            "use_sliding_window": False, "max_window_layers": 28, "tie_word_embeddings": False,
+            "vocab_size": 152064,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]},
+        },
+        "position_id_per_seconds": 25,
+        "seconds_per_chunk": 2,
+        "tie_word_embeddings": False,
+    },
+    "torch_dtype": "bfloat16",
+}
+
+
+def thinker_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The multimodal model's fields: the config itself or (Qwen2.5-Omni) its ``thinker_config``."""
+    return config.get("thinker_config", config)
+
+
 def text_config(config: dict[str, Any]) -> dict[str, Any]:
-    """The language model's fields: the config itself (Qwen2.5-VL) or its ``text_config``."""
-    return config.get("text_config", config)
+    """The language model's fields: the (thinker's) config itself (Qwen2.5-VL) or its ``text_config``."""
+    thinker = thinker_config(config)
+    return thinker.get("text_config", thinker)
 
 
 def language_parameters(text: dict[str, Any]) -> int:
@@ -118,24 +171,46 @@ def language_parameters(text: dict[str, Any]) -> int:
     return embeddings + n * layer + h
 
 
-def parameters(config: dict[str, Any]) -> dict[str, int]:
-    """Parameter counts of a case's config: ``language`` and ``tower`` (Qwen2.5-VL's vision tower and
-    merger, or Qwen2-Audio's audio encoder and projector)."""
-    if "audio_config" in config:
-        a = config["audio_config"]
-        d, ffn, mels = a["d_model"], a["encoder_ffn_dim"], a["num_mel_bins"]
-        # Whisper's layer: q, v, out biased, k not; two norms; fc1, fc2
-        layer = 4 * d * d + 3 * d + 2 * 2 * d + (d * ffn + ffn) + (ffn * d + d)
-        convs = (mels * d * 3 + d) + (d * d * 3 + d)
-        encoder = convs + a["max_source_positions"] * d + a["encoder_layers"] * layer + 2 * d
-        projector = d * text_config(config)["hidden_size"] + text_config(config)["hidden_size"]
-        return {"language": language_parameters(text_config(config)), "tower": encoder + projector}
-    v = config["vision_config"]
+def vision_parameters(v: dict[str, Any]) -> int:
+    """A Qwen2.5-VL vision tower: the patch embedding (unbiased), the blocks (two RMS norms, biased
+    qkv and proj, a biased SwiGLU MLP) and the merger (an RMS norm and two biased linears)."""
     vh, vi, merged = v["hidden_size"], v["intermediate_size"], v["hidden_size"] * v["spatial_merge_size"] ** 2
     block = (vh * 3 * vh + 3 * vh) + (vh * vh + vh) + 3 * vh * vi + 2 * vi + vh + 2 * vh
     patch = 3 * v["temporal_patch_size"] * v["patch_size"] ** 2 * vh
     merger = vh + (merged * merged + merged) + (merged * v["out_hidden_size"] + v["out_hidden_size"])
-    return {"language": language_parameters(config), "tower": patch + v["depth"] * block + merger}
+    return patch + v["depth"] * block + merger
+
+
+def audio_encoder_parameters(a: dict[str, Any]) -> int:
+    """A Whisper-style audio encoder: two biased convs, the layers (q, v, out biased, k not; two
+    layer norms; fc1, fc2) and the final layer norm; Qwen2-Audio's learned positions, or
+    Qwen2.5-Omni's (its ``output_dim``) sinusoidal ones (a buffer), its parameter-free average pool,
+    its biased projection to ``output_dim`` and its two audio bos/eos embeddings."""
+    d, ffn, mels = a["d_model"], a["encoder_ffn_dim"], a["num_mel_bins"]
+    layer = 4 * d * d + 3 * d + 2 * 2 * d + (d * ffn + ffn) + (ffn * d + d)
+    convs = (mels * d * 3 + d) + (d * d * 3 + d)
+    encoder = convs + a["encoder_layers"] * layer + 2 * d
+    if "output_dim" not in a:
+        return encoder + a["max_source_positions"] * d
+    out = a["output_dim"]
+    return encoder + (d * out + out) + 2 * out
+
+
+def parameters(config: dict[str, Any]) -> dict[str, Any]:
+    """Parameter counts of a case's config: ``language``, ``tower`` (all the towers: Qwen2.5-VL's
+    vision tower and merger, Qwen2-Audio's audio encoder and projector, or Qwen2.5-Omni's vision
+    tower and merger and audio encoder) and ``towers``, the same by the module vLLM builds each
+    under (``visual``, ``audio_tower``, ``multi_modal_projector``)."""
+    thinker, text = thinker_config(config), text_config(config)
+    towers = {}
+    if "vision_config" in thinker:
+        towers["visual"] = vision_parameters(thinker["vision_config"])
+    if "audio_config" in thinker:
+        a = thinker["audio_config"]
+        towers["audio_tower"] = audio_encoder_parameters(a)
+        if "output_dim" not in a:  # Qwen2-Audio: a projector beside the encoder
+            towers["multi_modal_projector"] = a["d_model"] * text["hidden_size"] + text["hidden_size"]
+    return {"language": language_parameters(text), "tower": sum(towers.values()), "towers": towers}
 
 
 @dataclass(frozen=True)
@@ -167,6 +242,14 @@ CASES = {
         ("audio_token_index",), ("audio_tower", "multi_modal_projector"), {"audio": 0}, 2, "tower_memory_audio.json",
         9.0,  # its two layers' engine holds 6.3 GiB before any KV cache (156,032 x 4096 embeddings, untied)
     ),
+    "qwen2_5_omni_7b": Case(
+        "Qwen2.5-Omni-7B (thinker)", QWEN2_5_OMNI_7B, "tests.tiny.qwen2_5_omni:make_tiny_qwen2_5_omni",
+        ("audio_token_index", "image_token_index", "video_token_index", "vision_start_token_id",
+         "vision_end_token_id", "audio_start_token_id", "audio_end_token_id", "user_token_id", "eos_token_id",
+         "pad_token_id"),
+        ("visual", "audio_tower"), {"image": 0, "video": 0, "audio": 0}, 2, "tower_memory_omni.json",
+        10.0,  # its two layers' engine holds 8.9 GiB before any KV cache with both towers, 5.8 without
+    ),
 }
 
 
@@ -187,8 +270,11 @@ def make_config(case: Case, directory: Path, env_python: Path, layers: int) -> d
         weights.unlink()  # a dummy load reads none
     config = json.loads(json.dumps(case.config))
     text_config(config)["num_hidden_layers"] = layers
-    for key in case.token_keys:
-        config[key] = tiny.get(key, tiny.get("text_config", {}).get(key))
+    for key in case.token_keys:  # where the tiny config has it: the (thinker's) config or its text_config
+        for mine, theirs in ((thinker_config(config), thinker_config(tiny)), (text_config(config), text_config(tiny))):
+            if key in theirs:
+                mine[key] = theirs[key]
+                break
     (directory / "config.json").write_text(json.dumps(config, indent=1))
     return config
 
@@ -209,7 +295,8 @@ def _built_weights(model: Any, tower_prefixes: tuple[str, ...]) -> dict[str, int
     embeddings) once."""
     import torch
 
-    out = {"weight_bytes": 0, "tower_weight_bytes": 0, "parameters": 0, "tower_parameters": 0}
+    out: dict[str, Any] = {"weight_bytes": 0, "tower_weight_bytes": 0, "parameters": 0, "tower_parameters": 0,
+                           "towers": {}}
     seen: set[int] = set()
     for name, module in model.named_modules():
         for pname, p in module.named_parameters(recurse=False):
@@ -225,6 +312,9 @@ def _built_weights(model: Any, tower_prefixes: tuple[str, ...]) -> dict[str, int
             out["parameters"] += numel
             out["tower_weight_bytes"] += size * tower
             out["tower_parameters"] += numel * tower
+            if tower:
+                prefix = name.split(".")[0]
+                out["towers"][prefix] = out["towers"].get(prefix, 0) + numel
     return out
 
 
@@ -311,10 +401,13 @@ def h200(config: dict[str, Any], utilization: float = 0.9) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--case", choices=sorted(CASES), default="qwen2_5_vl_3b")
-    parser.add_argument("--layers", type=int, help="decoder layers to build (default 8 of the 3B's 36, 2 of 32)")
-    parser.add_argument("--budget-gib", type=float, help="vLLM's memory budget for each engine (6, 9 for the 7B)")
+    parser.add_argument("--layers", type=int,
+                        help="decoder layers to build (default 8 of the 3B's 36; 2 of the audio 7B's 32, Omni's 28)")
+    parser.add_argument("--budget-gib", type=float,
+                        help="vLLM's memory budget for each engine (6; 9 for the audio 7B, 10 for the Omni)")
     parser.add_argument("--cap-gib", type=float, help="stop an engine whose memory passes this (budget + 1.5)")
-    parser.add_argument("--out", type=Path, help="default: bench/results/tower_memory.json (_audio for the audio case)")
+    parser.add_argument("--out", type=Path,
+                        help="default: bench/results/tower_memory.json (_audio, _omni for those cases)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--child-out", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--with-tower", action="store_true", help=argparse.SUPPRESS)
@@ -355,7 +448,10 @@ def main(argv: list[str] | None = None) -> int:
         "budget_gib": args.budget_gib, "runs": runs,
         "parameters_from_config": counts,
         "config_matches_vllm": runs["with_tower"]["parameters"] == counts["language"] + counts["tower"]
-        and runs["with_tower"]["tower_parameters"] == counts["tower"],
+        and runs["with_tower"]["tower_parameters"] == counts["tower"]
+        and runs["with_tower"]["towers"] == counts["towers"]
+        and runs["tower_free"]["parameters"] == counts["language"]
+        and runs["tower_free"]["tower_parameters"] == 0,
         "difference": {
             "weight_bytes": runs["with_tower"]["weight_bytes"] - runs["tower_free"]["weight_bytes"],
             "rss_bytes": runs["with_tower"]["rss_bytes"] - runs["tower_free"]["rss_bytes"],

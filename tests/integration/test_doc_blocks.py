@@ -83,6 +83,9 @@ SKIP: dict[tuple[str, str], str] = {
     ("docs/vllm.md", "encode-server --model /models/Qwen2.5-Omni-7B --redis-url redis://redis:6379/0 --host 0.0.0.0"):
         "a Qwen2.5-Omni stack on a real model directory and named hosts, run until stopped; tests/vllm/"
         "test_qwen2_5_omni.py and test_proxy_families.py run it on a tiny one",
+    ("docs/vllm.md", "vllm serve /models/Qwen2.5-Omni-7B --trust-request-mm-kwargs \\"):
+        "a prefill and a proxy taking use_audio_in_video on a real model directory and named hosts, run until "
+        "stopped; tests/vllm/test_proxy_families.py runs both Omni thinkers so on tiny ones",
     ("docs/vllm.md", "encode-server --model /models/Qwen3-Omni-30B-A3B-Instruct --redis-url redis://redis:6379/0 "
      "--host 0.0.0.0"):
         "a Qwen3-Omni stack on a real model directory and named hosts, run until stopped; tests/vllm/"

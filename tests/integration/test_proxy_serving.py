@@ -191,6 +191,11 @@ def test_a_stream_passes_through_as_it_arrives() -> None:
                 if line.startswith("data: ") and '"t0 "' in line:
                     received.append(line)
                     break
+            # The stub counts a stream held when its generator is resumed after the first token, which
+            # may come a moment after the client has that token: wait for it, then nothing is served.
+            deadline = time.monotonic() + 10
+            while stub.streams_held == 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
             assert received and stub.streams_held == 1 and stub.served == 0, "the rest is not sent yet"
             stub.release()
             rest = [line for line in lines if line.startswith("data: ")]

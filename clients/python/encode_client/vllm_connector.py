@@ -428,8 +428,10 @@ class EncodeServerECConnector(ECConnectorBase):
         if self._ensure_fingerprint() is None:
             self.counts["redis_error"] += len(wanted)
             return
+        # vLLM's identifier -> the EPD path's (itself, unless the request's list renamed it)
+        named = {i: self._aliases.get(i, i) for i in wanted}
         # Identifiers of other shapes name no stored image: vLLM has the item's data itself.
-        stored = {i: k for i in wanted if (k := self._key(self._aliases.get(i, i))) is not None}
+        stored = {i: k for i in wanted if (k := self._key(named[i])) is not None}
         if not stored:
             return
         self._read_store(stored, wanted)
@@ -437,9 +439,9 @@ class EncodeServerECConnector(ECConnectorBase):
         fetcher = self._encoder() if missing else None
         if fetcher is None:
             return
-        answers = fetcher.fetch_many([self._aliases.get(i, i) for i in missing])
+        answers = fetcher.fetch_many([named[i] for i in missing])
         for identifier in missing:
-            answer = answers.get(self._aliases.get(identifier, identifier))
+            answer = answers.get(named[identifier])
             self._step[identifier] = self._check(identifier, answer, wanted[identifier], "encoder")
             if self._step[identifier] is not None:
                 log.info("image %s: no valid value in Redis; served by encode-server", identifier)

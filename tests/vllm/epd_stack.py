@@ -97,6 +97,19 @@ def media_items(tmp: Path, audio: Sequence[tuple[float, int, int, str]], images:
     return out
 
 
+def greedy_chat(llm: Any, messages: list[dict[str, Any]], mm_processor_kwargs: dict[str, Any] | None = None,
+                ec_transfer_params: dict[str, Any] | None = None) -> list[int]:
+    """An in-process engine's greedy tokens (8) for a chat's ``messages``, with the request fields
+    the proxy would send (``ec_transfer_params`` reaches the connector as the OpenAI server passes
+    it: in the sampling params' ``extra_args``)."""
+    from vllm import SamplingParams
+
+    extra = {"ec_transfer_params": ec_transfer_params} if ec_transfer_params else None
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, extra_args=extra)
+    out = llm.chat(messages, params, use_tqdm=False, mm_processor_kwargs=mm_processor_kwargs)
+    return list(out[0].outputs[0].token_ids)
+
+
 def video_url_part(data: bytes, mime: str = "video/mp4") -> dict[str, Any]:
     return {"type": "video_url", "video_url": {"url": f"data:{mime};base64," + base64.b64encode(data).decode()}}
 

@@ -45,7 +45,7 @@ from tests.vllm.conftest import (
     stored_value,
     tiny_checkpoint,
 )
-from tests.vllm.epd_stack import media_items
+from tests.vllm.epd_stack import greedy_chat, media_items
 
 PREFIX = f"test-vllm-qwen2-5-omni-{os.getpid()}"
 TOLERANCE = 1e-5  # of max(1, the largest magnitude), as for the other families
@@ -60,7 +60,6 @@ AUDIO = [(1.0, 16_000, 1, "wav"), (3.7, 16_000, 2, "wav"), (12.34, 16_000, 1, "w
          (2.5, 44_100, 1, "wav"), (1.23, 8_000, 1, "wav"), (2.0, 48_000, 2, "flac")]
 IMAGES = [(56, 56), (150, 100), (300, 200), (30, 400)]
 VIDEOS = [(4, 2.0, 56, 56), (21, 6.0, 84, 56)]
-
 
 
 @pytest.fixture(scope="module")
@@ -101,18 +100,6 @@ def _tower_parameters(llm: Any) -> int:
     return sum(p.numel() for name, p in model.named_parameters() if name.startswith(("visual.", "audio_tower.")))
 
 
-def _greedy(llm: Any, messages: list[dict[str, Any]], mm_processor_kwargs: dict[str, Any] | None = None,
-            ec_transfer_params: dict[str, Any] | None = None) -> list[int]:
-    """Greedy tokens for ``messages``, with the request fields the proxy would send (``ec_transfer_params``
-    reaches the connector as the OpenAI server passes it: in the sampling params' ``extra_args``)."""
-    from vllm import SamplingParams
-
-    extra = {"ec_transfer_params": ec_transfer_params} if ec_transfer_params else None
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, extra_args=extra)
-    out = llm.chat(messages, params, use_tqdm=False, mm_processor_kwargs=mm_processor_kwargs)
-    return list(out[0].outputs[0].token_ids)
-
-
 @pytest.fixture(scope="module")
 def sound_clips() -> dict[str, tuple[bytes, str]]:
     """name -> (a video with its sound, its data URL)."""
@@ -142,9 +129,9 @@ def vllm_side(checkpoint: Path, items: dict[str, tuple[str, bytes, str]],
                            use_tqdm=False)
             counts[name] = out[0].prompt_token_ids.count(tokenizer.convert_tokens_to_ids(TOKEN[kind]))
             rows[name] = model_runner(llm).encoder_cache[f"own-{name}"].float().cpu().numpy()
-        greedy = [_greedy(llm, _mixed(items, *names)) for names in MIXED]
+        greedy = [greedy_chat(llm, _mixed(items, *names)) for names in MIXED]
         for name, (_, url) in sound_clips.items():
-            sound_greedy[name] = _greedy(llm, _chat([("video", url, None)]), AUDIO_IN_VIDEO)
+            sound_greedy[name] = greedy_chat(llm, _chat([("video", url, None)]), AUDIO_IN_VIDEO)
         towers = _tower_parameters(llm)
     return {"rows": rows, "counts": counts, "greedy": greedy, "tower_parameters": towers,
             "sound_greedy": sound_greedy}
@@ -211,7 +198,7 @@ def test_a_tower_free_consumer_answers_a_mixed_chat_as_plain_vllm_and_zeros_chan
                 for result in results:
                     store.set(result.key, stored_value(np.zeros(result.shape, dtype=np.float32), fingerprint,
                                                        result.hash, result.meta))
-            answers.append(_greedy(llm, rewritten["messages"]))
+            answers.append(greedy_chat(llm, rewritten["messages"]))
     print(f"\nmixed chat: tower-free {answers[0]}, plain vLLM {vllm_side['greedy'][0]}; "
           f"under zeros {answers[1]}, plain vLLM {vllm_side['greedy'][1]}")
     assert answers[0] == vllm_side["greedy"][0]
@@ -266,7 +253,7 @@ def test_use_audio_in_video_through_the_rewrite_answers_as_plain_vllm_from_the_s
                     store.set(result.key, stored_value(np.zeros(result.shape, dtype=np.float32), fingerprint,
                                                        result.hash, result.meta))
             before = dict(connector.counts)
-            answers[name] = _greedy(llm, rewritten["messages"], rewritten["mm_processor_kwargs"],
+            answers[name] = greedy_chat(llm, rewritten["messages"], rewritten["mm_processor_kwargs"],
                                     rewritten["ec_transfer_params"])
             served = {k: connector.counts[k] - before.get(k, 0) for k in ("from_redis", "local_fallback")}
             assert served == {"from_redis": 2, "local_fallback": 0}, (name, dict(connector.counts))

@@ -49,7 +49,7 @@ from tests.vllm.conftest import (
     stored_value,
     tiny_checkpoint,
 )
-from tests.vllm.epd_stack import media_items
+from tests.vllm.epd_stack import greedy_chat, media_items
 
 PREFIX = f"test-vllm-qwen3-omni-{os.getpid()}"
 TOLERANCE = 1e-5  # of max(1, the largest magnitude), as for the other families
@@ -98,13 +98,6 @@ def _tower_parameters(llm: Any) -> dict[str, int]:
             for tower in ("visual", "audio_tower")}
 
 
-def _greedy(llm: Any, messages: list[dict[str, Any]]) -> list[int]:
-    from vllm import SamplingParams
-
-    out = llm.chat(messages, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
-    return list(out[0].outputs[0].token_ids)
-
-
 @pytest.fixture(scope="module")
 def vllm_side(checkpoint: Path, items: dict[str, tuple[str, bytes, str]]) -> dict[str, Any]:
     """vLLM's rows and placeholder count for every item (a chat each, under a uuid), its towers'
@@ -119,9 +112,9 @@ def vllm_side(checkpoint: Path, items: dict[str, tuple[str, bytes, str]]) -> dic
                            use_tqdm=False)
             counts[name] = out[0].prompt_token_ids.count(tokenizer.convert_tokens_to_ids(TOKEN[kind]))
             rows[name] = model_runner(llm).encoder_cache[f"own-{name}"].float().cpu().numpy()
-        greedy = [_greedy(llm, _mixed(items, names)) for names in MIXED]
-        alone = {"audio": _greedy(llm, _mixed(items, MIXED[0][:1])),
-                 "vision": _greedy(llm, _mixed(items, MIXED[0][1:]))}
+        greedy = [greedy_chat(llm, _mixed(items, names)) for names in MIXED]
+        alone = {"audio": greedy_chat(llm, _mixed(items, MIXED[0][:1])),
+                 "vision": greedy_chat(llm, _mixed(items, MIXED[0][1:]))}
         towers = _tower_parameters(llm)
     return {"rows": rows, "counts": counts, "greedy": greedy, "alone": alone, "towers": towers}
 
@@ -190,11 +183,11 @@ def test_a_consumer_without_its_audio_tower_answers_audio_and_vision_chats_as_pl
             if chat == "audio":
                 assert base64.b64encode(items[names[0]][1])[-64:].decode() not in str(content)
             hits = connector.counts["hit"]
-            answers[chat] = _greedy(llm, rewritten["messages"])
+            answers[chat] = greedy_chat(llm, rewritten["messages"])
             assert connector.counts["hit"] - hits == len(names), dict(connector.counts)
         rewritten, _ = rewrite_chat_request({"model": "tiny", "messages": _mixed(items, MIXED[0])}, client)
         with pytest.raises(VLLMValidationError, match="At most 0 audio"):
-            _greedy(llm, rewritten["messages"])
+            greedy_chat(llm, rewritten["messages"])
     print(f"\nwithout the audio tower: audio {answers['audio']}, plain vLLM {vllm_side['alone']['audio']}; "
           f"image + video {answers['vision']}, plain vLLM {vllm_side['alone']['vision']}")
     assert answers == vllm_side["alone"]
@@ -228,7 +221,7 @@ def test_a_mixed_chat_answers_as_plain_vllm_with_its_audio_as_a_file_and_zeros_c
                     store.set(result.key, stored_value(np.zeros(result.shape, dtype=np.float32), fingerprint,
                                                        result.hash, result.meta))
             hits = connector.counts["hit"]
-            answers.append(_greedy(llm, rewritten["messages"]))
+            answers.append(greedy_chat(llm, rewritten["messages"]))
             assert connector.counts["hit"] - hits == 3, dict(connector.counts)
     print(f"\nmixed chat: {answers[0]}, plain vLLM {vllm_side['greedy'][0]}; "
           f"under zeros {answers[1]}, plain vLLM {vllm_side['greedy'][1]}")

@@ -32,6 +32,7 @@ from . import (
     gemma4,
     glm4v,
     internvl,
+    kimi_k25,
     llama4,
     llava,
     llava_next,
@@ -71,7 +72,7 @@ log = logging.getLogger(__name__)
 FAMILIES: tuple[Family, ...] = (
     clip.FAMILY, siglip2.FAMILY, llava.FAMILY, qwen.FAMILY, qwen3_vl.FAMILY, internvl.FAMILY, gemma3.FAMILY,
     gemma4.FAMILY, mistral3.FAMILY, glm4v.FAMILY, llava_next.NEXT, llava_next.ONEVISION, qwen2_audio.FAMILY,
-    llama4.FAMILY, qwen2_5_omni.FAMILY, qwen3_omni.FAMILY,
+    llama4.FAMILY, qwen2_5_omni.FAMILY, qwen3_omni.FAMILY, kimi_k25.FAMILY,
 )
 _BY_MODEL_TYPE = by_model_type(FAMILIES)
 SUPPORTED_MODEL_TYPES = tuple(_BY_MODEL_TYPE)

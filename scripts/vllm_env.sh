@@ -13,12 +13,17 @@
 # PyPI release without its dependencies (it pins another torch) and without its native libraries:
 # vLLM resamples audio with torchaudio.transforms.Resample by default, which is pure torch, and
 # torchaudio imports without the libraries when they are absent (not when they fail to load).
+#
+# llvmlite: numba (vLLM's Kimi-K2.5 image processor) loads llvmlite, whose library object breaks
+# the scan vLLM's CPU worker makes over every module at start; tests/vllm/env/llvmlite_dunder_shim.py
+# (see its docstring) is installed beside the torchvision shim, also by a .pth line.
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 reqs="$repo/tests/vllm/env/requirements.txt"
 shim="$repo/tests/vllm/env/torchvision_cpu_shim.py"
+llvmlite_shim="$repo/tests/vllm/env/llvmlite_dunder_shim.py"
 python=${PYTHON:-python3}
-key=$( { cat "$reqs" "$shim" "$repo/scripts/vllm_env.sh"; "$python" --version; } | sha256sum | cut -c1-12)
+key=$( { cat "$reqs" "$shim" "$llvmlite_shim" "$repo/scripts/vllm_env.sh"; "$python" --version; } | sha256sum | cut -c1-12)
 root=${ENCODE_SERVER_CACHE:-$HOME/.cache/encode-server}
 env="$root/vllm-venv-$key"
 mkdir -p "$root"
@@ -36,7 +41,9 @@ if [ ! -f "$env/.complete" ]; then
     rm -f "$site"/torchaudio/lib/*.so
     cp "$shim" "$site/"
     echo "import torchvision_cpu_shim; torchvision_cpu_shim.install()" > "$site/torchvision_cpu_shim.pth"
-    "$env/bin/python" -c 'import torchvision, vllm.multimodal; from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize; import soundfile; from vllm.multimodal.audio import resample_audio_torchaudio as r; import numpy as n; assert r(n.zeros(441, n.float32), orig_sr=44100, target_sr=16000).shape == (160,)' >&2
+    cp "$llvmlite_shim" "$site/"
+    echo "import llvmlite_dunder_shim; llvmlite_dunder_shim.install()" > "$site/llvmlite_dunder_shim.pth"
+    "$env/bin/python" -c 'import torchvision, vllm.multimodal; from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize; import soundfile; from vllm.multimodal.audio import resample_audio_torchaudio as r; import numpy as n; assert r(n.zeros(441, n.float32), orig_sr=44100, target_sr=16000).shape == (160,); import numba; from llvmlite.binding import ffi; assert not hasattr(ffi.lib, "__dict__")' >&2
     touch "$env/.complete"
 fi
 echo "$env"

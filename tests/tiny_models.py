@@ -16,6 +16,7 @@ Typical use in a test::
 from __future__ import annotations
 
 import functools
+import json
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ from transformers import (
     Gemma4ForConditionalGeneration,
     Glm4vForConditionalGeneration,
     InternVLForConditionalGeneration,
+    Kimi_K25ForConditionalGeneration,
     Llama4ForConditionalGeneration,
     LlamaConfig,
     LlavaConfig,
@@ -68,6 +70,7 @@ __all__ = [
     "reference_gemma3_features",
     "reference_gemma4_features",
     "reference_internvl_features",
+    "reference_kimi_k25_features",
     "reference_llama4_features",
     "reference_llava_features",
     "reference_mistral3_features",
@@ -202,6 +205,7 @@ def load_full_model(path: Path | str, *, conv_patch_embed: bool = False) -> PreT
     classes: dict[str, type[PreTrainedModel]] = {
         "internvl": InternVLForConditionalGeneration,
         "llama4": Llama4ForConditionalGeneration,
+        "kimi_k25": Kimi_K25ForConditionalGeneration,
         "gemma3": Gemma3ForConditionalGeneration,
         "gemma4": Gemma4ForConditionalGeneration,
         "mistral3": Mistral3ForConditionalGeneration,
@@ -346,6 +350,23 @@ def reference_llama4_features(path: Path | str, image: Image.Image) -> torch.Ten
     model = _reference_model(path)
     tiles = _cached_encoder(*_checkpoint_key(path)).preprocess(image).inputs["pixel_values"]
     return model.get_image_features(tiles.float()).pooler_output.flatten(0, 1)
+
+
+@torch.inference_mode()
+def reference_kimi_k25_features(path: Path | str, image: Image.Image) -> torch.Tensor:
+    """``Kimi_K25Model.get_image_features`` for one image: rows x D_llm. transformers has no Kimi
+    image processor to run here (vLLM's is numba's, checked against encode-server's patches in
+    tests/vllm/test_kimi_k25_pixels.py), so the patches are encode-server's uint8 ones, normalised
+    as transformers' Kimi processor does (``(x / 255 - mean) / std``); transformers loads the hub's
+    fused, interleaved-RoPE weights through its own conversion."""
+    model = _reference_model(path)
+    prepared = _cached_encoder(*_checkpoint_key(path)).preprocess(image)
+    media = json.loads((Path(path) / "preprocessor_config.json").read_text())["media_proc_cfg"]
+    mean = torch.tensor(media["image_mean"]).view(1, 3, 1, 1)
+    std = torch.tensor(media["image_std"]).view(1, 3, 1, 1)
+    pixels = (prepared.inputs["patches"].float() / 255 - mean) / std
+    grid = torch.tensor([prepared.meta["grid_thws"]])
+    return model.model.get_image_features(pixels, grid).pooler_output[0]
 
 
 @torch.inference_mode()

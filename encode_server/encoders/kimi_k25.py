@@ -333,10 +333,13 @@ class KimiK25Encoder(HFEncoder):
         _, rows, cols = meta["grid_thws"]
         return int(rows) * int(cols)
 
+    def normalise(self, patches: torch.Tensor) -> torch.Tensor:
+        """uint8 patches (N x 3 x p x p) to float32 pixels, as vLLM's ``FusedMMInputNorm`` makes them."""
+        flat = patches.reshape(patches.shape[0], 3, -1)
+        return (flat * self.norm_weight + self.norm_bias).view(patches.shape)
+
     def _forward(self, batch: Sequence[PreparedItem], inputs: dict[str, torch.Tensor]) -> list[EncodedTensor]:
-        raw = inputs["patches"]
-        flat = raw.reshape(raw.shape[0], 3, -1)
-        pixels = (flat * self.norm_weight + self.norm_bias).view(raw.shape).to(self.dtype)
+        pixels = self.normalise(inputs["patches"]).to(self.dtype)
         grids = [(int(item.meta["grid_thws"][1]), int(item.meta["grid_thws"][2])) for item in batch]
         with torch.inference_mode():
             rows = self._to_host(self.module(pixels, grids))

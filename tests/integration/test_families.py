@@ -97,6 +97,9 @@ def _reference(name: str, path: Path, data: bytes) -> tuple[torch.Tensor, dict]:
     if kind == "llama4":  # 4 rows a tile: 16 patches pixel-shuffled by 0.5
         features = tiny_models.reference_llama4_features(path, image)
         return features, {"patches_per_image": features.shape[0] // 4}
+    if kind == "kimi_k25":
+        features = tiny_models.reference_kimi_k25_features(path, image)
+        return features, {}
     if kind in ("qwen2_5_omni", "qwen3_omni"):
         omni = qwen2_5_omni if kind == "qwen2_5_omni" else qwen3_omni
         features, grid = omni.reference_image_features(path, image)
@@ -128,7 +131,13 @@ def test_server_equals_the_full_model_and_hash_only_hits(family: tuple[str, Path
         expected, meta = _reference(name, path, data)
         got = _tensor(item)
         assert got.shape == expected.shape, (name, fmt)
-        assert torch.equal(got, expected.float()), f"{name}: numeric drift, max {(got - expected).abs().max()}"
+        if CASES[name].reference == "kimi_k25":
+            # The server runs vLLM's formulation (fused QKV, RoPE on interleaved pairs, the position
+            # grid resized with interpolate), transformers its own (split, permuted QKV, half-split
+            # RoPE, an embedding_bag of bicubic weights): the same arithmetic up to float rounding.
+            assert float((got - expected).abs().max()) <= 1e-5 * float(expected.abs().max()), name
+        else:
+            assert torch.equal(got, expected.float()), f"{name}: numeric drift, max {(got - expected).abs().max()}"
         assert item["num_tokens"] == expected.shape[0]
         for key, value in meta.items():
             assert item["meta"][key] == value

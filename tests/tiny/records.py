@@ -18,6 +18,7 @@ from tests.tiny.gemma3 import make_tiny_gemma3
 from tests.tiny.gemma4 import make_tiny_gemma4
 from tests.tiny.glm4v import make_tiny_glm4v
 from tests.tiny.internvl import make_tiny_internvl
+from tests.tiny.kimi_k25 import make_tiny_kimi_k25
 from tests.tiny.llama4 import make_tiny_llama4
 from tests.tiny.llava_next import make_tiny_llava_next
 from tests.tiny.llava_onevision import make_tiny_llava_onevision
@@ -65,6 +66,7 @@ RECORDS: dict[str, TinyFamily] = {
                    "qwen3", True),
         TinyFamily("internvl", {"internvl": make_tiny_internvl}, "internvl", True),
         TinyFamily("llama4", {"llama4": make_tiny_llama4}, "llama4", True),
+        TinyFamily("kimi_k25", {"kimi_k25": make_tiny_kimi_k25}, "kimi_k25", True),
         TinyFamily("gemma3", {"gemma3": make_tiny_gemma3}, "gemma3", False),
         TinyFamily("gemma4", {"gemma4": make_tiny_gemma4}, "gemma4", True),
         TinyFamily("mistral3", {"mistral3": make_tiny_mistral3}, "mistral3", True),

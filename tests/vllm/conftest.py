@@ -15,13 +15,16 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Generator, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
+
+if TYPE_CHECKING:
+    from tests.vllm.epd_stack import FamilyStack
 
 # Before vLLM is imported: the engine in this process, on the CPU, with a small KV cache.
 os.environ.update(
@@ -33,6 +36,7 @@ os.environ.update(
     TOKENIZERS_PARALLELISM="false",
 )
 
+from encode_server.encoders import FAMILIES
 from tests import startups
 from tests.vllm.tiny_qwen import make_tiny_qwen2_5_vl
 
@@ -321,3 +325,60 @@ def running_proxy(upstream: str, encoders: Sequence[str], **options: Any) -> Ite
     finally:
         proxy.shutdown()
         proxy.server_close()
+
+
+# -- each family's EPD stack over HTTP: one at a time, shared by every module that proves the family --
+
+EPD_FAMILIES = {family.name: family for family in FAMILIES if family.epd is not None}
+FAMILY_PREFIX = f"test-vllm-family-{os.getpid()}"
+_OPEN_STACKS: dict[str, ExitStack] = {}
+
+
+def on_family_stacks(*names: str) -> pytest.MarkDecorator:
+    """The mark of a test (or a module, as ``pytestmark``) that runs on these families' stacks only
+    (``family_stack``, indirectly parametrized); without it a test runs on every family's."""
+    return pytest.mark.parametrize("family_stack", names, indirect=True)
+
+
+@pytest.fixture(scope="session", params=sorted(EPD_FAMILIES))
+def family_stack(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, logs: Path
+) -> Iterator[FamilyStack]:
+    """The family's (the param's) EPD stack (``epd_stack.family_stack``), shared by every module that
+    proves the family through vLLM's OpenAI server: session-scoped, so pytest runs the tests of
+    every module that take the same family's stack one after another (at the first one's place),
+    and its vLLM server starts once, not once a module. One runs at a time: the previous family's
+    stops when the next one's starts, and each stops after the last test that takes it
+    (``pytest_runtest_teardown``), not at the session's end."""
+    from tests.vllm.epd_stack import family_stack as open_stack
+    from tests.vllm.families import PROXY_CASES
+
+    name = request.param
+    if name not in PROXY_CASES:
+        pytest.fail(f"{name} has an EPD contract but no record in tests/vllm/families.py's PROXY_CASES")
+    with ExitStack() as running:
+        _OPEN_STACKS[name] = running
+        try:
+            yield running.enter_context(open_stack(EPD_FAMILIES[name], PROXY_CASES[name], tmp_path_factory, logs,
+                                                   REDIS_URL, f"{FAMILY_PREFIX}-{name}"))
+        finally:
+            _OPEN_STACKS.pop(name, None)
+
+
+def _stack_of(item: pytest.Item) -> str | None:
+    callspec = getattr(item, "callspec", None)
+    return None if callspec is None else callspec.params.get("family_stack")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, None, None]:
+    """After the test's own teardown, stop its family's stack if no later test takes it (a
+    session-scoped fixture would hold its two servers, 1-2 GB, to the session's end)."""
+    try:
+        yield
+    finally:
+        name = _stack_of(item)
+        if name in _OPEN_STACKS:
+            items = item.session.items
+            if all(_stack_of(later) != name for later in items[items.index(item) + 1:]):
+                _OPEN_STACKS.pop(name).close()

@@ -1,6 +1,7 @@
-"""The EPD stack over HTTP that test_proxy.py and test_security.py share (fixtures in conftest.py):
-vLLM's OpenAI server as an EC consumer in its own process, a recording relay in front of it, and
-the chat requests the tests send.
+"""The EPD stack over HTTP that the proxy tests share (fixtures in conftest.py): vLLM's OpenAI
+server as an EC consumer in its own process, a recording relay in front of it, the chat requests
+the tests send, and a family's whole stack (``FamilyStack``: encode-server, the consumer, the relay
+and the proxies), one per family for every module that proves that family through the proxy.
 """
 
 from __future__ import annotations
@@ -19,17 +20,26 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
 from tests import startups
 from tests.server import free_port, start_module
 
+if TYPE_CHECKING:
+    import pytest
+    from encode_client.proxy import EPDProxy
+
+    from encode_server.encoders import Family
+    from tests.server import ServerProcess
+    from tests.vllm.families import ProxyCase
+
 __all__ = [
-    "Relay", "answer_text", "chat", "chat_text", "data_url", "entered_together", "post_chat", "video_file",
-    "video_files", "video_url_part", "vllm_openai_server",
+    "FamilyStack", "Relay", "answer_text", "chat", "chat_text", "data_url", "entered_together", "family_stack",
+    "post_chat", "video_file", "video_files", "video_url_part", "vllm_openai_server",
 ]
 
 _UUID = re.compile(rb'"uuid": ?"([^"]+)"')
@@ -300,3 +310,78 @@ def entered_together(*managers: AbstractContextManager[Any]) -> Iterator[list[An
         for manager, future in zip(managers, futures, strict=True):
             if future.exception() is None:
                 manager.__exit__(None, None, None)
+
+
+@dataclass(frozen=True)
+class FamilyStack:
+    """One family's EPD stack over HTTP (``family_stack``)."""
+
+    family: Family
+    case: ProxyCase
+    model: Path  # the tiny checkpoint both encode-server and vLLM load
+    server: ServerProcess
+    consumer: dict[str, Any]  # vLLM's OpenAI server, an EC consumer that keeps its tower: the oracle too
+    relay: Relay  # in front of the consumer: what the proxies sent it
+    proxy: EPDProxy  # takes no mm_processor_kwargs, but where the family's contract needs them
+    trusted_proxy: EPDProxy  # takes them (per-request settings)
+    prefix: str  # encode-server's and the consumer's Redis prefix, deleted after
+    clips: dict[str, bytes]  # "chat" and "fresh" (never sent to vLLM before a zeros control)
+
+    def pixel_free(self, kind: str) -> bool:
+        """Whether vLLM takes the family's ``kind`` items as metadata + uuid (else pixels + uuid)."""
+        assert self.family.epd is not None
+        return self.family.epd.mode_of(kind) == "pixel_free"
+
+    @property
+    def kinds(self) -> list[str]:
+        """What the family's chats carry: images, audio files, or (the Omni thinkers) each in a chat of its own."""
+        return [kind for kind in ("image", "audio") if kind in self.family.modalities]
+
+
+@contextlib.contextmanager
+def family_stack(
+    family: Family, case: ProxyCase, tmp_path_factory: pytest.TempPathFactory, logs: Path, redis_url: str, prefix: str
+) -> Iterator[FamilyStack]:
+    """``family``'s stack on its ``PROXY_CASES`` record (``case``): its tiny checkpoint, encode-server
+    under ``prefix``, vLLM's OpenAI server as an EC consumer that keeps its tower (so it is also plain
+    vLLM, the oracle: a chat sent to it straight, with its pixels or files and no ``uuid``, is named
+    by vLLM's own hash, which the store never holds, so vLLM runs its own loader and tower), a
+    recording relay in front of it, and two proxies in this process. encode-server and vLLM take
+    per-request settings (``--trust-request-mm-kwargs``), for ``trusted_proxy``, which does;
+    ``proxy`` refuses a chat's ``mm_processor_kwargs`` itself, before either sees them, except where
+    the family's contract declares ``audio_in_video`` (a key of theirs). The prefix's entries are
+    deleted after."""
+    import redis
+
+    from tests.redis_procs import delete_prefix
+    from tests.server import start_server
+    from tests.vllm.conftest import running_proxy, tiny_checkpoint
+
+    name = family.name
+    model = tiny_checkpoint(tmp_path_factory, case.build)
+    clips: dict[str, bytes] = {}
+    if case.clip is not None:
+        frames, fps, width, height = case.clip
+        tmp = tmp_path_factory.mktemp(f"proxy-{name}-clips")
+        chat_clip, fresh = video_files(tmp, [case.clip, (frames + 1, fps, width, height)])
+        clips = {"chat": chat_clip, "fresh": fresh}
+    trust = "--trust-request-mm-kwargs"
+    server = start_server("--model", str(model), "--redis-url", redis_url, "--cache-prefix", prefix,
+                          "--grpc-port", "0", "--dtype", "float32", trust, log_dir=logs)
+    try:
+        extra = {"redis_url": redis_url, "encoder_url": server.url, "prefix": prefix}
+        limits = {"image": len(case.sizes), "video": 1 if clips else 0}
+        if case.audio:
+            limits = {"audio": len(case.audio)} | ({k: v for k, v in limits.items() if v} if case.sizes else {})
+        sound = family.epd is not None and family.epd.audio_in_video  # use_audio_in_video: taken only trusted
+        with (
+            vllm_openai_server(model, extra, logs, [*case.vllm_args, trust], tower=True, limits=limits) as consumer,
+            Relay(consumer["port"]) as relay,
+            running_proxy(relay.url, [server.url], trust_request_mm_kwargs=sound) as proxy,
+            running_proxy(relay.url, [server.url], trust_request_mm_kwargs=True) as trusted_proxy,
+        ):
+            print(f"\n{name}: EPD stack ready (vLLM OpenAI server in {consumer['startup_s']:.1f} s)")
+            yield FamilyStack(family, case, model, server, consumer, relay, proxy, trusted_proxy, prefix, clips)
+    finally:
+        server.stop()
+        delete_prefix(redis.Redis.from_url(redis_url), prefix)

@@ -3,6 +3,12 @@ a recording relay -> a tower-free EC consumer (``EncodeServerECConnector``, ``--
 '{"audio": 0}'``: vLLM builds no audio tower) serving a tiny Qwen2-Audio, with encode-server and
 Redis beside them; plain vLLM with its audio tower, given the same files, is the oracle.
 
+encode-server and the oracle are conftest's ``family_stack`` for Qwen2-Audio, shared with
+``test_proxy_families.py``: its EC consumer keeps its audio tower, so a chat sent to it straight,
+with its files and no ``uuid``, is named by vLLM's own hash, which the store never holds, and vLLM
+runs its own loader and tower on the files. The tower-free consumer is this module's own, on the
+stack's encode-server and Redis prefix.
+
 The proxy hands each ``audio_url`` / ``input_audio`` part to encode-server and sends vLLM Qwen2-Audio's
 metadata-only ``audio_embeds`` part (``audio_num_tokens``, the field its parser declares) named by
 the file's identifier; no sample reaches vLLM. Zeros stored under the same keys change the answer,
@@ -13,7 +19,6 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,21 +32,13 @@ from encode_client.keys import store_key
 from encode_client.proxy import EPDProxy
 
 from tests.audios import make_audio
-from tests.redis_procs import delete_prefix
-from tests.server import ServerProcess, start_server
-from tests.tiny.qwen2_audio import make_tiny_qwen2_audio
-from tests.vllm.conftest import REDIS_URL, metric, running_proxy, stored_value, tiny_checkpoint
-from tests.vllm.epd_stack import Relay, answer_text, entered_together, post_chat, vllm_openai_server
+from tests.server import ServerProcess
+from tests.vllm.conftest import REDIS_URL, metric, on_family_stacks, running_proxy, stored_value
+from tests.vllm.epd_stack import FamilyStack, Relay, answer_text, post_chat, vllm_openai_server
 
-PREFIX = f"test-vllm-proxy-audio-{os.getpid()}"
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), on_family_stacks("qwen2_audio")]
 # (seconds, rate, channels, format): speech-like lengths at the rates people record at, two containers
 CLIPS = [(1.0, 16_000, 1, "wav"), (3.7, 44_100, 2, "flac"), (12.34, 16_000, 1, "wav")]
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_checkpoint(tmp_path_factory, make_tiny_qwen2_audio)
 
 
 @pytest.fixture(scope="module")
@@ -50,28 +47,27 @@ def clips() -> list[bytes]:
 
 
 @pytest.fixture(scope="module")
-def server(checkpoint: Path, logs: Path) -> Iterator[ServerProcess]:
-    proc = start_server("--model", str(checkpoint), "--redis-url", REDIS_URL, "--cache-prefix", PREFIX,
-                        "--grpc-port", "0", "--dtype", "float32", log_dir=logs)
-    yield proc
-    proc.stop()
-    delete_prefix(redis.Redis.from_url(REDIS_URL), PREFIX)
+def server(family_stack: FamilyStack) -> ServerProcess:
+    return family_stack.server
 
 
 @pytest.fixture(scope="module")
-def vllms(checkpoint: Path, server: ServerProcess, logs: Path) -> Iterator[list[dict[str, Any]]]:
-    """The tower-free EC consumer and plain vLLM with its audio tower, started at once."""
-    extra = {"redis_url": REDIS_URL, "encoder_url": server.url, "prefix": PREFIX}
-    with entered_together(
-        vllm_openai_server(checkpoint, extra, logs, limits={"audio": 0}),
-        vllm_openai_server(checkpoint, None, logs, tower=True, limits={"audio": 2}),
-    ) as running:
+def tower_free(family_stack: FamilyStack, logs: Path) -> Iterator[dict[str, Any]]:
+    """The tower-free EC consumer of the stack's encode-server and prefix."""
+    extra = {"redis_url": REDIS_URL, "encoder_url": family_stack.server.url, "prefix": family_stack.prefix}
+    with vllm_openai_server(family_stack.model, extra, logs, limits={"audio": 0}) as running:
         yield running
 
 
 @pytest.fixture(scope="module")
-def relay(vllms: list[dict[str, Any]]) -> Iterator[Relay]:
-    with Relay(vllms[0]["port"]) as r:
+def vllms(tower_free: dict[str, Any], family_stack: FamilyStack) -> list[dict[str, Any]]:
+    """The tower-free EC consumer, and the oracle: the stack's consumer, which keeps its audio tower."""
+    return [tower_free, family_stack.consumer]
+
+
+@pytest.fixture(scope="module")
+def relay(tower_free: dict[str, Any]) -> Iterator[Relay]:
+    with Relay(tower_free["port"]) as r:
         yield r
 
 
@@ -126,7 +122,7 @@ def test_audio_through_the_proxy_answers_as_plain_vllm_on_the_file(
 
 
 def test_zeros_in_the_store_change_the_answer(
-    proxy: EPDProxy, server: ServerProcess, vllms: list[dict[str, Any]]
+    proxy: EPDProxy, server: ServerProcess, vllms: list[dict[str, Any]], family_stack: FamilyStack
 ) -> None:
     """The negative control: a file nobody has sent yet, whose store entry is zeros of its shape
     (written before its first request, so encode-server's hand-off finds it in Redis and the
@@ -139,7 +135,7 @@ def test_zeros_in_the_store_change_the_answer(
     zeros = np.zeros((counted["num_tokens"], model["hidden_size"]), dtype=np.float32)
     h = mm_hash(clip)
     store = redis.Redis.from_url(REDIS_URL)
-    key = store_key(model["fingerprint"], h, prefix=PREFIX, modality="audio")
+    key = store_key(model["fingerprint"], h, prefix=family_stack.prefix, modality="audio")
     store.set(key, stored_value(zeros, model["fingerprint"], h, counted["meta"]))
     request = _chat(_audio_url(clip, "wav"))
     with_zeros = answer_text(post_chat(proxy.url, request))

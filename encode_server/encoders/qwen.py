@@ -60,6 +60,7 @@ from .family import Epd, Family
 from .hf import HFEncoder, LoadSpec, to_encoded
 from .loading import CheckpointFiles, Layout, empty_module, load_vision_weights
 from .qwen_video import VideoConfig, frames_nbytes, patchify, prepare_video, split_groups, video_grid
+from .varlen import GridPlan, segments, use_varlen
 
 __all__ = [
     "FAMILY", "LAYOUTS", "PIXEL_SETTINGS", "VIDEO_DEFAULTS", "VIDEO_SETTINGS", "PatchLinear", "QwenVisionEncoder",
@@ -174,6 +175,23 @@ class QwenVisionEncoder(HFEncoder):
         self.image_pixels = VideoConfig(processor.to_dict(), defaults={})
         twin = torchvision_twin_name(processor)
         self.info = replace(self.info, preprocessing={**self.info.preprocessing, "processor_class": twin})
+        use_varlen(module)
+        self.grid_plan = self.make_grid_plan(module)
+
+    def make_grid_plan(self, module: torch.nn.Module) -> GridPlan:
+        """What the tower computes from the grids alone, made before each pass (``varlen.py``):
+        its window layout where it has windows (Qwen2.5-VL: ``fullatt_block_indexes``), its learned
+        position grid's resampling where it has one (Qwen3-VL: ``num_grid_per_side``)."""
+        config: Any = module.config
+        windows = None
+        if getattr(config, "fullatt_block_indexes", None) is not None:
+            windows = (int(config.window_size), int(config.patch_size))
+        interpolation = None
+        if hasattr(module, "num_grid_per_side"):
+            interpolation = {"num_grid_per_side": int(module.num_grid_per_side),
+                             "mode": getattr(module, "interpolation_mode", "bilinear"),
+                             "align_corners": getattr(module, "interpolation_align_corners", True)}
+        return GridPlan(self.merge_size, windows=windows, interpolation=interpolation)
 
     @staticmethod
     def output_width(module: torch.nn.Module) -> int:
@@ -181,9 +199,10 @@ class QwenVisionEncoder(HFEncoder):
         merger_linears = [m for m in module.get_submodule("merger").modules() if isinstance(m, torch.nn.Linear)]
         return int(merger_linears[-1].out_features)
 
-    def features(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        """The rows vLLM's ``embed_multimodal`` hands its language model, for a batch's patches."""
-        return self.module(pixel_values, grid_thw=grid_thw).pooler_output
+    def features(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor, **precomputed: Any) -> torch.Tensor:
+        """The rows vLLM's ``embed_multimodal`` hands its language model, for a batch's patches
+        (``precomputed``: the grid plan's keywords for the tower)."""
+        return self.module(pixel_values, grid_thw=grid_thw, **precomputed).pooler_output
 
     def preprocess(self, image: Image.Image) -> PreparedItem:
         return self._pixels(image, self.count_tokens(image.width, image.height)[1])
@@ -283,9 +302,22 @@ class QwenVisionEncoder(HFEncoder):
     def split(self, prepared: PreparedItem, max_cost: int) -> list[PreparedItem]:
         return split_groups(prepared, max_cost, self.merge_size)
 
+    @staticmethod
+    def grids(batch: Sequence[PreparedItem]) -> list[tuple[int, int, int]]:
+        """The batch's grids in pass order, from the host: the CPU-made grid tensor, or the meta the
+        header gave (the batched path's items, whose grid is checked against it)."""
+        out: list[tuple[int, int, int]] = []
+        for item in batch:
+            grid = item.inputs.get("image_grid_thw")
+            # numpy's tolist: a host tensor's values, read without a torch op (nothing to wait for)
+            rows = grid.numpy().tolist() if grid is not None else [item.meta["image_grid_thw"]]
+            out += [(int(t), int(h), int(w)) for t, h, w in rows]
+        return out
+
     def _forward(self, batch: Sequence[PreparedItem], inputs: dict[str, torch.Tensor]) -> list[EncodedTensor]:
-        with torch.inference_mode():
-            merged = self.features(inputs["pixel_values"], inputs["image_grid_thw"])
+        plan = self.grid_plan.inputs(self.grids(batch), self.device)
+        with torch.inference_mode(), segments(plan.layouts):
+            merged = self.features(inputs["pixel_values"], inputs["image_grid_thw"], **plan.kwargs)
         merged = self._to_host(merged)
         return [to_encoded(rows) for rows in torch.split(merged, [item.num_tokens for item in batch])]
 

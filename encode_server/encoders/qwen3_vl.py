@@ -129,8 +129,8 @@ class Qwen3VisionEncoder(QwenVisionEncoder):
         config: Any = module.config
         return int(config.out_hidden_size) * (1 + len(getattr(config, "deepstack_visual_indexes", None) or ()))
 
-    def features(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        output = self.module(pixel_values, grid_thw=grid_thw)
+    def features(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor, **precomputed: Any) -> torch.Tensor:
+        output = self.module(pixel_values, grid_thw=grid_thw, **precomputed)
         deepstack = list(getattr(output, "deepstack_features", None) or ())
         return torch.cat([output.pooler_output, *deepstack], dim=-1) if deepstack else output.pooler_output
 

@@ -15,7 +15,8 @@ cast to the tower's dtype, so the padding is normalised black. That is done here
 Every step follows vLLM's arithmetic, not only its maths, so that a bfloat16 tower gives vLLM's
 rows to the last bit (tests/vllm/test_kimi_k25_pixels.py): the patch convolution as a matmul, the
 position grid resized in float32 and rounded once, the rotary table from ``torch.polar``, each
-image's attention as one SDPA call.
+image's attention as its own SDPA call computes it (``varlen.attend``: one call per distinct
+image size on the CPU, one ``varlen_attn`` call on CUDA).
 
 The tower (``vision_tower.*``, the hub's names, which vLLM loads as they are): a patch
 projection; the learned ``pos_emb`` grid, bicubically resized to the image's grid when it
@@ -55,7 +56,9 @@ from torch import nn
 from .base import EncodedTensor, PreparedItem
 from .family import Epd, Family
 from .hf import HFEncoder, LoadSpec, to_encoded
-from .loading import CheckpointFiles, Layout, empty_module, load_vision_weights
+from .loading import CheckpointFiles, empty_module, load_vision_weights
+from .loading import Layout as WeightLayout
+from .varlen import Layout, attend, segments
 
 __all__ = ["FAMILY", "KimiK25Encoder", "KimiK25Vision", "MediaConfig", "load_kimi_k25", "load_media_config",
            "navit_size"]
@@ -64,7 +67,7 @@ OUTPUTS = ("hidden", "projected")  # "hidden" is accepted as the default and mea
 
 # The hub's checkpoints name the tower and projector at the top (vLLM loads them so); a checkpoint
 # re-saved from another tree nests them under ``model.``.
-LAYOUTS: list[Layout] = [
+LAYOUTS: list[WeightLayout] = [
     {"vision_tower.": "vision_tower.", "mm_projector.": "mm_projector."},
     {"model.vision_tower.": "vision_tower.", "model.mm_projector.": "mm_projector."},
 ]
@@ -223,15 +226,15 @@ class _Block(nn.Module):
         self.wo = nn.Linear(dim, dim)
         self.mlp = _Mlp(dim, int(vision.intermediate_size))
 
-    def forward(self, x: torch.Tensor, lengths: list[int], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, cos: torch.Tensor,
+                sin: torch.Tensor) -> torch.Tensor:
         qkv = self.wqkv(self.norm0(x)).unflatten(-1, (3, self.heads, -1))
         q, k, v = _rotate(qkv[:, 0], cos, sin), _rotate(qkv[:, 1], cos, sin), qkv[:, 2]
-        # each image alone, as one batch of one (1 x heads x tokens x head_dim) with the scale
-        # given: what vLLM's CPU encoder attention calls (another layout picks another kernel,
-        # which rounds otherwise in bfloat16)
-        attended = [F.scaled_dot_product_attention(*(t.transpose(0, 1).unsqueeze(0) for t in one), scale=self.scale)
-                    for one in zip(q.split(lengths), k.split(lengths), v.split(lengths), strict=True)]
-        x = x + self.wo(torch.cat([a.squeeze(0).transpose(0, 1) for a in attended]).flatten(1))
+        # each image within itself, in one call (``varlen.attend``), with the scale given: on the
+        # CPU each image's rows as vLLM's CPU encoder attention computes them, one SDPA batch
+        # (images x heads x tokens x head_dim) per distinct size, which rounds as one call per
+        # image does (another layout picks another kernel, which rounds otherwise in bfloat16)
+        x = x + self.wo(attend(q, k, v, cu_seqlens, max_seqlen, self.scale).flatten(1))
         return x + self.mlp(self.norm1(x))
 
 
@@ -301,9 +304,12 @@ class KimiK25Vision(nn.Module):
         x = F.linear(pixels.flatten(1), proj.weight.flatten(1), proj.bias)
         x = x + torch.cat([tower.patch_embed.pos_emb(rows, cols) for rows, cols in grids])
         lengths = [rows * cols for rows, cols in grids]
+        bounds = np.concatenate([[0], np.cumsum(lengths)])
+        cu_seqlens = torch.from_numpy(bounds.astype(np.int32)).to(x.device, non_blocking=True)
         cos, sin = self._rope(grids, x.device)
-        for block in tower.encoder.blocks:
-            x = block(x, lengths, cos, sin)
+        with segments({id(cu_seqlens): Layout.of(bounds)}):
+            for block in tower.encoder.blocks:
+                x = block(x, cu_seqlens, max(lengths), cos, sin)
         x = tower.encoder.final_layernorm(x)
         kh, kw = self.merge
         merged = [one.view(rows // kh, kh, cols // kw, kw, -1).permute(0, 2, 1, 3, 4).flatten(0, 1).flatten(1, 2)

@@ -162,8 +162,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.
     heads = q.shape[1]
     outs = []
     for gather, count, length in groups:
-        batch = [(t if gather is None else t.index_select(0, gather)).view(count, length, heads, head_dim).transpose(1, 2)
-                 for t in (q, k, v)]
+        picked = [t if gather is None else t.index_select(0, gather) for t in (q, k, v)]
+        batch = [t.view(count, length, heads, head_dim).transpose(1, 2) for t in picked]
         out = F.scaled_dot_product_attention(*batch, scale=scale)
         outs.append(out.transpose(1, 2).reshape(count * length, heads, head_dim))
     joined = outs[0] if len(outs) == 1 else torch.cat(outs)

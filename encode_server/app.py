@@ -35,7 +35,7 @@ from encode_server.api.runtime import Runtime
 from encode_server.cache.base import SharedTier
 from encode_server.cache.export import FileExporter
 from encode_server.cache.local import LocalTier
-from encode_server.cache.redis import create_redis_tier, redact_url
+from encode_server.cache.redis import check_url, create_redis_tier, redact_url
 from encode_server.config import Settings
 from encode_server.core.batcher import Batcher
 from encode_server.core.budget import ByteBudget
@@ -44,6 +44,7 @@ from encode_server.core.stored import ValueSpec
 from encode_server.core.types import EncodedTensor
 from encode_server.encoders import check_local_model, load_encoder
 from encode_server.encoders.base import PreparedItem, VisionEncoder
+from encode_server.encoders.hf import resolve_device
 from encode_server.encoders.threads import MAX_AUTO_WORKERS, CoreShare, forward_workers
 from encode_server.heap import GcPauses, freeze_startup_heap
 from encode_server.malloc import release_free_memory
@@ -52,7 +53,7 @@ from encode_server.service import EncodeService, serving_fingerprint
 from encode_server.warmup import WarmupFailed
 
 __all__ = [
-    "DrainingServer", "EncodeServer", "EncoderLoader", "StartFailed", "build_service", "file_exporter",
+    "DrainingServer", "EncodeServer", "EncoderLoader", "StartFailed", "build_service", "check_device", "file_exporter",
     "give_back_memory", "run", "shared_tier",
 ]
 
@@ -75,6 +76,7 @@ def encoder_loader(settings: Settings) -> EncoderLoader:
         output=settings.output,
         revision=settings.revision,
         preprocess_device=settings.preprocess_device,
+        cuda_graph_tokens=settings.cuda_graph_max_tokens if settings.cuda_graphs else 0,
     )
 
 
@@ -150,6 +152,12 @@ class EncodeServer:
             check_local_model(s.model)
         except FileNotFoundError as exc:
             raise StartFailed(f"--model: {exc}") from None
+        check_device(s.device)
+        if s.redis_url is not None:
+            try:
+                check_url(s.redis_url)
+            except ValueError as exc:
+                raise StartFailed(f"--redis-url: {exc}") from None
         try:
             http_socket = bind_listener("HTTP", "--port", s.host, s.port)
         except PortUnavailable as exc:
@@ -166,7 +174,7 @@ class EncodeServer:
         started = time.perf_counter()
         encoder = await asyncio.to_thread(self.load_encoder)
         service = build_service(
-            encoder, s, metrics, forward, shared=shared_tier(s, metrics, encoder), budget=self.runtime.budget,
+            encoder, s, metrics, forward, shared=await shared_tier(s, metrics, encoder), budget=self.runtime.budget,
             exporter=file_exporter(s, encoder),
         )
         await service.start()
@@ -261,17 +269,35 @@ def build_service(
     )
 
 
-def shared_tier(settings: Settings, metrics: Metrics, encoder: VisionEncoder) -> SharedTier | None:
-    """The Redis tier when ``--redis-url`` is set. It checks every value it reads against this
-    model's fingerprint, dtype and hidden size."""
+async def shared_tier(settings: Settings, metrics: Metrics, encoder: VisionEncoder) -> SharedTier | None:
+    """The Redis tier when ``--redis-url`` is set, pinged once so that its start-up line says
+    whether Redis answers. It checks every value it reads against this model's fingerprint,
+    dtype and hidden size."""
     if not settings.redis_url:
         return None
     info = encoder.info
     spec = ValueSpec(serving_fingerprint(encoder, settings), info.dtype, info.hidden_size,
                      frozenset(info.widths.values()))
     tier = create_redis_tier(settings, metrics, spec)
-    log.info("shared tier: %s (%s), ttl %d s", tier.name, redact_url(settings.redis_url), settings.redis_ttl)
+    where = redact_url(settings.redis_url)
+    down = await tier.check_reachable()
+    if down is None:
+        log.info("shared tier: %s (%s, reachable), ttl %d s", tier.name, where, settings.redis_ttl)
+    else:
+        log.warning("shared tier: %s (%s, unreachable: %s); serving from the local tier until it returns",
+                    tier.name, where, down)
     return tier
+
+
+def check_device(device: str) -> None:
+    """``StartFailed`` when this torch build cannot use ``--device`` (``cuda`` on a CPU-only
+    build, or with no GPU visible): said before a port opens, not as a traceback from the load."""
+    if not device.startswith("cuda"):
+        return
+    try:
+        resolve_device("cuda")  # CUDA initialised: the build has it and a device is visible
+    except (AssertionError, RuntimeError) as exc:
+        raise StartFailed(f"--device {device}: this torch cannot use CUDA ({exc})") from None
 
 
 def file_exporter(settings: Settings, encoder: VisionEncoder) -> FileExporter | None:

@@ -10,11 +10,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
+from urllib.parse import urlsplit
 
-__all__ = ["ENV_PREFIX", "Settings", "build_parser", "settings_from", "shown"]
+__all__ = ["ENV_PREFIX", "REDIS_SCHEMES", "Settings", "build_parser", "settings_from", "shown"]
 
 ENV_PREFIX = "ENCODE_SERVER_"
 # The most copies of one request held at once: a JSON body while its base64 is parsed and decoded
@@ -23,6 +25,10 @@ ENV_PREFIX = "ENCODE_SERVER_"
 REQUEST_COPIES = 4
 # Protobuf framing around a gRPC message's bytes (the receive limit adds it to --max-request-bytes).
 MESSAGE_FRAMING = 64 * 1024
+# What --redis-url may start with: redis-py's own schemes, and ours for a cluster seed node.
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://")
+# What --device may say (its help); whether this torch build can use it is checked before a port opens.
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
 def _opt(default: Any, help: str, *, repr: bool = True, **extra: Any) -> Any:
@@ -52,6 +58,14 @@ class Settings:
         "consumes the family, whose embeddings must be what vLLM's Pillow-decoded tower gives; else cpu)",
         choices=("auto", "cpu", "model"),
     )
+    cuda_graphs: bool = _opt(
+        True, "replay the tower's forward from CUDA graphs captured at token budgets in the warm-up (CUDA in half "
+        "precision, Qwen-style towers but GLM-4.1V; elsewhere the forward runs eagerly): one launch per pass"
+    )
+    cuda_graph_max_tokens: int = _opt(
+        16384, "the largest CUDA graph budget in patch rows (budgets: powers of two from 1024 up to it); a pass above "
+        "it is cut into packs that fit, an image above it runs eagerly"
+    )
     host: str = _opt("127.0.0.1", "HTTP bind address")
     port: int = _opt(8000, "HTTP port")
     grpc_port: int = _opt(50051, "gRPC port on --host (0 turns gRPC off)")
@@ -60,8 +74,8 @@ class Settings:
     )
     cache_prefix: str = _opt("encode", "cache key prefix: keys are {prefix}:v1:{fingerprint}:{mm_hash}")
     redis_url: str | None = _opt(  # may hold a password: kept out of repr() like the API keys
-        None, "shared tier: redis://, rediss:// (TLS), redis+cluster:// or rediss+cluster:// URL; unset: local tier "
-        "only", repr=False
+        None, "shared tier: a redis://HOST[:PORT][/DB], rediss:// (TLS), unix:///PATH/TO/SOCKET, redis+cluster:// or "
+        "rediss+cluster:// URL; unset: local tier only", repr=False
     )
     redis_cluster: bool = _opt(False, "treat --redis-url as a Redis Cluster seed node (same as a +cluster scheme)")
     redis_ttl: int = _opt(86400, "seconds a shared-tier entry lives (SET EX); 0: no expiry")
@@ -151,6 +165,10 @@ class Settings:
     )
     body_timeout: float = _opt(
         30.0, "seconds a request body may go without a byte (408 request_timeout past it, closed)"
+    )
+    max_header_bytes: int = _opt(
+        64 * 1024, "largest request head in bytes: an HTTP request line with its headers (431 headers_too_large, "
+        "closed), or a gRPC call's metadata (RESOURCE_EXHAUSTED)"
     )
     keep_alive_timeout: float = _opt(5.0, "seconds an idle keep-alive HTTP connection stays open")
     max_connections: int = _opt(1024, "open HTTP connections; one more gets 503 overloaded and is closed")
@@ -310,7 +328,7 @@ def _validate(s: Settings) -> None:
         "max_batch_size", "max_batch_tokens", "max_queue", "max_request_bytes", "max_items", "max_connections",
         "header_timeout", "body_timeout", "keep_alive_timeout", "video_fps", "max_video_seconds", "max_video_frames",
         "max_video_decoded_frames", "max_audio_seconds", "redis_timeout_ms", "redis_max_value_mb", "redis_write_queue",
-        "request_timeout",
+        "request_timeout", "max_header_bytes",
     )
     for name in positive:
         if getattr(s, name) <= 0:
@@ -343,5 +361,32 @@ def _validate(s: Settings) -> None:
             f"({REQUEST_COPIES} x (--max-request-bytes + 64 KiB) = {floor / 2**20:.2f} MiB), or such a request "
             "could never be served"
         )
+    if s.cuda_graph_max_tokens < 0:
+        raise SystemExit(f"--cuda-graph-max-tokens must be >= 0, got {s.cuda_graph_max_tokens}")
     if s.drain_seconds < 0:
         raise SystemExit(f"--drain-seconds must be >= 0, got {shown(s.drain_seconds)}")
+    if not 0 <= s.port <= 65535:
+        raise SystemExit(f"--port must be a port number, got {s.port}")
+    if not _DEVICE.fullmatch(s.device):
+        raise SystemExit(f"--device must be auto, cpu, cuda or cuda:N, got {s.device!r}")
+    if s.redis_url is not None:
+        _check_redis_url(s.redis_url, s.redis_cluster)
+
+
+def _check_redis_url(url: str, cluster: bool) -> None:
+    """What can be told of ``--redis-url`` without Redis: its scheme and port (redis-py checks the
+    rest, before a port opens). The message never repeats the URL: it may hold a password."""
+    schemes = ", ".join(REDIS_SCHEMES)
+    scheme = url[: url.find("://") + 3].lower() if "://" in url else ""
+    if scheme not in REDIS_SCHEMES:
+        raise SystemExit(f"--redis-url must start with one of {schemes} (e.g. redis://localhost:6379)")
+    if scheme == "unix://":
+        if cluster:
+            raise SystemExit("--redis-cluster needs a redis:// or rediss:// URL, not unix://")
+        if not urlsplit(url).path:
+            raise SystemExit("--redis-url: a unix:// URL needs the socket's path (unix:///run/redis.sock)")
+        return
+    try:
+        urlsplit(url).port  # noqa: B018 (it raises for a port that is not a number in range)
+    except ValueError as exc:
+        raise SystemExit(f"--redis-url: {exc}") from None

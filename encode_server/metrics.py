@@ -96,7 +96,8 @@ class Metrics:
         self.http_connections = gauge("http_connections", "Open HTTP connections.")
         self.connections_closed = counter(
             "connections_closed",
-            "HTTP connections closed by the server's limits: header_timeout, body_timeout, max_connections.",
+            "HTTP connections closed by the server's limits: header_timeout, body_timeout, max_connections, "
+            "headers_too_large.",
             ("reason",),
         )
         self.inflight_bytes = gauge(

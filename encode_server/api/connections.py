@@ -14,6 +14,12 @@ uvicorn picked) with three guards, the ones nginx and Envoy operators know:
   reading (flow control, the app has not consumed the previous chunk) does not count.
 - ``--max-connections``: open HTTP connections. One more is answered ``503`` JSON ``overloaded``
   with ``Retry-After`` and closed at once, so the process never runs out of file descriptors.
+- ``--max-header-bytes``: a request's head (request line and headers, to the blank line), counted
+  as it arrives, before uvicorn's parser holds any of it (httptools has no limit; h11's is set
+  above ours). Past it: ``431`` JSON ``headers_too_large``; what the client still sends is read
+  and dropped for ``LINGER_S`` so that it reads the answer rather than a reset, then closed. A
+  head is counted from a connection's opening and from the end of a response to a request read
+  whole; a head pipelined behind a request still being answered is uvicorn's alone.
 
 Each closed connection is counted in ``connections_closed_total{reason}``; ``http_connections``
 is the number open now. ``uvicorn_options(settings, metrics)`` is everything the composition
@@ -30,7 +36,11 @@ from typing import Any
 from encode_server.config import Settings
 from encode_server.metrics import Metrics
 
-__all__ = ["ConnectionLimits", "guarded_protocol", "uvicorn_options"]
+__all__ = ["LINGER_S", "ConnectionLimits", "guarded_protocol", "head_end", "uvicorn_options"]
+
+# After a 431, how long what the client still sends is read and dropped before the connection closes
+# (closing with unread bytes would reset it, and the client would never read the 431).
+LINGER_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -39,10 +49,17 @@ class ConnectionLimits:
     body_timeout: float
     max_connections: int
     keep_alive_timeout: float
+    max_header_bytes: int = 64 * 1024
 
     @classmethod
     def from_settings(cls, s: Settings) -> ConnectionLimits:
-        return cls(s.header_timeout, s.body_timeout, s.max_connections, s.keep_alive_timeout)
+        return cls(s.header_timeout, s.body_timeout, s.max_connections, s.keep_alive_timeout, s.max_header_bytes)
+
+
+def head_end(data: bytes) -> int:
+    """The index just past the blank line that ends a request head in ``data``, or -1."""
+    ends = [i + len(mark) for mark in (b"\r\n\r\n", b"\n\n") if (i := data.find(mark)) >= 0]
+    return min(ends, default=-1)
 
 
 def _error(status: int, reason: str, error: dict[str, Any], extra: tuple[str, ...] = ()) -> bytes:
@@ -71,12 +88,17 @@ def guarded_protocol(base: type[asyncio.Protocol], limits: ConnectionLimits, met
         "type": "request_timeout", "index": None,
         "message": f"no request body bytes for {limits.body_timeout:g} s (--body-timeout)",
     }})
+    head_431 = _error(431, "Request Header Fields Too Large", {"error": {
+        "type": "headers_too_large", "index": None,
+        "message": f"request headers are above the limit of {limits.max_header_bytes} bytes (--max-header-bytes)",
+    }})
     over_cap = _error(503, "Service Unavailable", {"error": {
         "type": "overloaded", "index": None,
         "message": f"too many open connections (--max-connections {limits.max_connections})",
     }}, ("retry-after: 1",))
     closed = (
-        {r: metrics.connections_closed.labels(reason=r) for r in ("header_timeout", "body_timeout", "max_connections")}
+        {r: metrics.connections_closed.labels(reason=r)
+         for r in ("header_timeout", "body_timeout", "max_connections", "headers_too_large")}
         if metrics is not None else {}
     )
     gauge = metrics.http_connections if metrics is not None else None
@@ -86,6 +108,11 @@ def guarded_protocol(base: type[asyncio.Protocol], limits: ConnectionLimits, met
         _guard_phase: str | None = None
         _guard_cycle: Any = None
         _counted = False
+        # Bytes of the request head being received (None: none is, a body or a response is under
+        # way); the last bytes seen, for a blank line split across two reads; dropping after a 431.
+        _head: int | None = 0
+        _head_tail = b""
+        _dropping = False
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
@@ -105,6 +132,11 @@ def guarded_protocol(base: type[asyncio.Protocol], limits: ConnectionLimits, met
             super().connection_lost(exc)
 
         def data_received(self, data: bytes) -> None:
+            if self._dropping:
+                return
+            if self._head is not None and self._head_over(data):
+                self._refuse_head()
+                return
             super().data_received(data)
             if self.transport is None or self.transport.is_closing():
                 self._disarm()
@@ -123,9 +155,35 @@ def guarded_protocol(base: type[asyncio.Protocol], limits: ConnectionLimits, met
         def on_response_complete(self) -> None:
             super().on_response_complete()
             self._disarm()  # uvicorn's keep-alive timer takes over until the next byte
-            self._guard_cycle = getattr(self, "cycle", None)
+            cycle = self._guard_cycle = getattr(self, "cycle", None)
+            if cycle is None or not cycle.more_body:  # the request was read whole: a head comes next
+                self._head, self._head_tail = 0, b""
 
         # -- internals ---------------------------------------------------------------------------
+
+        def _head_over(self, data: bytes) -> bool:
+            """Count ``data`` into the head; whether the head is now above the limit."""
+            assert self._head is not None
+            seen = self._head_tail + data
+            end = head_end(seen)
+            if end >= 0:
+                size = self._head + end - len(self._head_tail)
+                self._head, self._head_tail = None, b""
+                return size > limits.max_header_bytes
+            self._head += len(data)
+            self._head_tail = seen[-3:]
+            return self._head > limits.max_header_bytes
+
+        def _refuse_head(self) -> None:
+            """431, then read and drop what the client still sends for ``LINGER_S``, then close."""
+            self._disarm()
+            self._dropping = True
+            if "headers_too_large" in closed:
+                closed["headers_too_large"].inc()
+            self.transport.write(head_431)
+            if self.transport.can_write_eof():
+                self.transport.write_eof()
+            asyncio.get_running_loop().call_later(LINGER_S, self.transport.close)
 
         def _arm(self, phase: str, seconds: float) -> None:
             if self._guard is not None:
@@ -176,6 +234,9 @@ def uvicorn_options(settings: Settings, metrics: Metrics | None = None) -> dict[
     limits = ConnectionLimits.from_settings(settings)
     return {
         "http": guarded_protocol(AutoHTTPProtocol, limits, metrics),
+        # h11 (where httptools is not installed) buffers a head up to its own limit (16 KiB by
+        # default): above ours, so that the guard's 431 speaks, not h11's 400.
+        "h11_max_incomplete_event_size": limits.max_header_bytes + 1024,
         "timeout_keep_alive": limits.keep_alive_timeout,
         # A connection past the cap is refused by the guard with our JSON 503; uvicorn's own
         # backlog bounds connections not yet accepted.

@@ -340,7 +340,8 @@ async def start_grpc_server(runtime: Runtime) -> grpc.aio.Server:
     A port that is taken raises ``PortUnavailable`` before anything listens: grpc-core's own
     ``SO_REUSEPORT`` is turned off, or a second server on the port would start and take half
     its connections (``api/ports.py``). Health says NOT_SERVING until the model is ready.
-    Messages up to ``--max-request-bytes``."""
+    Messages up to ``--max-request-bytes``; a call's metadata up to ``--max-header-bytes``
+    (grpc-core's soft and hard limits both: above it, RESOURCE_EXHAUSTED, every time)."""
     s = runtime.settings
     check_bindable("gRPC", "--grpc-port", s.host, s.grpc_port)  # a clear reason, not grpc-core's log line
     server = grpc.aio.server(
@@ -349,6 +350,8 @@ async def start_grpc_server(runtime: Runtime) -> grpc.aio.Server:
             ("grpc.so_reuseport", 0),
             ("grpc.max_receive_message_length", s.max_request_bytes + _FRAMING_SLACK),
             ("grpc.max_send_message_length", -1),
+            ("grpc.max_metadata_size", s.max_header_bytes),
+            ("grpc.absolute_max_metadata_size", s.max_header_bytes),
             *GRPC_BUDGET_OPTIONS,
         ]
     )

@@ -33,6 +33,7 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.connection import parse_url
 from redis.exceptions import RedisClusterException, RedisError, ResponseError
 
 from encode_server.config import Settings
@@ -43,7 +44,9 @@ from encode_server.core.stored import CorruptValue, ValueSpec, decode_value, enc
 from encode_server.core.types import Embedding
 from encode_server.metrics import Metrics
 
-__all__ = ["RedisTier", "TierRefused", "TierUnavailable", "create_redis_tier", "is_cluster_url", "redact_url"]
+__all__ = [
+    "RedisTier", "TierRefused", "TierUnavailable", "check_url", "create_redis_tier", "is_cluster_url", "redact_url",
+]
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +90,21 @@ def redact_url(url: str) -> str:
     return f"{scheme}{sep}{'***@' if at else ''}{host}{q}{query}" if sep else url
 
 
+def _plain_url(url: str) -> str:
+    """A ``+cluster`` URL as redis-py reads it (its cluster client takes redis:// and rediss://)."""
+    for scheme, plain in _CLUSTER_SCHEMES.items():
+        if url.startswith(scheme):
+            return plain + url[len(scheme) :]
+    return url
+
+
+def check_url(url: str) -> None:
+    """``ValueError`` for a URL redis-py would refuse (a scheme, a query option such as
+    ``?socket_timeout=abc``), said without the URL itself: it may hold a password. Cheap, so the
+    server checks it before it opens a port."""
+    parse_url(_plain_url(url))
+
+
 def create_redis_tier(settings: Settings, metrics: Metrics, spec: ValueSpec) -> RedisTier:
     """The tier for ``--redis-url`` (callers check it is set). The client connects lazily, so a
     server starts, and is ready, whether or not Redis is up."""
@@ -100,10 +118,7 @@ def create_redis_tier(settings: Settings, metrics: Metrics, spec: ValueSpec) -> 
     }
     client: Redis | RedisCluster
     if settings.redis_cluster or is_cluster_url(url):
-        for scheme, plain in _CLUSTER_SCHEMES.items():
-            if url.startswith(scheme):
-                url = plain + url[len(scheme) :]
-        client = RedisCluster.from_url(url, **options)
+        client = RedisCluster.from_url(_plain_url(url), **options)
     else:
         client = Redis.from_url(url, **options)
     return RedisTier(
@@ -186,6 +201,23 @@ class RedisTier:
 
     async def start(self) -> None:
         self._tasks = [asyncio.create_task(self._drain_writes()), asyncio.create_task(self._probe())]
+
+    async def check_reachable(self) -> str | None:
+        """One PING at start, before the server says what its shared tier is: None when Redis
+        answered, else why not. Unreachable, the breaker opens at once (``trip``): requests use
+        the local tier without waiting on Redis, and the probe brings the tier back, logged,
+        when it answers."""
+        try:
+            await asyncio.wait_for(self._client.ping(), self._deadline)
+        except ResponseError:  # it answered (an ACL without PING, say): up, as ``_call`` counts it
+            self._errors.labels(op="ping").inc()
+        except _OUTAGES as exc:
+            self._errors.labels(op="ping").inc()
+            self._breaker.trip()
+            self._up.set(0)
+            return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        self._up.set(1)
+        return None
 
     async def close(self) -> None:
         """Stop the writer and the probe; writes still queued are dropped (Redis is a cache)."""

@@ -136,6 +136,12 @@ class CircuitBreaker:
             return  # a call that was allowed before the breaker opened; it changes nothing
         self._open()
 
+    def trip(self) -> None:
+        """Open now, whatever the count: a check outside the calls (the start-up PING) found the
+        backend down, so no request waits on it; the backoff then probes as after any opening."""
+        if self._state is not BreakerState.OPEN:
+            self._open()
+
     def _open(self) -> None:
         self._state = BreakerState.OPEN
         self._retry_at = self._clock() + self.backoff.delay(self._openings)

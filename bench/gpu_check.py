@@ -215,14 +215,30 @@ def forward_only(bare: BarePipeline, images: Sequence[bytes], reps: int, device:
             timings["module"].append(middle - started)
             timings["d2h"].append(ended - middle)
     module = statistics.median(timings["module"])
+    from bench.tower_ops import count  # what the pass dispatched on this device: ops, attention calls, syncs
+
+    with torch.inference_mode():
+        _, counts = count(module_call)
     return {"forward_only_images_per_s": len(batch) / module,
-            "forward_d2h_images_per_s": len(batch) / statistics.median(timings["d2h"])}
+            "forward_d2h_images_per_s": len(batch) / statistics.median(timings["d2h"]),
+            "forward_counts": {**counts.as_dict(), "ops_per_image": counts.ops / len(batch)}}
 
 
 def _module_call(encoder: Any, inputs: dict[str, Any]) -> Callable[[], Any]:
-    """The family's module call on prepared inputs, the output left on the device."""
+    """The family's module call on prepared inputs, the output left on the device (a Qwen-style
+    tower's with its grid plan made first, as ``_forward`` makes it: one attention call per layer,
+    no host sync)."""
     if "image_grid_thw" in inputs:
-        return lambda: encoder.module(inputs["pixel_values"], grid_thw=inputs["image_grid_thw"])
+        from encode_server.encoders.varlen import segments
+
+        grids = [(int(t), int(h), int(w)) for t, h, w in inputs["image_grid_thw"].tolist()]  # before timing
+
+        def call() -> Any:
+            plan = encoder.grid_plan.inputs(grids, encoder.device)
+            with segments(plan.layouts):
+                return encoder.features(inputs["pixel_values"], inputs["image_grid_thw"], **plan.kwargs)
+
+        return call
     if "spatial_shapes" in inputs:
         return lambda: encoder.module(**inputs)
     return lambda: encoder._embed(inputs["pixel_values"])

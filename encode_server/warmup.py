@@ -109,6 +109,7 @@ class WarmupReport:
     cases: tuple[WarmupCase, ...]
     peak: MemoryPeak
     seconds: float
+    graphs: str | None = None  # the CUDA graphs captured first, where any
 
     def describe(self) -> dict[str, Any]:
         """The JSON form ``GET /v1/model`` publishes (``warmup``)."""
@@ -119,6 +120,7 @@ class WarmupReport:
             "peak_device_bytes": self.peak.device_bytes,
             "peak_host_bytes": self.peak.host_bytes,
             "peak_host_since_start": self.peak.host_since_start,
+            "cuda_graphs": self.graphs,
         }
 
     def line(self) -> str:
@@ -128,7 +130,7 @@ class WarmupReport:
         if self.peak.host_bytes is not None:
             since = " (since start)" if self.peak.host_since_start else ""
             peaks.append(f"host {self.peak.host_bytes / 2**20:.0f} MiB{since}")
-        cases = "; ".join(str(c) for c in self.cases)
+        cases = "; ".join([*(str(c) for c in self.cases), *([self.graphs] if self.graphs else [])])
         return f"warm-up ({self.mode}) in {self.seconds:.2f} s: {cases}; peak memory: {', '.join(peaks) or 'unknown'}"
 
 
@@ -249,8 +251,12 @@ async def warm_up(
     cases: list[WarmupCase] = []
     step = "the 64x64 image" if mode == "quick" else "the worst image"
     family = encoder.family
+    graphs = None
     try:
         with encoder.peak_memory() as peak:
+            step = "the CUDA graphs' capture"
+            graphs = encoder.capture_graphs()
+            step = "the 64x64 image" if mode == "quick" else "the worst image"
             if family is not None and IMAGE not in family.modalities:  # an audio family
                 step = "the longest audio"
                 cases.append(await _longest_audio(encoder, settings, submit, run, full=mode != "quick"))
@@ -273,7 +279,7 @@ async def warm_up(
             f"the warm-up's worst case failed at {step}{done}: {type(exc).__name__}: {first}; this server cannot "
             f"hold what its limits admit ({limits}): lower them, or give it more memory"
         ) from None
-    return WarmupReport(mode, tuple(cases), peak.result, time.perf_counter() - started)
+    return WarmupReport(mode, tuple(cases), peak.result, time.perf_counter() - started, graphs)
 
 
 @dataclass(frozen=True)

@@ -89,6 +89,7 @@ def load_encoder(
     output: str = "hidden",
     revision: str | None = None,
     preprocess_device: str = "cpu",
+    cuda_graph_tokens: int = 0,
 ) -> VisionEncoder:
     """Load ``model``'s vision encoder, ready for ``prepare``/``forward``.
 
@@ -105,6 +106,8 @@ def load_encoder(
     without an EPD contract, else ``cpu``. A family a vLLM prefill consumes keeps Pillow's decode,
     which is vLLM's: on an H200 nvJPEG put a tiny Qwen tower's embeddings 2.2% (relative L2) from
     the CPU path's, for no server throughput on Qwen2.5-VL-7B's tower (docs/benchmarks.md#gpu).
+    ``cuda_graph_tokens``: the largest token budget of the tower's CUDA graphs (0: none), where the
+    device and family take them (``cuda_graphs.py``); the warm-up captures them.
     """
     if preprocess_device not in PREPROCESS_DEVICES:
         raise ValueError(f"preprocess_device must be one of {PREPROCESS_DEVICES}, not {preprocess_device!r}")
@@ -122,6 +125,8 @@ def load_encoder(
             if preprocess_device == "model":
                 raise ValueError(f"preprocessing on the model's device needs torchvision: {exc}") from exc
             log.warning("torchvision is not importable (%s): images are preprocessed on the CPU", exc)
+    if cuda_graph_tokens > 0:
+        encoder.use_graphs(cuda_graph_tokens)
     return encoder
 
 

@@ -118,6 +118,16 @@ class VisionEncoder(ABC):
         (``encoders/batched.py``): such passes run one at a time (``threads.forward_workers``)."""
         return False
 
+    def use_graphs(self, max_tokens: int) -> bool:
+        """Replay the tower's forward from CUDA graphs at token budgets up to ``max_tokens`` patch
+        rows, where the device and family allow it (``cuda_graphs.py``); whether it will."""
+        return False
+
+    def capture_graphs(self) -> str | None:
+        """Record the graphs ``use_graphs`` asked for (the warm-up, inside its memory peak); a
+        line for the log, None when there are none."""
+        return None
+
     def peak_memory(self) -> PeakMemory:
         """A context that measures the peak memory of the work inside it on this encoder's device
         (and in host memory): the warm-up's figure (``encoders/memory.py``)."""

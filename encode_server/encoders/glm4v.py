@@ -37,6 +37,8 @@ LAYOUTS: list[Layout] = [{"model.visual.": ""}, {"visual.": ""}]
 class Glm4vEncoder(QwenVisionEncoder):
     """The Qwen adapter with GLM's resize rule for ``count_tokens``."""
 
+    graphs_allowed = False  # its position embedding is resampled from the grid inside the forward
+
     def count_tokens(self, width: int, height: int) -> tuple[int, dict[str, Any]]:
         """The processor's own rule (GLM's ``smart_resize`` for one image), not the model."""
         if self.processor.do_resize:

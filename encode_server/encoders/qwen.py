@@ -41,7 +41,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -56,11 +56,12 @@ from encode_server.core.types import VideoInfo
 
 from .base import EncodedTensor, PreparedItem, VideoPlan
 from .batched import torchvision_twin_name
+from .cuda_graphs import TowerGraphs, budgets
 from .family import Epd, Family
 from .hf import HFEncoder, LoadSpec, to_encoded
 from .loading import CheckpointFiles, Layout, empty_module, load_vision_weights
 from .qwen_video import VideoConfig, frames_nbytes, patchify, prepare_video, split_groups, video_grid
-from .varlen import GridPlan, segments, use_varlen
+from .varlen import Grid, GridPlan, kernel_takes, segments, use_varlen
 
 __all__ = [
     "FAMILY", "LAYOUTS", "PIXEL_SETTINGS", "VIDEO_DEFAULTS", "VIDEO_SETTINGS", "PatchLinear", "QwenVisionEncoder",
@@ -142,6 +143,10 @@ class QwenVisionEncoder(HFEncoder):
 
     video: VideoConfig | None = None
     checked_meta = ("image_grid_thw",)  # the batched processor's grid must be the header's
+    # Whether the tower's forward reads nothing of its grid but what the grid plan precomputes, so
+    # that a CUDA graph with the plan's buffers replays it (GLM-4.1V's position embedding reads it).
+    graphs_allowed: ClassVar[bool] = True
+    graphs: TowerGraphs | None = None
 
     def __init__(
         self,
@@ -314,10 +319,47 @@ class QwenVisionEncoder(HFEncoder):
             out += [(int(t), int(h), int(w)) for t, h, w in rows]
         return out
 
+    def use_graphs(self, max_tokens: int) -> bool:
+        """CUDA graphs on CUDA in half precision (the varlen kernel's), for a family that allows
+        them, with transformers' precomputed inputs (``cuda_graphs.py``)."""
+        sizes = budgets(max_tokens, unit=self.merge_size**2)
+        head_dim = int(getattr(self.module.get_submodule("blocks.0.attn"), "head_dim", 0))
+        if (self.device.type != "cuda" or not kernel_takes(self.device, self.dtype, head_dim) or not sizes
+                or not self.graphs_allowed or not self.grid_plan.supported):
+            return False
+        weight = self.module.get_submodule("patch_embed").proj.weight
+        self.graphs = TowerGraphs(self.features, self.grid_plan, device=self.device, dtype=self.dtype,
+                                  width=math.prod(weight.shape[1:]), sizes=sizes)
+        return True
+
+    def capture_graphs(self) -> str | None:
+        if self.graphs is None:
+            return None
+        sizes = ", ".join(map(str, self.graphs.sizes))
+        try:
+            held = self.graphs.capture()
+        except RuntimeError as exc:  # an op this torch cannot capture: the eager forward still serves
+            self.graphs = None
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            return f"CUDA graphs not captured ({type(exc).__name__}: {first}): the forward runs eagerly"
+        return f"CUDA graphs at {len(self.graphs.sizes)} budgets ({sizes} patch rows): {held / 2**20:.0f} MiB"
+
+    def _eager(self, pixels: torch.Tensor, grids: Sequence[Grid]) -> torch.Tensor:
+        """The pass as the tower runs it, its grid plan made first."""
+        plan = self.grid_plan.inputs(grids, self.device)
+        grid_thw = torch.tensor(grids, dtype=torch.int64).to(self.device, non_blocking=True)
+        with segments(plan.layouts):
+            return self.features(pixels, grid_thw, **plan.kwargs)
+
     def _forward(self, batch: Sequence[PreparedItem], inputs: dict[str, torch.Tensor]) -> list[EncodedTensor]:
-        plan = self.grid_plan.inputs(self.grids(batch), self.device)
-        with torch.inference_mode(), segments(plan.layouts):
-            merged = self.features(inputs["pixel_values"], inputs["image_grid_thw"], **plan.kwargs)
+        grids = self.grids(batch)
+        with torch.inference_mode():
+            if self.graphs is not None:
+                merged = self.graphs.run(inputs["pixel_values"], grids, self._eager)
+            else:
+                plan = self.grid_plan.inputs(grids, self.device)
+                with segments(plan.layouts):
+                    merged = self.features(inputs["pixel_values"], inputs["image_grid_thw"], **plan.kwargs)
         merged = self._to_host(merged)
         return [to_encoded(rows) for rows in torch.split(merged, [item.num_tokens for item in batch])]
 

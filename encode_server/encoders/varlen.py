@@ -42,7 +42,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-__all__ = ["ATTENTION", "GridPlan", "Layout", "PassInputs", "attend", "layout_of", "segments",
+__all__ = ["ATTENTION", "GridPlan", "Layout", "PassInputs", "attend", "kernel_takes", "layout_of", "segments",
            "use_varlen"]
 
 # transformers takes its one-call (packed) path for an implementation whose name contains "flash".
@@ -137,10 +137,11 @@ def _varlen_kernel() -> tuple[Callable[..., torch.Tensor] | None, bool]:
     return varlen_attn, "scale" in inspect.signature(varlen_attn).parameters
 
 
-def _kernel_takes(q: torch.Tensor) -> bool:
+def kernel_takes(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether ``attend`` runs the ``varlen_attn`` kernel for such inputs (CUDA, or the meta device
+    that counts its path; half precision; a head size its FlashAttention build takes)."""
     kernel, _ = _varlen_kernel()
-    head_dim = q.shape[-1]
-    return (kernel is not None and q.device.type in ("cuda", "meta") and q.dtype in (torch.float16, torch.bfloat16)
+    return (kernel is not None and device.type in ("cuda", "meta") and dtype in (torch.float16, torch.bfloat16)
             and head_dim <= 256 and head_dim % 8 == 0)
 
 
@@ -150,7 +151,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.
     ``varlen_attn`` call where the kernel takes them, else one SDPA call per distinct segment
     length (``Layout``)."""
     head_dim = q.shape[-1]
-    if _kernel_takes(q) and max_seqlen is not None:
+    if max_seqlen is not None and kernel_takes(q.device, q.dtype, head_dim):
         kernel, takes_scale = _varlen_kernel()
         assert kernel is not None
         cu = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
@@ -264,33 +265,64 @@ class GridPlan:
             item["interp_indices"], item["interp_weights"] = _host(indices), _host(weights)
         return item
 
+    def host(self, grids: Sequence[Grid], *, budget: int | None = None,
+             slots: int | None = None) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, int]]:
+        """A pass's keywords on the host: (arrays, cumulative bounds, maxima).
+
+        ``budget``: pad the pass to that many patch rows (a CUDA graph's fixed shapes): the padding
+        rows are one more segment of their own in every attention (and their own windows), at
+        position 0 with no learned position, so no real row sees them; each bound array is then
+        ``slots + 1`` long (the last bound repeated: empty segments), and the maxima are the
+        budget, an upper bound the kernel takes as it takes the true one.
+        """
+        items = [self._item(tuple(int(x) for x in g)) for g in grids]
+        frames = [h * w for t, h, w in grids for _ in range(t)]
+        total = sum(frames)
+        unit = self.merge_size**2
+        pad = 0 if budget is None else budget - total
+        if pad < 0 or pad % unit:
+            raise ValueError(f"cannot pad {total} patch rows to {budget}")
+        arrays: dict[str, np.ndarray] = {
+            "position_ids": _padded(np.concatenate([i["position_ids"] for i in items]), pad)}
+        bounds = {"cu_seqlens": np.concatenate([[0], np.cumsum(frames + ([pad] if pad else []))]).astype(np.int64)}
+        maxima = {"max_seqlen": int(max([*frames, pad]))}
+        if self.windows is not None:
+            offsets = np.cumsum([0] + [t * h * w // unit for t, h, w in grids])
+            index = np.concatenate([i["window_index"] + o for i, o in zip(items, offsets, strict=False)])
+            arrays["window_index"] = np.concatenate([index, np.arange(total // unit, (total + pad) // unit)])
+            patches = np.cumsum([0] + [t * h * w for t, h, w in grids])
+            windows = np.concatenate([[0]] + [i["cu_window_seqlens"][1:] + p
+                                              for i, p in zip(items, patches, strict=False)]
+                                     + ([[total + pad]] if pad else []))
+            bounds["cu_window_seqlens"] = windows
+            maxima["max_window_seqlen"] = int(np.diff(windows).max())
+        if self.interpolation is not None:
+            arrays["interp_indices"] = _padded(np.concatenate([i["interp_indices"] for i in items]), pad)
+            arrays["interp_weights"] = _padded(np.concatenate([i["interp_weights"] for i in items]), pad)
+        if budget is not None:
+            assert slots is not None
+            for name, b in bounds.items():
+                if len(b) > slots + 1:
+                    raise ValueError(f"{len(b) - 1} segments in {name}: more than the {slots} slots")
+                bounds[name] = np.concatenate([b, np.full(slots + 1 - len(b), b[-1])])
+            maxima = dict.fromkeys(maxima, budget)
+        return arrays, bounds, maxima
+
     def inputs(self, grids: Sequence[Grid], device: torch.device) -> PassInputs:
         """The tower's keywords for a pass over ``grids`` (in order), on ``device``."""
         if not self.supported:
             return PassInputs({}, {})
-        items = [self._item(tuple(int(x) for x in g)) for g in grids]
-        frames = [h * w for t, h, w in grids for _ in range(t)]
-        cu = np.concatenate([[0], np.cumsum(frames)]).astype(np.int64)
-        host: dict[str, np.ndarray] = {"position_ids": np.concatenate([i["position_ids"] for i in items])}
-        cus = {"cu_seqlens": cu}
-        maxima = {"max_seqlen": int(max(frames))}
-        if self.windows is not None:
-            unit = self.merge_size**2
-            offsets = np.cumsum([0] + [t * h * w // unit for t, h, w in grids])
-            host["window_index"] = np.concatenate([i["window_index"] + o for i, o in zip(items, offsets, strict=False)])
-            patches = np.cumsum([0] + [t * h * w for t, h, w in grids])
-            windows = np.concatenate([[0]] + [i["cu_window_seqlens"][1:] + p
-                                              for i, p in zip(items, patches, strict=False)])
-            cus["cu_window_seqlens"] = windows
-            maxima["max_window_seqlen"] = int(np.diff(windows).max())
-        if self.interpolation is not None:
-            host["interp_indices"] = np.concatenate([i["interp_indices"] for i in items])
-            host["interp_weights"] = np.concatenate([i["interp_weights"] for i in items])
-        kwargs: dict[str, Any] = {k: torch.from_numpy(v).to(device, non_blocking=True) for k, v in host.items()}
+        arrays, bounds, maxima = self.host(grids)
+        kwargs: dict[str, Any] = {k: torch.from_numpy(v).to(device, non_blocking=True) for k, v in arrays.items()}
         layouts = {}
-        for name, bounds in cus.items():
-            tensor = torch.from_numpy(bounds.astype(np.int32)).to(device, non_blocking=True)
+        for name, b in bounds.items():
+            tensor = torch.from_numpy(b.astype(np.int32)).to(device, non_blocking=True)
             kwargs[name] = tensor
-            layouts[id(tensor)] = Layout.of(bounds)
+            layouts[id(tensor)] = Layout.of(b)
         kwargs.update(maxima)
         return PassInputs(kwargs, layouts)
+
+
+def _padded(rows: np.ndarray, pad: int) -> np.ndarray:
+    """``rows`` with ``pad`` zero rows after them."""
+    return rows if not pad else np.concatenate([rows, np.zeros((pad, *rows.shape[1:]), dtype=rows.dtype)])

@@ -5,6 +5,7 @@ their own."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import MutableMapping
@@ -19,8 +20,9 @@ from starlette.responses import JSONResponse, Response
 from encode_client._callers import Caller, Callers
 from encode_client._client import AsyncClient
 from encode_client._lanes import AsyncLanes
-from encode_client._proxy_errors import REWRITE_ERRORS, Refused, openai_error, rewrite_refusal
+from encode_client._proxy_errors import REWRITE_ERRORS, Refused, error_body, openai_error, rewrite_refusal
 from encode_client._proxy_forward import HOP_BY_HOP, Forwarder, Prepare, Release
+from encode_client._proxy_head import head_bytes, head_refusal
 from encode_client._proxy_metrics import ProxyMetrics
 from encode_client._proxy_rewrite import CHAT, prepare_body
 from encode_client._proxy_settings import ProxySettings
@@ -47,14 +49,20 @@ _LANES = 16  # httpx pools to vLLM and to encode-server, used in turn (``_lanes`
 _KEEPALIVE_S = 2.0
 
 
-@dataclass
+@dataclass(eq=False)
 class _Exchange:
-    """One request's bookkeeping: what the log line and the metrics say, what to release after."""
+    """One request's bookkeeping: what the log line and the metrics say, what to release after,
+    and what a cut must still send (``ProxyApp.cut``)."""
 
     method: str
     path: str
+    task: asyncio.Task[Any] | None = None
     started: float = field(default_factory=time.perf_counter)
     status: int = 0
+    stream: bool = False  # an SSE answer has started
+    complete: bool = False  # the answer's last byte is sent
+    ending: bytes = b""  # the last bytes sent: a cut stream's error event starts on an event's boundary
+    cut: bool = False
     images: int = 0
     videos: int = 0
     audios: int = 0
@@ -75,6 +83,7 @@ class ProxyApp:
         self.metrics = ProxyMetrics()
         self.draining = False
         self.inflight = 0
+        self._open: set[_Exchange] = set()  # every HTTP request being answered, the probes' too
         self._contract: EpdContract | None = None
         self._http: AsyncLanes | None = None
         self._forwarder: Forwarder | None = None
@@ -123,17 +132,33 @@ class ProxyApp:
             return await self._lifespan(receive, send)
         if scope["type"] != "http":
             return
-        exchange = _Exchange(scope["method"], scope["path"])
+        exchange = _Exchange(scope["method"], scope["path"], asyncio.current_task())
 
         async def send_status(message: MutableMapping[str, Any]) -> None:
+            await send(message)  # uvicorn's send writes all of a message or, cancelled, none of it
             if message["type"] == "http.response.start":
                 exchange.status = int(message["status"])
-            await send(message)
+                headers = dict(message.get("headers") or ())
+                exchange.stream = headers.get(b"content-type", b"").startswith(b"text/event-stream")
+            elif message["type"] == "http.response.body":
+                body = message.get("body", b"")
+                exchange.ending = body[-2:] if len(body) >= 2 else (exchange.ending + body)[-2:]
+                exchange.complete = not message.get("more_body", False)
 
+        self._open.add(exchange)
         try:
-            response = await self._answer(Request(scope, receive), exchange)
-            await response(scope, receive, send_status)
+            try:
+                response = await self._answer(Request(scope, receive), exchange)
+                await response(scope, receive, send_status)
+            except asyncio.CancelledError:
+                if not exchange.cut:
+                    raise
+                uncancel = getattr(exchange.task, "uncancel", None)  # Python 3.11+: the cut is handled here
+                if uncancel is not None:
+                    uncancel()
+                await self._end_cut(exchange, send_status)
         finally:
+            self._open.discard(exchange)
             for release in reversed(exchange.cleanup):
                 await release()
             self._record(exchange)
@@ -154,12 +179,52 @@ class ProxyApp:
         route = exchange.path if known else "other"
         self.metrics.requests.labels(route, str(exchange.status)).inc()
         self.metrics.request_seconds.labels(route).observe(time.perf_counter() - exchange.started)
-        if exchange.path not in OPEN_PATHS:
+        if exchange.path not in OPEN_PATHS or exchange.cut:
             log.info(
-                "%s %s %d images=%d videos=%d audios=%d tenant=%s %.1f ms", exchange.method, exchange.path,
-                exchange.status, exchange.images, exchange.videos, exchange.audios, exchange.tenant or "-",
+                "%s %s %s images=%d videos=%d audios=%d tenant=%s %.1f ms", exchange.method, exchange.path,
+                _outcome(exchange), exchange.images, exchange.videos, exchange.audios, exchange.tenant or "-",
                 (time.perf_counter() - exchange.started) * 1000,
             )
+
+    def head_refused(self) -> None:
+        """A request whose head the connection refused (``_proxy_head``): it never reached the app."""
+        self.metrics.errors.labels("invalid_request_error").inc()
+        self.metrics.requests.labels("other", "431").inc()
+
+    # -- the stop: cut what is in flight ----------------------------------------------------------
+
+    def in_flight(self) -> tuple[int, int]:
+        """The requests being answered now (the probes included), and how many of them stream."""
+        live = [e for e in self._open if not e.complete]
+        return len(live), sum(e.stream for e in live)
+
+    def cut(self) -> int:
+        """Stop every request in flight (``ProxyServer``'s second signal, or its drain's time up):
+        each is cancelled where it waits (encode-server, vLLM, the client) and ends as
+        ``_end_cut`` says. The number cut."""
+        cut = [e for e in self._open if not e.complete and not e.cut and e.task is not None]
+        for exchange in cut:
+            exchange.cut = True
+            assert exchange.task is not None
+            exchange.task.cancel()
+        return len(cut)
+
+    async def _end_cut(self, exchange: _Exchange, send: Any) -> None:
+        """What a cut request is sent last: a stream its error event and ``data: [DONE]`` (the
+        status is long sent); a request not yet answered 503 ``unavailable_error``; a JSON answer
+        under way nothing more (its connection is closed under it: a client sees a body cut short,
+        never a complete one)."""
+        message = "the proxy was stopped before this answer was complete; send it again"
+        self.metrics.errors.labels("unavailable_error").inc()
+        if exchange.status == 0:
+            response = openai_error(503, message, "unavailable_error", **{"Retry-After": "1", "Connection": "close"})
+            await send({"type": "http.response.start", "status": 503, "headers": response.raw_headers})
+            await send({"type": "http.response.body", "body": response.body})
+        elif exchange.stream:
+            event = b"data: " + json.dumps(error_body(503, message, "unavailable_error")).encode() + b"\n\n"
+            boundary = b"" if exchange.ending == b"\n\n" else b"\n\n"
+            await send({"type": "http.response.body", "body": boundary + event + b"data: [DONE]\n\n",
+                        "more_body": False})
 
     # -- one request ----------------------------------------------------------------------------
 
@@ -175,6 +240,9 @@ class ProxyApp:
             return openai_error(500, "the EPD proxy failed on this request (logged)", "internal_error")
 
     async def _handle(self, request: Request, exchange: _Exchange) -> Response:
+        if (size := head_bytes(request.scope)) > self.settings.max_header_bytes:
+            message, kind = head_refusal(self.settings.max_header_bytes, size)
+            raise Refused(431, message, kind, Connection="close")
         route = (request.method, request.url.path)
         if route == ("GET", "/health"):
             return await self._health()
@@ -269,7 +337,8 @@ class ProxyApp:
 
     async def _health(self) -> Response:
         if self.draining:
-            return openai_error(503, "draining", "unavailable_error", **{"Retry-After": "1"})
+            return openai_error(503, "draining: the proxy is shutting down", "unavailable_error",
+                                **{"Retry-After": "1", "Connection": "close"})
         assert self._http is not None
         http = self._http.next()
         timeout = min(2.0, self.settings.connect_timeout)
@@ -288,3 +357,13 @@ class ProxyApp:
             self.metrics.errors.labels("upstream_unavailable").inc()
             return openai_error(502, f"no vLLM upstream answers /health: {report}", "upstream_unavailable")
         return JSONResponse({"status": "ok", "upstreams": report, "inflight": self.inflight})
+
+
+def _outcome(exchange: _Exchange) -> str:
+    """A request's log word: its status, or how a cut ended it."""
+    if not exchange.cut:
+        return str(exchange.status)
+    if exchange.stream:
+        return f"cut (stream ended with an error event and [DONE] after {exchange.status})"
+    return "cut (answered 503)" if exchange.status == 503 and exchange.complete else f"cut (after {exchange.status})"
+

@@ -18,6 +18,7 @@ Anything else is a bug, answered 500 ``internal_error`` and logged by the app.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import httpx
 from starlette.responses import JSONResponse
@@ -25,16 +26,21 @@ from starlette.responses import JSONResponse
 from encode_client._errors import ReplicaUnavailable, ServerError
 from encode_client.epd import EpdContractError, EPDError
 
-__all__ = ["REWRITE_ERRORS", "Refused", "openai_error", "rewrite_refusal", "upstream_refusal"]
+__all__ = ["REWRITE_ERRORS", "Refused", "error_body", "openai_error", "rewrite_refusal", "upstream_refusal"]
 
 # What the rewrite raises on purpose (``encode_client.epd``, and the body's JSON): each maps to a
 # 4xx or 5xx in ``rewrite_refusal``.
 REWRITE_ERRORS: tuple[type[Exception], ...] = (EPDError, ValueError, EpdContractError, ServerError, ReplicaUnavailable)
 
 
+def error_body(status: int, message: str, kind: str, param: str | None = None) -> dict[str, Any]:
+    """OpenAI's error object: a JSON answer's body, or a stream's last event."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
 def openai_error(status: int, message: str, kind: str, param: str | None = None, **headers: str) -> JSONResponse:
     """OpenAI's error body (a 401 asks for a bearer token, as OpenAI's does)."""
-    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
+    body = error_body(status, message, kind, param)
     extra = {"WWW-Authenticate": "Bearer"} if status == 401 else {}
     return JSONResponse(body, status_code=status, headers={**extra, **headers})
 

@@ -23,6 +23,8 @@ from encode_client.epd import (
 __all__ = ["CHAT", "Prepared", "prepare_body"]
 
 CHAT = "/v1/chat/completions"
+_JSON_KINDS = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean",
+               type(None): "null"}
 
 
 @dataclass(frozen=True)
@@ -50,9 +52,7 @@ async def prepare_body(
     (``epd``; ``contract`` is read after the checks, only for a request with media), the fields
     that steer vLLM's caches refused (``mm_processor_kwargs`` taken when trusted), and ``cache_salt``
     derived from ``tenant``."""
-    parsed: Any = json.loads(raw)
-    if not isinstance(parsed, dict):
-        raise EPDError("the body must be a JSON object")
+    parsed = _json_object(raw, "chat completion" if path == CHAT else "completion")
     images = videos = audios = 0
     seconds: float | None = None
     if path == CHAT:
@@ -68,3 +68,22 @@ async def prepare_body(
         rewritten = dict(parsed)
     rewritten["cache_salt"] = cache_salt(tenant, parsed.get("cache_salt"))
     return Prepared(json.dumps(rewritten).encode(), images, videos, seconds, audios)
+
+
+def _json_object(raw: bytes, what: str) -> dict[str, Any]:
+    """The body as a JSON object, or an ``EPDError`` saying what was expected instead of the
+    parser's own words (``Expecting value: line 1 column 1 (char 0)`` for an empty body)."""
+    expected = f"expected a JSON {what} request"
+    if not raw.strip():
+        raise EPDError(f"request body is empty; {expected}")
+    try:
+        parsed: Any = json.loads(raw)
+    except UnicodeDecodeError:
+        raise EPDError(f"request body is not UTF-8 text; {expected}") from None
+    except json.JSONDecodeError as exc:
+        raise EPDError(f"request body is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno}); "
+                       f"{expected}") from None
+    if not isinstance(parsed, dict):
+        kind = _JSON_KINDS.get(type(parsed), "value")
+        raise EPDError(f"request body must be a JSON object, got {kind}; {expected}")
+    return parsed

@@ -24,6 +24,7 @@ class ProxySettings:
     max_concurrency: int = 512
     max_connections: int = 1024
     max_body_bytes: int = 64 * 1024 * 1024
+    max_header_bytes: int = 64 * 1024  # a request line and its headers; past it 431
     retries: int = 1
     drain_seconds: float = 30.0
     keep_alive_timeout: float = 5.0
@@ -35,6 +36,6 @@ class ProxySettings:
         if not self.encoder_urls:
             raise ValueError("at least one encode-server URL (--encoder) is required")
         numbers = (self.timeout, self.connect_timeout, self.encoder_timeout, self.max_concurrency,
-                   self.max_connections, self.max_body_bytes)
+                   self.max_connections, self.max_body_bytes, self.max_header_bytes)
         if min(numbers) <= 0 or self.retries < 0 or self.drain_seconds < 0:
             raise ValueError("timeouts, limits and sizes must be > 0; retries and drain seconds >= 0")

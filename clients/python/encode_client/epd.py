@@ -675,7 +675,7 @@ def _items_in_vllms_order(named: list[tuple[tuple[int, int, bool], str, str]]) -
 
 
 def _refused_item(part: MediaPart, exc: ServerError) -> EPDError | ServerError:
-    """A video or audio file encode-server refused (a 4xx naming the item): the request's fault,
+    """An image, video or audio file encode-server refused (a 4xx naming the item): the request's fault,
     named by its part. Anything else (overload, no shared tier, a key refused) stays the server's error."""
     if 400 <= exc.status < 500 and exc.index is not None and exc.status not in (401, 403, 409, 429):
         return EPDError(f"encode-server refused this {part.modality}: {exc.status} {exc.type}: {exc.message}",
@@ -697,7 +697,7 @@ RewriteFlow = Generator[list[Job], list[Any], tuple[dict[str, Any], list[Result]
 def _rewrite_flow(body: Mapping[str, Any], plan: ChatPlan, client: BaseClient, contract: ContractSource) -> RewriteFlow:
     """The contract read, its check, the hand-offs (the images in one, each video and each audio file
     in one of its own, all at once) and ``apply_results``. The first failure in ``plan.media`` order
-    is raised, a video or audio file encode-server refused as an ``EPDError`` naming its part
+    is raised, an item encode-server refused as an ``EPDError`` naming its part
     (``_refused_item``)."""
     if not plan.media:
         return apply_results(body, plan, [], None), []
@@ -710,7 +710,7 @@ def _rewrite_flow(body: Mapping[str, Any], plan: ChatPlan, client: BaseClient, c
     if not isinstance(contract, EpdContract):
         raise TypeError(f"contract must be an EpdContract or a callable giving one, not {contract!r}")
     check_contract(plan, contract)
-    named: list[MediaPart | None] = [None] if plan.images else []  # the images' call names no one part
+    named: list[MediaPart | None] = [None] if plan.images else []  # the images' call: its error's index names one
     settings = plan.settings
     jobs: list[Job] = (
         [client._encode_flow([p.data for p in plan.images], "handoff", "image", settings)] if plan.images else []
@@ -721,6 +721,9 @@ def _rewrite_flow(body: Mapping[str, Any], plan: ChatPlan, client: BaseClient, c
     outcomes = yield jobs
     results: list[Result] = []
     for part, outcome in zip([*named, *plan.videos, *plan.audios, *plan.sounds], outcomes, strict=True):
+        if part is None and isinstance(outcome, ServerError) and outcome.index is not None \
+                and 0 <= outcome.index < len(plan.images):
+            part = plan.images[outcome.index]  # the images' call: the server's index is the client's
         if part is not None and isinstance(outcome, ServerError):
             raise _refused_item(part, outcome)
         results += _value(outcome)

@@ -19,29 +19,24 @@ from typing import Any
 import uvicorn
 
 from encode_client._proxy_app import ProxyApp
+from encode_client._proxy_head import head_capped_protocol
 from encode_client._proxy_settings import ProxySettings
+from encode_client._proxy_stop import CUT_GRACE_S, ProxyServer
 
 __all__ = ["EPDProxy", "build_parser", "main"]
 
 log = logging.getLogger("encode_client.proxy")
 
 
-class _Server(uvicorn.Server):
-    """uvicorn, telling the app it drains as soon as a signal asks it to stop."""
-
-    def __init__(self, config: uvicorn.Config, app: ProxyApp) -> None:
-        super().__init__(config)
-        self.proxy_app = app
-
-    def handle_exit(self, sig: int, frame: Any) -> None:
-        self.proxy_app.draining = True
-        super().handle_exit(sig, frame)
+# What uvicorn may take, once the drain is over, to close idle connections.
+_CLOSE_S = 5
 
 
 class EPDProxy:
     """The proxy on a socket of its own, bound at construction (so ``url`` is known at once):
     ``serve_forever()`` runs it (in a thread of a program or a test, or the CLI's main thread,
-    where SIGTERM drains it), ``shutdown()`` from another thread drains and stops it."""
+    where the first SIGTERM or SIGINT drains it and the second cuts what is left: ``ProxyServer``),
+    ``shutdown()`` from another thread drains and stops it."""
 
     def __init__(
         self, listen: tuple[str, int], vllm_url: str | Sequence[str], encoder_urls: Sequence[str], **options: Any
@@ -53,12 +48,15 @@ class EPDProxy:
         self.settings = ProxySettings(vllm_urls=vllm_urls, encoder_urls=tuple(encoder_urls), **options)
         self.app = ProxyApp(self.settings)
         self._sock = socket.create_server(listen, backlog=2048)
+        limit = self.settings.max_header_bytes
+        protocol = head_capped_protocol(limit, self.app.head_refused)
         config = uvicorn.Config(
             self.app, log_level="warning", access_log=False, lifespan="on", server_header=False, interface="asgi3",
-            timeout_graceful_shutdown=math.ceil(self.settings.drain_seconds),
+            timeout_graceful_shutdown=_CLOSE_S,  # the drain (ProxyServer) has already waited for requests
             timeout_keep_alive=math.ceil(self.settings.keep_alive_timeout),
+            **({"http": protocol} if protocol is not None else {"h11_max_incomplete_event_size": limit}),
         )
-        self._server = _Server(config, self.app)
+        self._server = ProxyServer(config, self.app, self.settings.drain_seconds)
         self._done = threading.Event()
 
     @property
@@ -78,9 +76,9 @@ class EPDProxy:
             self._done.set()
 
     def shutdown(self) -> None:
-        self.app.draining = True
-        self._server.should_exit = True
-        self._done.wait(self.settings.drain_seconds + 10)
+        """Drain, as the first SIGTERM does, and wait for the stop."""
+        self._server.request_stop("shutdown()")
+        self._done.wait(self.settings.drain_seconds + CUT_GRACE_S + _CLOSE_S + 5)
 
     def server_close(self) -> None:
         self._sock.close()
@@ -145,12 +143,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--max-body-bytes", type=int, default=64 * 1024 * 1024, help="largest request body")
     parser.add_argument(
+        "--max-header-bytes", type=int, default=64 * 1024,
+        help="largest request head: its request line and headers, in bytes; past it 431, the connection closed",
+    )
+    parser.add_argument(
         "--retries", type=int, default=1,
         help="times a request vLLM failed before answering is sent again, after its images and videos are handed off "
         "again",
     )
     parser.add_argument(
-        "--drain-seconds", type=float, default=30.0, help="on SIGTERM, how long requests in flight may take to finish"
+        "--drain-seconds", type=float, default=30.0,
+        help="on the first SIGTERM or SIGINT, how long requests in flight may take to finish; a second cuts them",
     )
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     return parser
@@ -166,7 +169,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "trust_request_mm_kwargs": args.trust_request_mm_kwargs,
         "connect_timeout": args.connect_timeout, "encoder_timeout": args.encoder_timeout,
         "max_concurrency": args.max_concurrency, "max_connections": args.max_connections,
-        "max_body_bytes": args.max_body_bytes, "retries": args.retries, "drain_seconds": args.drain_seconds,
+        "max_body_bytes": args.max_body_bytes, "max_header_bytes": args.max_header_bytes, "retries": args.retries,
+        "drain_seconds": args.drain_seconds,
     }
     try:
         proxy = EPDProxy(args.listen, args.vllm, args.encoder, **options)
@@ -178,13 +182,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{len(proxy.app.callers)} caller key(s)" if proxy.app.callers else "callers not authenticated",
         "accepted (re-keyed by content)" if args.trust_client_embeds else "refused",
     )
-    # uvicorn re-raises the signal that stopped it once it has drained; with this handler that
-    # ends the process with status 0, after the drain, instead of by the signal.
-    signal.signal(signal.SIGTERM, lambda *_: None)
+    # While it serves, ProxyServer takes both signals; before and after, one must not end the
+    # process with a KeyboardInterrupt's traceback: a stop exits 0.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
     try:
         proxy.serve_forever()
-    except KeyboardInterrupt:
-        pass
     finally:
         proxy.server_close()
     log.info("EPD proxy stopped")

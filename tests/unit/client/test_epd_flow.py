@@ -140,6 +140,22 @@ def test_a_video_encode_server_refuses_is_named_by_its_part_in_both_rewrites() -
         assert "encode-server refused this video: 400 invalid_video: no moov atom" in str(out)
 
 
+def test_an_image_encode_server_refuses_is_named_by_its_part_in_both_rewrites() -> None:
+    # the images go in one call: the server's index (in the client's terms) says which part it was
+    refused = {mm_hash(PNG_B): ServerError(400, "invalid_image", "cannot identify image file", 1)}
+    outs = _both(chat(image(PNG_A), video(MP4_A), image(PNG_B)), refused, contract=QWEN3)
+    for out in outs:
+        assert isinstance(out, EPDError) and out.where == "messages[0].content[2]", out
+        assert "encode-server refused this image: 400 invalid_image: cannot identify image file" in str(out)
+
+
+@pytest.mark.parametrize(("status", "index"), [(409, 1), (429, 0), (500, None), (400, None)])
+def test_an_image_refusal_that_is_not_the_images_fault_stays_the_servers_error(status: int, index: int | None) -> None:
+    refused = {mm_hash(PNG_B): ServerError(status, "no_shared_tier", "x", index)}
+    for out in _both(chat(image(PNG_A), image(PNG_B)), refused, contract=QWEN3):
+        assert type(out) is ServerError and out.status == status
+
+
 @pytest.mark.parametrize(("status", "index"), [(409, 0), (429, 0), (500, None), (400, None)])
 def test_a_video_refusal_that_is_not_the_videos_fault_stays_the_servers_error(status: int, index: int | None) -> None:
     refused = {mm_hash(MP4_A): ServerError(status, "no_shared_tier", "x", index)}

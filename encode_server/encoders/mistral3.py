@@ -9,8 +9,11 @@ row and ``[IMG_END]`` are text tokens, not embedding rows. ``meta``: ``{"image_s
 the processed size.
 
 ``PixtralProcessor`` calls the image processor with ``patch_size = patch_size * spatial_merge_size``
-over the saved value; so does the server. Each image is its own sequence through the tower (the
-model's batched call runs them as one sequence under a block mask): a batch is a loop.
+over the saved value; so does the server. A batch is one pass: each image's patches are embedded at
+its own size (no padding to the batch's largest), the images' patches packed into one sequence,
+and each image attends within itself in one attention call per layer (``varlen.py``; the model's
+own batched call masks a block-diagonal matrix over the whole sequence instead). Sizes come from
+the host (``meta``), so nothing in the pass asks the device for a number.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import math
 from collections.abc import Sequence
 from typing import Any, cast
 
+import numpy as np
 import torch
 from PIL import Image
 from transformers import Mistral3Config, PixtralVisionModel
@@ -29,13 +33,15 @@ from encode_server.core.errors import EncodeServerError
 from .base import EncodedTensor, PreparedItem
 from .family import Epd, Family
 from .hf import HFEncoder, LoadSpec, to_encoded
-from .loading import CheckpointFiles, Layout, empty_module, load_vision_weights
+from .loading import CheckpointFiles, empty_module, load_vision_weights
+from .loading import Layout as WeightLayout
+from .varlen import Layout, segments, use_varlen
 
 __all__ = ["FAMILY", "Mistral3Encoder", "Mistral3Vision", "load_mistral3"]
 
 OUTPUTS = ("hidden", "projected")  # "hidden" is accepted as the default and means "projected"
 
-LAYOUTS: list[Layout] = [
+LAYOUTS: list[WeightLayout] = [
     {"model.vision_tower.": "vision_tower.", "model.multi_modal_projector.": "multi_modal_projector."},
     {"vision_tower.": "vision_tower.", "multi_modal_projector.": "multi_modal_projector."},
 ]
@@ -51,10 +57,31 @@ class Mistral3Vision(torch.nn.Module):
         self.multi_modal_projector = Mistral3MultiModalProjector(config)
         self.feature_layer = int(cast(Any, config).vision_feature_layer)  # one layer: checked at load
 
-    def forward(self, pixel_values: torch.Tensor, image_sizes: torch.Tensor) -> torch.Tensor:
-        """One image (1 x 3 x H x W, its [[H, W]]) -> its rows x D."""
-        out = self.vision_tower(pixel_values, image_sizes=image_sizes, output_hidden_states=True, return_dict=True)
-        return self.multi_modal_projector(out.hidden_states[self.feature_layer].squeeze(0), image_sizes)
+    def forward(self, pixels: Sequence[torch.Tensor], sizes: Sequence[tuple[int, int]]) -> torch.Tensor:
+        """Each image (1 x 3 x H' x W', at least its processed size) and its processed (H, W) -> the
+        images' rows x D, in order: ``PixtralVisionModel``'s forward and ``hidden_states[feature_layer]``,
+        with the images packed as its flash-attention path packs them."""
+        tower = self.vision_tower
+        patch = tower.patch_size
+        grids = [(h // patch, w // patch) for h, w in sizes]
+        embeds = [tower.patch_conv(p.to(tower.patch_conv.weight.dtype))[0, :, :h, :w].flatten(1).T
+                  for p, (h, w) in zip(pixels, grids, strict=True)]
+        x = tower.ln_pre(torch.cat(embeds).unsqueeze(0))
+        rows = np.concatenate([np.stack(np.meshgrid(np.arange(h), np.arange(w), indexing="ij"), -1).reshape(-1, 2)
+                               for h, w in grids])
+        position_ids = torch.from_numpy(rows).to(x.device, non_blocking=True)
+        position_embeddings = tower.patch_positional_embedding(x, position_ids)
+        lengths = [h * w for h, w in grids]
+        bounds = np.concatenate([[0], np.cumsum(lengths)])
+        cu_seqlens = torch.from_numpy(bounds.astype(np.int32)).to(x.device, non_blocking=True)
+        packed = {"cu_seq_lens_q": cu_seqlens, "cu_seq_lens_k": cu_seqlens, "max_length_q": max(lengths),
+                  "max_length_k": max(lengths)}
+        layers = tower.transformer.layers
+        depth = self.feature_layer % (len(layers) + 1)  # hidden_states[i] is the output of i layers
+        with segments({id(cu_seqlens): Layout.of(bounds)}):
+            for layer in layers[:depth]:
+                x = layer(x, None, position_embeddings=position_embeddings, **packed)
+        return self.multi_modal_projector(x.squeeze(0), [(h * patch, w * patch) for h, w in grids])
 
 
 class Mistral3Encoder(HFEncoder):
@@ -104,15 +131,21 @@ class Mistral3Encoder(HFEncoder):
         return (int(height) // self.patch) * (int(width) // self.patch)
 
     def forward(self, batch: Sequence[PreparedItem]) -> list[EncodedTensor | EncodeServerError]:
-        """One pass per image: each keeps its own aspect ratio, so their pixels do not stack."""
-        out: list[EncodedTensor | EncodeServerError] = []
-        for item in batch:  # a loop, not a comprehension: zero-argument super() needs this frame
-            out += super().forward([item])
-        return out
+        """One pass: each image keeps its own size, so their pixels are not stacked but moved one
+        by one (the device-preprocessed path's batch comes padded, as the processor pads it)."""
+        if not batch or (self.batched is not None and any(item.pending is not None for item in batch)):
+            return super().forward(batch)
+        pixels = [self._to_device([item.inputs["pixel_values"]]) for item in batch]
+        return self._run(batch, pixels)
 
     def _forward(self, batch: Sequence[PreparedItem], inputs: dict[str, torch.Tensor]) -> list[EncodedTensor]:
+        return self._run(batch, list(inputs["pixel_values"].unsqueeze(1)))
+
+    def _run(self, batch: Sequence[PreparedItem], pixels: Sequence[torch.Tensor]) -> list[EncodedTensor]:
+        sizes = [(int(item.meta["image_sizes"][0]), int(item.meta["image_sizes"][1])) for item in batch]
         with torch.inference_mode():
-            return [to_encoded(self._to_host(self.module(inputs["pixel_values"], inputs["image_sizes"])))]
+            rows = self._to_host(self.module(pixels, sizes))
+        return [to_encoded(part) for part in torch.split(rows, [item.num_tokens for item in batch])]
 
 
 def _check(files: CheckpointFiles, config: Mistral3Config, processor: Any) -> None:
@@ -138,6 +171,7 @@ def load_mistral3(files: CheckpointFiles, config: Mistral3Config, processor: Any
     processor.patch_size = {"height": merged, "width": merged}  # as PixtralProcessor calls it
     module = empty_module(lambda: Mistral3Vision(config, spec.dtype), spec.device, spec.dtype)
     digest = load_vision_weights(module, files, LAYOUTS)
+    use_varlen(module.vision_tower)
     return Mistral3Encoder(module, processor, spec, digest)
 
 

@@ -123,7 +123,7 @@ def layout_of(cu_seqlens: torch.Tensor) -> Layout:
     known = _LAYOUTS.get()
     if known is not None and (layout := known.get(id(cu_seqlens))) is not None:
         return layout
-    return Layout.of(cu_seqlens.tolist())
+    return Layout.of(cu_seqlens.numpy() if cu_seqlens.device.type == "cpu" else cu_seqlens.tolist())
 
 
 @functools.cache

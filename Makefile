@@ -12,7 +12,7 @@ PORT ?= $(or $(ENCODE_SERVER_PORT),8000)
 GRPC_PORT ?= $(or $(ENCODE_SERVER_GRPC_PORT),50051)
 
 .PHONY: install tools serve test test-quick test-container test-vllm vllm-env lint bench bench-epd bench-tower-memory soak clean proto openapi \
-	docs test-docs gpu-wheels gpu-rehearsal test-lane-server test-lane-vllm
+	docs test-docs gpu-wheels gpu-rehearsal test-lane-server test-lane-vllm demo-epd checkpoint dist
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -90,10 +90,38 @@ test-container: install tools
 	$(BIN)/python -m pytest -q tests/container
 
 # vLLM's CPU build in its own venv, cached outside the repo under ~/.cache/encode-server and keyed by
-# a hash of tests/vllm/env (built once, in a few minutes; see scripts/vllm_env.sh). The tests run a
-# real vLLM engine in-process against a real encode-server (from .venv) and a real Redis.
+# a hash of tests/vllm/env (built once, in a few minutes; see scripts/vllm_env.sh); its path on
+# stdout. The tests run a real vLLM engine in-process against a real encode-server (from .venv) and
+# a real Redis; `make demo-epd` runs the whole EPD stack with it.
 vllm-env:
-	@scripts/vllm_env.sh >/dev/null
+	@scripts/vllm_env.sh
+
+# The whole EPD stack on this machine, CPU only (scripts/demo_epd.py): the vLLM CPU env, the tiny
+# Qwen2.5-VL checkpoint, Redis (127.0.0.1:6379's, else its own), encode-server, a tower-free vLLM
+# with the connector and encode-epd-proxy on 127.0.0.1:8080 (DEMO_PORT=...); prints a curl and an OpenAI
+# snippet to try; Ctrl-C stops it all.
+DEMO_PORT ?= 8080
+
+demo-epd: install
+	@env=$$(scripts/vllm_env.sh) && \
+	ENCODE_SERVER_PYTHON=$(abspath $(BIN))/python PYTHONPATH=$(CURDIR)/clients/python:$(CURDIR) \
+	exec "$$env/bin/python" -m scripts.demo_epd --port $(DEMO_PORT)
+
+# The small seeded checkpoint a family's tests build (scripts/tiny_checkpoint.py; random weights,
+# nothing downloaded): `make checkpoint DIR=/tmp/tiny-qwen [FAMILY=qwen2_vl]`; FAMILY=list lists them.
+FAMILY ?= qwen2_vl
+
+checkpoint: install
+	@if [ "$(FAMILY)" = list ]; then $(BIN)/python -m scripts.tiny_checkpoint --list; \
+	elif [ -z "$(DIR)" ]; then echo "usage: make checkpoint DIR=path [FAMILY=name] (FAMILY=list: the families)" >&2; exit 2; \
+	else $(BIN)/python -m scripts.tiny_checkpoint "$(DIR)" --family "$(FAMILY)"; fi
+
+# The server's and the client's wheels, into dist/ (pip install dist/encode_server-*.whl, and the
+# client's with its extras: pip install 'dist/encode_client-VERSION-py3-none-any.whl[vllm]').
+dist: install
+	@rm -rf dist && $(BIN)/python -m pip wheel --quiet --no-deps --no-build-isolation --wheel-dir dist . ./clients/python
+	@rm -rf build clients/python/build
+	@ls dist/*.whl
 
 test-vllm: install tools
 	@env=$$(scripts/vllm_env.sh) && \
@@ -181,4 +209,4 @@ soak: install tools
 	$(BIN)/python -m bench.soak --duration 600
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build dist *.egg-info

@@ -161,23 +161,26 @@ def plan_video(
             type="unsupported_video", index=index,
         )
     if info.duration > s.max_video_seconds:
-        raise TooLarge(f"video is {info.duration:.1f} s long, above the limit of {s.max_video_seconds:g} s",
+        raise TooLarge(f"video is {info.duration:.1f} s long, above the limit of {s.max_video_seconds:g} s "
+                       "(--max-video-seconds)",
                        type="video_too_large", index=index)
     if info.width * info.height > s.max_image_pixels:
         raise TooLarge(f"video frames are {info.width}x{info.height}, above the limit of {s.max_image_pixels} "
-                       "pixels", type="video_too_large", index=index)
+                       "pixels (--max-image-pixels)", type="video_too_large", index=index)
     try:
         plan = encoder.plan_video(info, float((item_settings or {}).get("fps", s.video_fps)))
     except ValueError as exc:
         raise BadInput(f"video cannot be preprocessed: {exc}", type="invalid_video", index=index) from exc
     if len(plan.indices) > s.max_video_frames:
-        raise TooLarge(f"video samples {len(plan.indices)} frames, above the limit of {s.max_video_frames}",
+        raise TooLarge(f"video samples {len(plan.indices)} frames, above the limit of {s.max_video_frames} "
+                       "(--max-video-frames)",
                        type="video_too_large", index=index)
     # Every frame up to the last sampled one is decoded (inter-frame codecs): a header that
     # claims a high frame rate asks for that much decoding in a few seconds of "duration".
     if (decoded := max(plan.indices) + 1) > s.max_video_decoded_frames:
         raise TooLarge(f"video needs {decoded} frames decoded ({info.num_frames} at {info.fps:g} fps), above the "
-                       f"limit of {s.max_video_decoded_frames}", type="video_too_large", index=index)
+                       f"limit of {s.max_video_decoded_frames} (--max-video-decoded-frames)", type="video_too_large",
+                       index=index)
     return info, plan
 
 
@@ -195,7 +198,8 @@ def plan_audio(encoder: VisionEncoder, s: Settings, data: bytes, index: int) -> 
 
     info = probe(data, index=index)
     if info.duration > s.max_audio_seconds:
-        raise TooLarge(f"audio is {info.duration:.1f} s long, above the limit of {s.max_audio_seconds:g} s",
+        raise TooLarge(f"audio is {info.duration:.1f} s long, above the limit of {s.max_audio_seconds:g} s "
+                       "(--max-audio-seconds)",
                        type="audio_too_large", index=index)
     if not info.exact_length:  # costed (and, where the family reads it all, decoded) up to a bound
         bound = math.ceil(info.num_samples * ESTIMATE_MARGIN) + info.sample_rate

@@ -114,7 +114,8 @@ def decode(data: bytes, *, max_samples: int, keep_samples: int | None = None,
     finally:
         container.close()
     if total > max_samples:  # the file is longer than the limit, whatever its header said
-        raise TooLarge(f"the audio decodes to more than the {max_samples} samples its header and the limits allow",
+        raise TooLarge(f"the audio decodes to more than the {max_samples} samples its header and the limits allow "
+                       "(--max-audio-seconds)",
                        type="audio_too_large", index=index)
     if total == 0 or rate <= 0:
         raise BadInput("the audio stream holds no samples", type="invalid_audio", index=index)

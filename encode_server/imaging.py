@@ -58,7 +58,8 @@ def _webp_canvas(data: bytes) -> tuple[int, int] | None:
 def _check_pixels(width: int, height: int, index: int | None, max_pixels: int) -> None:
     if width * height > max_pixels:
         raise TooLarge(
-            f"image is {width}x{height} = {width * height} pixels, above the limit of {max_pixels}",
+            f"image is {width}x{height} = {width * height} pixels, above the limit of {max_pixels} "
+            "(--max-image-pixels)",
             type="image_too_large",
             index=index,
         )

@@ -389,7 +389,8 @@ class EncodeService:
         width, height = (cast(int, v) for v in raw)
         if width * height > self.settings.max_image_pixels:
             raise TooLarge(
-                f"{width}x{height} = {width * height} pixels is above the limit of {self.settings.max_image_pixels}",
+                f"{width}x{height} = {width * height} pixels is above the limit of {self.settings.max_image_pixels} "
+                "(--max-image-pixels)",
                 type="image_too_large",
                 index=index,
             )

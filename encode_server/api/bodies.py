@@ -97,7 +97,7 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
     declared = request.headers.get("content-length")
     expected = int(declared) if declared is not None and declared.isdigit() else None
     if expected is not None and expected > max_bytes:
-        raise TooLarge(f"request body is {declared} bytes, above the limit of {max_bytes}")
+        raise TooLarge(f"request body is {declared} bytes, above the limit of {max_bytes} (--max-request-bytes)")
     first: bytes | None = None
     buffer: bytearray | None = None
     size = 0
@@ -106,7 +106,7 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
             first, size = chunk, len(chunk)
             continue
         if size + len(chunk) > max_bytes:
-            raise TooLarge(f"request body is above the limit of {max_bytes} bytes")
+            raise TooLarge(f"request body is above the limit of {max_bytes} bytes (--max-request-bytes)")
         if buffer is None:
             buffer = bytearray(max(expected or 0, size))  # chunked (nothing declared): grows
             buffer[:size] = first
@@ -115,7 +115,7 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
         del chunk
     if buffer is None:
         if size > max_bytes:
-            raise TooLarge(f"request body is above the limit of {max_bytes} bytes")
+            raise TooLarge(f"request body is above the limit of {max_bytes} bytes (--max-request-bytes)")
         return first or b""
     del buffer[size:]
     with _transient(body_hold(request.scope), size):  # the buffer and its bytes, for a moment
@@ -221,16 +221,16 @@ async def _multipart_items(request: Request, max_items: int, max_bytes: int) -> 
     except (MultiPartException, HTTPException) as exc:  # Request.form() wraps the former in the latter
         detail = str(getattr(exc, "detail", None) or getattr(exc, "message", exc))
         if "too many files" in detail.lower():
-            raise TooLarge(f"more than {max_items} files in one request", type="too_many_items") from exc
+            raise TooLarge(f"more than {max_items} files in one request (--max-items)", type="too_many_items") from exc
         if "part exceeded maximum size" in detail.lower():
-            raise TooLarge(f"a part is above the limit of {max_bytes} bytes") from exc
+            raise TooLarge(f"a part is above the limit of {max_bytes} bytes (--max-request-bytes)") from exc
         raise InvalidRequest(f"malformed multipart body: {detail}") from exc
     except (ValueError, KeyError, AssertionError) as exc:  # python-multipart on broken framing
         raise InvalidRequest(f"malformed multipart body: {exc}") from exc
     try:
         files = [value for _, value in form.multi_items() if isinstance(value, UploadFile)]
         if len(files) > max_items:
-            raise TooLarge(f"more than {max_items} files in one request", type="too_many_items")
+            raise TooLarge(f"more than {max_items} files in one request (--max-items)", type="too_many_items")
         if not files:
             raise InvalidRequest("multipart body has no file parts")
         hold = body_hold(request.scope)

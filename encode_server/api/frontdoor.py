@@ -54,9 +54,11 @@ _ALWAYS_QUIET = frozenset({"/ready"})
 
 
 def check_count(count: int, limit: int, what: str = "items") -> None:
-    """At least one and at most ``limit`` entries of ``what`` (items, hashes, sizes)."""
+    """At least one and at most ``limit`` entries of ``what`` (items: ``--max-items``; hashes and
+    sizes, which carry no image bytes: ``Settings.max_light_items``)."""
     if count > limit:
-        raise TooLarge(f"{count} {what} in one request, above the limit of {limit}", type="too_many_items")
+        flag = "--max-items" if what == "items" else "max(1024, --max-items)"
+        raise TooLarge(f"{count} {what} in one request, above the limit of {limit} ({flag})", type="too_many_items")
     if count == 0:
         raise InvalidRequest(f"{what}: at least one is required")
 

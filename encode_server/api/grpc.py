@@ -234,7 +234,7 @@ class GrpcApi(pb_grpc.EncoderServicer):
         limit = self.runtime.settings.max_request_bytes
         size = request.ByteSize()
         if size > limit:
-            raise TooLarge(f"request is {size} bytes, above the limit of {limit}")
+            raise TooLarge(f"request is {size} bytes, above the limit of {limit} (--max-request-bytes)")
 
     async def _encode(
         self, service: EncodeService, request: pb.EncodeRequest, record: RequestRecord, tenant: str | None

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import base64
+import json
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -115,5 +117,54 @@ def test_a_header_above_pillows_own_limit_is_refused_with_max_image_pixels(tight
         assert r.status_code == 413, (route, r.text)
         assert r.json()["error"] == {
             "type": "image_too_large", "index": 0,
-            "message": "image is 30000x30000 = 900000000 pixels, above the limit of 40000000",
+            "message": "image is 30000x30000 = 900000000 pixels, above the limit of 40000000 (--max-image-pixels)",
         }
+
+
+def test_a_1_mib_header_is_431_naming_the_flag_and_the_server_goes_on(tight_server: ServerProcess) -> None:
+    """Before: 1, 8 and 50 MB headers were answered 200, and held in memory while parsed."""
+    big = {"X-Big": "a" * (1 << 20)}
+    r = httpx.get(tight_server.url + "/v1/model", headers=big, timeout=30)
+    assert r.status_code == 431, r.text
+    assert r.json()["error"] == {
+        "type": "headers_too_large", "index": None,
+        "message": "request headers are above the limit of 65536 bytes (--max-header-bytes)",
+    }
+    assert httpx.get(tight_server.url + "/v1/model", headers={"X-Big": "a" * 60_000}, timeout=30).status_code == 200
+    metrics = httpx.get(tight_server.url + "/metrics").text
+    assert 'encode_server_connections_closed_total{reason="headers_too_large"} 1.0' in metrics
+
+
+def test_1_mib_of_grpc_metadata_is_refused_at_the_same_limit(tight_server: ServerProcess) -> None:
+    import grpc
+
+    from encode_server.api.proto.encode_server.v1 import encoder_pb2 as pb
+    from encode_server.api.proto.encode_server.v1 import encoder_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(tight_server.grpc_target) as channel:
+        stub = pb_grpc.EncoderStub(channel)
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Model(pb.ModelRequest(), metadata=[("x-big", "a" * (1 << 20))], timeout=30)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused.value.details()
+        # Under the limit (grpc-core's own default is 8 KiB): answered.
+        assert stub.Model(pb.ModelRequest(), metadata=[("x-big", "a" * 60_000)], timeout=30).fingerprint
+
+
+def test_a_413_names_the_flag_that_sets_its_limit(tight_server: ServerProcess) -> None:
+    too_many = {"items": [{"hash": f"{i:064x}"} for i in range(65)]}
+    r = httpx.post(tight_server.url + "/v1/encode", json=too_many, timeout=30)
+    assert r.status_code == 413
+    assert r.json()["error"]["message"] == "65 items in one request, above the limit of 64 (--max-items)"
+    # A declared 1 GiB body, refused from its Content-Length before a byte of it is read.
+    host, port = tight_server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as conn:
+        conn.sendall(b"POST /v1/encode HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                     b"content-length: 1073741824\r\n\r\n")
+        answer = b""
+        while b"}}" not in answer and (chunk := conn.recv(65536)):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 413 "), answer
+    body = json.loads(answer.partition(b"\r\n\r\n")[2])
+    assert body["error"]["message"] == (
+        "request body is 1073741824 bytes, above the limit of 67108864 (--max-request-bytes)"
+    )

@@ -64,6 +64,12 @@ def pair(shared_redis_url: str, server_logs: Path) -> Iterator[Pair]:
         client.close()
 
 
+def test_the_start_up_line_says_the_shared_tier_is_reachable(pair: Pair) -> None:
+    for server in (pair.a, pair.b):
+        said = [line for line in server.log().splitlines() if "shared tier: redis" in line]
+        assert len(said) == 1 and " INFO " in said[0] and ", reachable), ttl " in said[0], said
+
+
 def test_upload_to_one_replica_is_a_byte_identical_redis_hit_on_another(pair: Pair) -> None:
     images = [image_bytes("PNG", 60 + 7 * i, 50, seed=100 + i) for i in range(3)]
     uploaded = encode(pair.a, [{"data": b64(d)} for d in images]).json()["items"]

@@ -9,15 +9,18 @@ and then uvicorn's ``running on``.
 
 from __future__ import annotations
 
+import base64
 import re
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 
 from encode_server.api.proto.encode_server.v1 import encoder_pb2 as pb
 from encode_server.api.proto.encode_server.v1 import encoder_pb2_grpc as pb_grpc
+from tests.images import image_bytes
 from tests.server import ServerProcess, free_port, run_server_to_exit, start_server
 
 NOISE = ("Traceback", "Task exception was never retrieved", "listening", "running on", "SystemExit")
@@ -83,3 +86,44 @@ def test_a_model_that_fails_to_load_says_why_in_one_line_and_exits_1(tmp_path: P
     assert "Traceback" not in output
     after = output[output.index("model failed to load"):]
     assert "listening" not in after and "running on" not in after, output
+
+
+def test_a_redis_url_without_a_scheme_fails_at_flag_parsing_listing_the_schemes() -> None:
+    """Before: the flags passed, the ports opened, and the load failed 6 s later on redis-py's words."""
+    code, output = run_server_to_exit("--redis-url", "localhost:6379")
+    assert_one_reason(code, output, "--redis-url", "redis://", "rediss://", "unix://")
+    assert "encode_server" not in output, "refused by the flags, before any logging (or port) is set up"
+
+
+def test_a_redis_url_redis_py_refuses_fails_before_any_port_opens() -> None:
+    code, output = run_server_to_exit("--redis-url", "redis://localhost:6379/0?socket_timeout=soon")
+    assert_one_reason(code, output, "not started", "--redis-url", "socket_timeout")
+
+
+def test_cuda_on_a_torch_without_it_fails_in_one_line_before_any_port_opens() -> None:
+    """Before: the ports opened, then the load died with a traceback ending in torch's words."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this torch can use CUDA")
+    code, output = run_server_to_exit("--device", "cuda")
+    assert_one_reason(code, output, "not started", "--device cuda", "CUDA")
+
+
+def test_an_unreachable_redis_is_said_in_the_start_up_line_and_the_server_serves(server_logs: Path) -> None:
+    """Before: ``shared tier: redis (...)`` read as all well, and the outage was logged seconds later."""
+    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    server = start_server("--redis-url", url, log_dir=server_logs)
+    try:
+        data = base64.b64encode(image_bytes("PNG", 20, 20)).decode()
+        r = httpx.post(server.url + "/v1/encode", json={"items": [{"data": data}]}, timeout=30)
+        assert r.status_code == 200 and r.json()["items"][0]["status"] == "encoded"
+        log = server.log()
+        said = [line for line in log.splitlines() if "shared tier: redis" in line]
+        assert len(said) == 1, log
+        assert " WARNING " in said[0] and f"{url}, unreachable: " in said[0], said[0]
+        assert said[0].endswith("serving from the local tier until it returns"), said[0]
+        assert "Redis unreachable" not in log, "the outage is said once, at start"
+        assert "encode_server_redis_up 0.0" in httpx.get(server.url + "/metrics").text
+    finally:
+        assert server.stop() == 0, server.log()

@@ -96,3 +96,69 @@ def test_help_shows_whole_defaults_as_the_flag_table_does() -> None:
     assert "(default: 2048)" in help_text
     assert "(default: 5)" in help_text  # --max-wait-ms 5.0
     assert "(default: false)" in help_text  # a switch, as its environment variable spells it
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "says"),
+    [
+        (["--redis-url", "localhost:6379"], {}, "--redis-url must start with one of redis://, rediss://, unix://"),
+        ([], {"ENCODE_SERVER_REDIS_URL": "127.0.0.1:6379"}, "--redis-url must start with one of"),
+        (["--redis-url", "http://localhost:6379"], {}, "--redis-url must start with one of"),
+        (["--redis-url", "redis://localhost:port"], {}, "--redis-url: Port could not be cast to integer"),
+        (["--redis-url", "redis://localhost:70000"], {}, "--redis-url: Port out of range"),
+        (["--redis-url", "unix://"], {}, "--redis-url: a unix:// URL needs the socket's path"),
+        (["--redis-url", "unix:///run/redis.sock", "--redis-cluster"], {}, "--redis-cluster needs a redis://"),
+    ],
+)
+def test_a_redis_url_that_cannot_work_is_refused_when_the_flags_are_parsed(
+    argv: list[str], env: dict[str, str], says: str
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        settings_from(argv, env)
+    message = str(exited.value.code)
+    assert message.startswith(says) and "\n" not in message
+
+
+def test_a_redis_url_message_never_repeats_the_url_it_may_hold_a_password() -> None:
+    with pytest.raises(SystemExit) as exited:
+        settings_from(["--redis-url", "secret-password@localhost:6379"])
+    assert "secret-password" not in str(exited.value.code)
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["redis://localhost:6379/0", "REDIS://localhost", "rediss://:pw@redis:6380/0", "unix:///run/redis.sock",
+     "redis+cluster://redis-0:6379", "rediss+cluster://redis-0"],
+)
+def test_every_documented_redis_url_form_is_taken(url: str) -> None:
+    assert settings_from(["--redis-url", url]).redis_url == url
+
+
+def test_help_lists_every_redis_scheme_taken_unix_included() -> None:
+    help_text = " ".join(build_parser().format_help().split())
+    for scheme in ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://"):
+        assert scheme in help_text
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--device", "gpu"], "--device must be auto, cpu, cuda or cuda:N, got 'gpu'"),
+        (["--device", "cuda:x"], "--device must be auto, cpu, cuda or cuda:N, got 'cuda:x'"),
+        (["--port", "70000"], "--port must be a port number, got 70000"),
+        (["--max-header-bytes", "0"], "--max-header-bytes must be positive, got 0"),
+    ],
+)
+def test_a_device_port_or_header_limit_that_cannot_work_is_refused_in_one_line(argv: list[str], message: str) -> None:
+    with pytest.raises(SystemExit) as exited:
+        settings_from(argv)
+    assert str(exited.value.code) == message
+
+
+def test_the_header_limit_is_64_kib_a_flag_and_a_variable() -> None:
+    assert settings_from([]).max_header_bytes == 64 * 1024
+    assert settings_from([], {"ENCODE_SERVER_MAX_HEADER_BYTES": "8192"}).max_header_bytes == 8192
+    assert settings_from(["--max-header-bytes", "4096"], {"ENCODE_SERVER_MAX_HEADER_BYTES": "8192"}).max_header_bytes \
+        == 4096
+    for device in ("auto", "cpu", "cuda", "cuda:1"):
+        assert settings_from(["--device", device]).device == device

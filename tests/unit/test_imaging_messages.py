@@ -20,7 +20,9 @@ def test_a_header_above_pillows_own_limit_is_refused_with_the_servers_limit() ->
     # 900 M pixels: five times what Pillow itself refuses as a "decompression bomb".
     with pytest.raises(TooLarge) as refused:
         probe_size(bomb_png_header(30000, 30000), max_pixels=40_000_000, index=3)
-    assert refused.value.message == "image is 30000x30000 = 900000000 pixels, above the limit of 40000000"
+    assert refused.value.message == (
+        "image is 30000x30000 = 900000000 pixels, above the limit of 40000000 (--max-image-pixels)"
+    )
     assert (refused.value.type, refused.value.index) == ("image_too_large", 3)
 
 
@@ -42,14 +44,16 @@ def test_a_webp_above_the_limit_is_refused_from_its_header_before_libwebp_alloca
     data = _webp((300, 200), **options)
     with pytest.raises(TooLarge) as refused:
         probe_size(data, max_pixels=59_999, index=1)
-    assert refused.value.message == "image is 300x200 = 60000 pixels, above the limit of 59999"
+    assert refused.value.message == "image is 300x200 = 60000 pixels, above the limit of 59999 (--max-image-pixels)"
     assert probe_size(data, max_pixels=60_000) == (300, 200)
 
 
 def test_a_webp_header_claiming_the_formats_maximum_is_too_large_not_unreadable() -> None:
     with pytest.raises(TooLarge) as refused:
         probe_size(bomb_webp_header(), max_pixels=40_000_000)
-    assert refused.value.message == "image is 16384x16384 = 268435456 pixels, above the limit of 40000000"
+    assert refused.value.message == (
+        "image is 16384x16384 = 268435456 pixels, above the limit of 40000000 (--max-image-pixels)"
+    )
 
 
 def test_a_max_image_pixels_above_pillows_own_limit_holds() -> None:

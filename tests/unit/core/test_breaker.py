@@ -59,6 +59,19 @@ def test_opens_after_consecutive_failures_and_denies_until_the_cooldown() -> Non
     assert not cb.allow()
 
 
+def test_a_trip_opens_at_once_then_probes_as_after_any_opening() -> None:
+    clock = FakeClock()
+    cb = breaker(clock)
+    cb.trip()  # the start-up PING found the backend down: no call waits on it
+    assert cb.state is BreakerState.OPEN and not cb.allow() and cb.retry_in() == pytest.approx(1.0)
+    cb.trip()  # already open: the cooldown is not pushed back
+    assert cb.retry_in() == pytest.approx(1.0)
+    clock.advance(1.0)
+    assert cb.allow() and cb.state is BreakerState.HALF_OPEN
+    cb.record_success()
+    assert cb.state is BreakerState.CLOSED
+
+
 def test_half_open_grants_exactly_one_probe_and_a_success_closes() -> None:
     clock = FakeClock()
     cb = breaker(clock)

@@ -1,8 +1,8 @@
 """``encode-epd-proxy`` fit for traffic, over real HTTP: several upstreams (least outstanding
 requests, one that refuses connections skipped), answers streamed as they arrive, bounded
 concurrency, bodies and timeouts with OpenAI-shaped errors, a request vLLM failed before answering
-retried after its images are handed off again (a real encode-server), ``/health``, ``/metrics``,
-and the drain on SIGTERM of the real command.
+retried after its images are handed off again (a real encode-server), ``/health`` and ``/metrics``
+(the stop on a signal and the cap on heads: test_proxy_stop.py).
 
 vLLM's part is played by ``tests.proxy_upstream.StubVllm`` (what a real vLLM cannot be made to do
 on demand: hold a request, fail one); tests/vllm/test_proxy.py runs the proxy against vLLM itself.
@@ -13,10 +13,7 @@ from __future__ import annotations
 import base64
 import itertools
 import os
-import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -284,53 +281,3 @@ def test_health_and_metrics_are_the_proxys_own() -> None:
     with running([NOWHERE]) as proxy:
         r = httpx.get(proxy.url + "/health", timeout=10)
         assert r.status_code == 502 and r.json()["error"]["type"] == "upstream_unavailable"
-
-
-def test_sigterm_drains_the_command(tmp_path: Path) -> None:
-    """The real ``encode-epd-proxy`` process: on SIGTERM it takes no new connection, the stream in
-    flight finishes whole, and it exits 0."""
-    port = free_port()
-    with StubVllm(tokens=3) as stub:
-        cmd = [sys.executable, "-m", "encode_client.proxy", "--listen", f"127.0.0.1:{port}", "--vllm", stub.url,
-               "--encoder", NOWHERE, "--drain-seconds", "20", "--log-level", "warning"]
-        log = (tmp_path / "proxy.log").open("wb")
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
-        url = f"http://127.0.0.1:{port}"
-        try:
-            def up() -> bool:
-                try:
-                    return httpx.get(url + "/health", timeout=1).status_code == 200
-                except httpx.TransportError:
-                    return False
-
-            _wait(up, "the proxy answered /health")
-            lines: list[str] = []
-
-            def stream() -> None:
-                with httpx.stream("POST", url + "/v1/chat/completions",
-                                  json=text_chat(stream=True, hold_stream=True), timeout=30) as r:
-                    lines.extend(line for line in r.iter_lines() if line.startswith("data: "))
-
-            reader = threading.Thread(target=stream)
-            reader.start()
-            _wait(lambda: stub.streams_held == 1, "the stream is in flight")
-            proc.send_signal(signal.SIGTERM)
-
-            def refused() -> bool:
-                try:
-                    httpx.get(url + "/health", timeout=1)
-                except httpx.ConnectError:
-                    return True
-                return False
-
-            _wait(refused, "new connections refused while draining")
-            assert proc.poll() is None, "it waited for the stream in flight"
-            stub.release()
-            reader.join(30)
-            assert lines[-1] == "data: [DONE]" and stub.served == 1
-            assert proc.wait(30) == 0
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(10)
-            log.close()

@@ -23,13 +23,15 @@ __all__ = ["HEAD_FLAG", "head_bytes", "head_capped_protocol", "head_refusal"]
 log = logging.getLogger("encode_client.proxy")
 
 HEAD_FLAG = "--max-header-bytes"
+_LINGER_S = 2.0  # how long a refused head's connection is read (and dropped) for its 431 to arrive
 
 
 def head_refusal(limit: int, size: int | None = None) -> tuple[str, str]:
-    """The 431's message and its OpenAI error type."""
-    seen = f"{size} bytes" if size is not None else "still growing"
-    return (f"the request's headers are too large ({seen}): the proxy takes at most {limit} bytes of request line "
-            f"and headers ({HEAD_FLAG})", "invalid_request_error")
+    """The 431's message (``size``: the head's, None for one refused before its end) and its
+    OpenAI error type."""
+    seen = f"{size} bytes, over" if size is not None else "over"
+    return (f"the request's headers are {seen} the proxy's limit of {limit} bytes on a request line and its headers "
+            f"({HEAD_FLAG})", "invalid_request_error")
 
 
 def head_bytes(scope: dict[str, Any]) -> int:
@@ -61,8 +63,11 @@ def head_capped_protocol(limit: int, refused: Callable[[], None]) -> type[asynci
         cap and one read."""
 
         _head: int | None = 0  # bytes of the head being read; None while a body is
+        _refused = False
 
         def data_received(self, data: bytes) -> None:
+            if self._refused:  # read and dropped until the client closes, or the linger ends
+                return
             if self._head is not None:
                 self._head += len(data)
             super().data_received(data)
@@ -80,10 +85,18 @@ def head_capped_protocol(limit: int, refused: Callable[[], None]) -> type[asynci
         def _refuse(self) -> None:
             refused()
             answering = self.cycle is not None and not self.cycle.response_complete
-            if not answering:  # a response under way on this connection: the 431 cannot follow it in order
-                self.transport.write(answer)
             log.info("- - 431 a request's head still incomplete after %d bytes (%s %d)%s", self._head, HEAD_FLAG,
                      limit, "" if not answering else "; the connection closed under the answer before it")
-            self.transport.close()
+            if answering:  # a response under way on this connection: the 431 cannot follow it in order
+                self.transport.close()
+                return
+            # A close with the client's bytes unread would reset the connection, and the reset can
+            # overtake the 431 on its way: the answer is sent, the writing side shut, and what the
+            # client still sends is read and dropped until it closes (or _LINGER_S have passed).
+            self._refused = True
+            self.transport.write(answer)
+            if self.transport.can_write_eof():
+                self.transport.write_eof()
+            self.loop.call_later(_LINGER_S, self.transport.close)
 
     return HeadCappedProtocol

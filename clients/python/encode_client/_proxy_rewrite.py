@@ -77,9 +77,11 @@ def _json_object(raw: bytes, what: str) -> dict[str, Any]:
     if not raw.strip():
         raise EPDError(f"request body is empty; {expected}")
     try:
-        parsed: Any = json.loads(raw)
+        text = raw.decode("utf-8")  # JSON's one encoding between systems (RFC 8259)
     except UnicodeDecodeError:
         raise EPDError(f"request body is not UTF-8 text; {expected}") from None
+    try:
+        parsed: Any = json.loads(text)
     except json.JSONDecodeError as exc:
         raise EPDError(f"request body is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno}); "
                        f"{expected}") from None

@@ -107,7 +107,7 @@ class _Encoder(AsyncClient):
         return [Result(0, item.hash, "encoded", None, 8, (), None, meta=self.answer) for item in call.payload]
 
 
-def _post(encoder: _Encoder, body: bytes, contract: EpdContract | None = QWEN) -> httpx.Response:
+def _post(encoder: _Encoder, body: bytes, contract: EpdContract | None = QWEN, **headers: str) -> httpx.Response:
     async def go() -> httpx.Response:
         app = ProxyApp(ProxySettings((f"http://127.0.0.1:{free_port()}",), ("http://encode-server.invalid",),
                                      connect_timeout=2.0))
@@ -116,7 +116,7 @@ def _post(encoder: _Encoder, body: bytes, contract: EpdContract | None = QWEN) -
         app._contract = contract
         try:
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as client:
-                return await client.post("/v1/chat/completions", content=body)
+                return await client.post("/v1/chat/completions", content=body, headers=headers)
         finally:
             await app.shutdown()
             await encoder.aclose()
@@ -125,7 +125,8 @@ def _post(encoder: _Encoder, body: bytes, contract: EpdContract | None = QWEN) -
 
 
 @pytest.mark.parametrize("answer", [ServerError(409, "no_shared_tier", "no Redis"),
-                                    ServerError(400, "invalid_image", "unreadable", 0),
+                                    ServerError(400, "invalid_image", "unreadable"),  # naming no item
+                                    ServerError(409, "no_shared_tier", "no Redis", 0),  # not the item's fault
                                     ReplicaUnavailable("http://encode-server.invalid", "refused")],
                          ids=lambda v: f"{type(v).__name__}")
 def test_the_app_answers_encode_servers_refusal_by_the_table(answer: Exception) -> None:
@@ -137,11 +138,45 @@ def test_the_app_answers_encode_servers_refusal_by_the_table(answer: Exception) 
     assert str(answer) in error["message"]
 
 
-@pytest.mark.parametrize(("body", "words"), [(b"{not json", "Expecting"), (b"[1]", "must be a JSON object")])
-def test_a_body_that_is_not_a_json_object_is_a_400(body: bytes, words: str) -> None:
+@pytest.mark.parametrize(("answer", "modality"), [(ServerError(400, "invalid_image", "cannot identify image file", 0),
+                                                    "image"),
+                                                   (ServerError(413, "too_large", "12000x12000 pixels", 0), "image")],
+                         ids=["invalid_image", "too_large"])
+def test_an_image_encode_server_refuses_is_a_400_naming_its_part(answer: ServerError, modality: str) -> None:
+    got = _post(_Encoder(answer), json.dumps(CHAT).encode())
+    assert got.status_code == 400, got.text
+    error = got.json()["error"]
+    assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", WHERE, 400)
+    assert f"encode-server refused this {modality}: {answer.status} {answer.type}: {answer.message}" in error["message"]
+
+
+@pytest.mark.parametrize(("body", "words"), [
+    (b"", "request body is empty; expected a JSON chat completion request"),
+    (b" \r\n", "request body is empty; expected a JSON chat completion request"),
+    (b"{not json", "request body is not valid JSON (Expecting property name enclosed in double quotes at line 1 "
+                   "column 2); expected a JSON chat completion request"),
+    (b"{\"model\": \"\xff\"}", "request body is not UTF-8 text; expected a JSON chat completion request"),
+    (b"[1]", "request body must be a JSON object, got an array; expected a JSON chat completion request"),
+    (b"null", "request body must be a JSON object, got null"),
+], ids=["empty", "blank", "bad_json", "not_utf8", "array", "null"])
+def test_a_body_that_is_not_a_json_object_is_a_400_saying_what_was_expected(body: bytes, words: str) -> None:
     got = _post(_Encoder({"image_grid_thw": [1, 4, 4]}), body)
-    assert got.status_code == 400 and got.json()["error"]["type"] == "invalid_request_error"
-    assert words in got.json()["error"]["message"]
+    error = got.json()["error"]
+    assert got.status_code == 400 and (error["type"], error["param"]) == ("invalid_request_error", None)
+    assert words in error["message"], error["message"]
+    assert "Expecting value" not in error["message"]
+
+
+def test_headers_over_the_cap_are_a_431_naming_the_flag() -> None:
+    # the app's exact count (a head that arrived whole); tests/integration/test_proxy_serving.py sends
+    # one too large to arrive whole over a socket
+    got = _post(_Encoder({"image_grid_thw": [1, 4, 4]}), json.dumps(CHAT).encode(), **{"X-Big": "a" * (64 * 1024)})
+    error = got.json()["error"]
+    assert got.status_code == 431 and got.headers["connection"] == "close"
+    assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", None, 431)
+    assert "--max-header-bytes" in error["message"] and "65536" in error["message"]
+    fits = _post(_Encoder({"image_grid_thw": [1, 4, 4]}), json.dumps(CHAT).encode(), **{"X-Big": "a" * 60_000})
+    assert fits.status_code == 502, "under the cap: on to vLLM (none here)"
 
 
 def test_a_model_no_prefill_consumes_is_a_502_and_no_vllm_a_502_after_the_rewrite() -> None:

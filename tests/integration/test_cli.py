@@ -14,7 +14,7 @@ import httpx
 from blake3 import blake3
 
 from tests.images import image_bytes
-from tests.server import ServerProcess
+from tests.server import ServerProcess, free_port
 
 CLI = [sys.executable, "-m", "encode_client.cli"]
 
@@ -118,3 +118,14 @@ def test_warm_counts_in_the_singular_for_one(builtin_server: ServerProcess, tmp_
     summary = done.stderr.splitlines()[-1]
     assert "warmed 2 images" in summary and ", 1 error" in summary and "1 errors" not in summary, done.stderr
     assert ("1 miss " in summary) != ("1 hit," in summary), summary
+
+
+def test_warm_with_nothing_listening_says_so_in_one_line_and_leaves_no_coroutine_behind(tmp_path: Path) -> None:
+    """Before: the other uploads were left running when the first found no replica, and died with
+    the event loop: ``RuntimeWarning: coroutine ... was never awaited`` at exit."""
+    for i in range(12):
+        (tmp_path / f"{i}.png").write_bytes(image_bytes("PNG", 8, 8, seed=i))
+    done = cli("warm", str(tmp_path), url=f"http://127.0.0.1:{free_port()}")
+    assert done.returncode == 3, done.stderr
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1 and "no replica answered" in lines[0], done.stderr

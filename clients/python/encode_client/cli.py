@@ -297,7 +297,16 @@ async def _warm(args: argparse.Namespace) -> int:
                         progress.misses += 1
                 progress.draw()
 
-        await asyncio.gather(*(one(p) for p in files))
+        # The first error that ends the run (no replica answered) stops the other uploads, and they
+        # are waited for before the client closes: left running, they died with the event loop,
+        # their connection attempts never awaited (a RuntimeWarning at exit).
+        uploads = [asyncio.ensure_future(one(p)) for p in files]
+        try:
+            await asyncio.gather(*uploads)
+        finally:
+            for upload in uploads:
+                upload.cancel()
+            await asyncio.gather(*uploads, return_exceptions=True)
     progress.draw(force=True)
     for failure in failures:
         print(f"error: {failure}", file=sys.stderr)

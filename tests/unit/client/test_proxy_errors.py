@@ -140,8 +140,8 @@ def test_the_app_answers_encode_servers_refusal_by_the_table(answer: Exception) 
 
 @pytest.mark.parametrize(("answer", "modality"), [(ServerError(400, "invalid_image", "cannot identify image file", 0),
                                                     "image"),
-                                                   (ServerError(413, "too_large", "12000x12000 pixels", 0), "image")],
-                         ids=["invalid_image", "too_large"])
+                                                   (ServerError(413, "image_too_large", "12000x12000 pixels", 0), "image")],
+                         ids=["invalid_image", "image_too_large"])
 def test_an_image_encode_server_refuses_is_a_400_naming_its_part(answer: ServerError, modality: str) -> None:
     got = _post(_Encoder(answer), json.dumps(CHAT).encode())
     assert got.status_code == 400, got.text

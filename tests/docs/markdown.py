@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["ROOT", "anchors", "doc_files", "links", "prose", "tables"]
+__all__ = ["ROOT", "CodeBlock", "anchors", "code_blocks", "doc_files", "links", "prose", "tables"]
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -67,4 +68,27 @@ def tables(text: str) -> list[list[list[str]]]:
         elif current:
             out.append(current)
             current = []
+    return out
+
+
+@dataclass(frozen=True)
+class CodeBlock:
+    language: str  # the fence's info string ("bash", "python", "" when none)
+    heading: str  # the heading the block is under ("" above the first)
+    body: str  # its lines, without the fences
+
+    @property
+    def first_line(self) -> str:
+        return self.body.splitlines()[0] if self.body else ""
+
+
+_BLOCK = re.compile(r"^(```|~~~)([^\n]*)\n(.*?)^\1[^\n]*$", re.MULTILINE | re.DOTALL)
+
+
+def code_blocks(text: str) -> list[CodeBlock]:
+    """Every fenced code block, in order, with the heading above it."""
+    out = []
+    for m in _BLOCK.finditer(text):
+        headings = _HEADING.findall(_FENCE.sub("", text[: m.start()]))
+        out.append(CodeBlock(m.group(2).strip(), headings[-1][1] if headings else "", m.group(3).rstrip("\n")))
     return out

@@ -117,7 +117,10 @@ def test_the_first_signal_drains_with_health_503_and_says_so(tmp_path: Path, sig
     """While a stream is in flight: ``/health`` answers 503 (the socket stays open), a new chat
     503 ``unavailable_error``, the log says what it waits for and for how long; the stream then
     finishes whole, and the process exits 0."""
-    with StubVllm(tokens=3) as stub, command(stub, tmp_path, "--drain-seconds", "20") as proxy:
+    with StubVllm(tokens=3) as stub, command(stub, tmp_path, "--drain-seconds", "20",
+                                             "--max-header-bytes", "16384") as proxy:
+        big = httpx.get(proxy.url + "/v1/models", headers={"X-Big": "a" * 20_000}, timeout=10)
+        assert big.status_code == 431 and "16384 bytes" in big.json()["error"]["message"], "the flag reaches the app"
         stream = Stream(proxy.url)
         _wait(lambda: stub.streams_held == 1, "the stream is in flight")
         proxy.proc.send_signal(sig)
@@ -135,6 +138,7 @@ def test_the_first_signal_drains_with_health_503_and_says_so(tmp_path: Path, sig
         assert all("error" not in line for line in stream.lines)
         assert proxy.proc.wait(30) == 0
         assert "drained in" in proxy.log and "Traceback" not in proxy.log
+        assert "HTTP Request:" not in proxy.log, "one line per request at info: the proxy's, not httpx's"
         assert f"POST {CHAT} 200 " in proxy.log
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from encode_client._proxy_errors import error_body
@@ -34,7 +34,7 @@ def head_refusal(limit: int, size: int | None = None) -> tuple[str, str]:
             f"({HEAD_FLAG})", "invalid_request_error")
 
 
-def head_bytes(scope: dict[str, Any]) -> int:
+def head_bytes(scope: Mapping[str, Any]) -> int:
     """The size of an ASGI request's head as it came on the wire (its request line, each header's
     ``name: value`` and CRLF), to the byte but for whitespace the parser dropped."""
     target = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"")

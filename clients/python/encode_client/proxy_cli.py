@@ -163,6 +163,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.log_level != "debug":  # one line per request: the proxy's, not httpx's for each call it makes
+        logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
     options = {
         "api_key": args.api_key, "api_keys": args.api_keys, "vllm_api_key": args.vllm_api_key,
         "trust_client_embeds": args.trust_client_embeds, "timeout": args.timeout,

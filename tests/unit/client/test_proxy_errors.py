@@ -138,16 +138,15 @@ def test_the_app_answers_encode_servers_refusal_by_the_table(answer: Exception) 
     assert str(answer) in error["message"]
 
 
-@pytest.mark.parametrize(("answer", "modality"), [(ServerError(400, "invalid_image", "cannot identify image file", 0),
-                                                    "image"),
-                                                   (ServerError(413, "image_too_large", "12000x12000 pixels", 0), "image")],
+@pytest.mark.parametrize("answer", [ServerError(400, "invalid_image", "cannot identify image file", 0),
+                                    ServerError(413, "image_too_large", "12000x12000 pixels", 0)],
                          ids=["invalid_image", "image_too_large"])
-def test_an_image_encode_server_refuses_is_a_400_naming_its_part(answer: ServerError, modality: str) -> None:
+def test_an_image_encode_server_refuses_is_a_400_naming_its_part(answer: ServerError) -> None:
     got = _post(_Encoder(answer), json.dumps(CHAT).encode())
     assert got.status_code == 400, got.text
     error = got.json()["error"]
     assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", WHERE, 400)
-    assert f"encode-server refused this {modality}: {answer.status} {answer.type}: {answer.message}" in error["message"]
+    assert f"encode-server refused this image: {answer.status} {answer.type}: {answer.message}" in error["message"]
 
 
 @pytest.mark.parametrize(("body", "words"), [

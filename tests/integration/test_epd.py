@@ -113,12 +113,36 @@ def test_proxy_errors_are_openai_shaped(proxy_to_nowhere: EPDProxy) -> None:
     url = proxy_to_nowhere.url
     r = httpx.post(url + "/v1/chat/completions", content=b"{not json", timeout=30)
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    assert r.json()["error"]["message"].startswith("request body is not valid JSON")
+    r = httpx.post(url + "/v1/chat/completions", content=b"", timeout=30)
+    assert r.status_code == 400 and r.json()["error"] == {
+        "message": "request body is empty; expected a JSON chat completion request", "type": "invalid_request_error",
+        "param": None, "code": 400}
     r = httpx.post(url + "/v1/chat/completions", json=_chat(), timeout=60)
     assert r.status_code == 503 and r.json()["error"]["type"] == "encoder_unavailable"
     r = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}, timeout=30)
     assert r.status_code == 502 and r.json()["error"]["type"] == "upstream_unavailable"
     r = httpx.get(url + "/v1/models", timeout=30)
     assert r.status_code == 502
+
+
+def test_an_image_encode_server_cannot_read_is_a_400_naming_its_part(server: ServerProcess) -> None:
+    """encode-server's own refusal of one image (``invalid_image``, with its index) comes back
+    named by the part, as the proxy's own refusals are; vLLM (nowhere here) is never asked."""
+    proxy = EPDProxy(("127.0.0.1", 0), f"http://127.0.0.1:{free_port()}", [server.url])
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    try:
+        body = _chat()
+        body["messages"][1]["content"][2] = {"type": "image_url",
+                                             "image_url": {"url": _url(b"\x89PNG\r\n\x1a\n not an image")}}
+        r = httpx.post(proxy.url + "/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 400, r.text  # not 502: vLLM was never asked
+        error = r.json()["error"]
+        assert (error["type"], error["param"]) == ("invalid_request_error", "messages[1].content[2]")
+        assert "encode-server refused this image: 400 invalid_image" in error["message"], error
+    finally:
+        proxy.shutdown()
+        proxy.server_close()
 
 
 def test_hand_off_to_the_export_dir_alone(tmp_path: Path, server_logs: Path) -> None:

@@ -18,13 +18,18 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
+# setuptools says "Editable installation." once per editable package (an InformationOnly warning:
+# a folder named like the package in the working directory may shadow it), which pip prints even
+# with --quiet: nothing to act on, so not shown (tests/docs/test_make_targets.py holds it to setuptools).
+EDITABLE_QUIET := PYTHONWARNINGS="ignore:Editable installation:UserWarning"
+
 # Re-runs only when the project metadata changes; a second `make install` is a no-op.
 $(STAMP): $(BIN)/python pyproject.toml clients/python/pyproject.toml $(TORCH_REQ)
 	@if ! command -v nvidia-smi >/dev/null 2>&1 && ! $(BIN)/python -c 'import torch' 2>/dev/null; then \
 		echo "no GPU found: installing the CPU build of $$(grep -v '^#' $(TORCH_REQ)) first"; \
 		$(BIN)/python -m pip install --quiet -r $(TORCH_REQ); \
 	fi
-	$(BIN)/python -m pip install --quiet -e '.[dev]' -e './clients/python[store,proxy]'
+	$(EDITABLE_QUIET) $(BIN)/python -m pip install --quiet -e '.[dev]' -e './clients/python[store,proxy]'
 	@touch $(STAMP)
 
 install: $(STAMP)

@@ -122,11 +122,10 @@ checkpoint: install
 	else $(BIN)/python -m scripts.tiny_checkpoint "$(DIR)" --family "$(FAMILY)"; fi
 
 # The server's and the client's wheels, into dist/ (pip install dist/encode_server-*.whl, and the
-# client's with its extras: pip install 'dist/encode_client-VERSION-py3-none-any.whl[vllm]').
+# client's with its extras: pip install "$(ls dist/encode_client-*.whl)[vllm]"), as make gpu-wheels
+# builds them (scripts/gpu_wheels.py: pip wheel, no dependencies, one build at a time).
 dist: install
-	@rm -rf dist && $(BIN)/python -m pip wheel --quiet --no-deps --no-build-isolation --wheel-dir dist . ./clients/python
-	@rm -rf build clients/python/build
-	@ls dist/*.whl
+	@rm -rf dist && $(BIN)/python scripts/gpu_wheels.py project --dir dist && ls dist/*.whl
 
 test-vllm: install tools
 	@env=$$(scripts/vllm_env.sh) && \

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import email.parser
+import fcntl
 import json
 import shutil
 import subprocess
@@ -252,14 +253,19 @@ def _pip_download(specs: list[str], dest: Path) -> None:
 
 
 def _build_project_wheels(dest: Path) -> None:
-    """The project's two packages, built from the tree (a few seconds: no isolation, no deps)."""
-    for wheel in dest.glob("encode_*.whl"):
-        wheel.unlink()
-    cmd = [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", "--wheel-dir",
-           str(dest), *(str(p) for p in PROJECTS.values())]
-    subprocess.run(cmd, check=True, cwd=ROOT)
-    for build in (ROOT / "build", ROOT / "clients" / "python" / "build"):
-        shutil.rmtree(build, ignore_errors=True)
+    """The project's two packages, built from the tree (a few seconds: no isolation, no deps); one
+    build at a time, since every build uses the tree's build/ folders (``make dist`` runs this too,
+    and the tests run both while ``make test``'s other lane may)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    with (ROOT / ".venv" / ".wheel-build.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        for wheel in dest.glob("encode_*.whl"):
+            wheel.unlink()
+        cmd = [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", "--wheel-dir",
+               str(dest), *(str(p) for p in PROJECTS.values())]
+        subprocess.run(cmd, check=True, cwd=ROOT)
+        for build in (ROOT / "build", ROOT / "clients" / "python" / "build"):
+            shutil.rmtree(build, ignore_errors=True)
 
 
 def _download_debs(dest: Path) -> None:
@@ -380,10 +386,13 @@ def _top_level(dist: metadata.Distribution) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", choices=("derive", "device-needs", "download", "check", "verify-env",
-                                            "import-check"))
+                                            "import-check", "project"))
     parser.add_argument("--dir", type=Path, default=GPU_DIR, help="the folder that travels (default: .gpu)")
     parser.add_argument("--site", type=Path, help="import-check: the site the wheel set was installed into")
     args = parser.parse_args(argv)
+    if args.command == "project":  # make dist: the project's two wheels alone, into --dir
+        _build_project_wheels(args.dir)
+        return 0
     if args.command == "import-check":
         problems = import_check(args.site)
         for p in problems:

@@ -33,7 +33,7 @@ from encode_server.api.http import create_app
 from encode_server.api.ports import PortUnavailable, bind_listener
 from encode_server.api.runtime import Runtime
 from encode_server.cache.base import SharedTier
-from encode_server.cache.export import FileExporter
+from encode_server.cache.export import FileExporter, check_directory
 from encode_server.cache.local import LocalTier
 from encode_server.cache.redis import check_url, create_redis_tier, redact_url
 from encode_server.config import Settings
@@ -153,6 +153,11 @@ class EncodeServer:
         except FileNotFoundError as exc:
             raise StartFailed(f"--model: {exc}") from None
         check_device(s.device)
+        if s.export_dir is not None:
+            try:
+                check_directory(s.export_dir)
+            except OSError as exc:
+                raise StartFailed(f"--export-dir: {exc}") from None
         if s.redis_url is not None:
             try:
                 check_url(s.redis_url)

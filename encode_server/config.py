@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -27,6 +28,7 @@ REQUEST_COPIES = 4
 MESSAGE_FRAMING = 64 * 1024
 # What --redis-url may start with: redis-py's own schemes, and ours for a cluster seed node.
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://")
+_C_INT_MAX = 2**31 - 1
 # What --device may say (its help); whether this torch build can use it is checked before a port opens.
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
@@ -324,11 +326,19 @@ def settings_from(argv: Sequence[str] | None = None, environ: Mapping[str, str] 
 
 
 def _validate(s: Settings) -> None:
+    for f in fields(Settings):  # nan passes every comparison below; inf is no bound any check can use
+        value = getattr(s, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise SystemExit(f"{_flag(f.name)} must be a finite number, got {value}")
+    if not s.model.strip():
+        raise SystemExit("--model must name a model: a hub id, a local directory, or builtin:tiny")
+    if not s.host.strip():
+        raise SystemExit("--host must be an address (0.0.0.0 or :: for every interface)")
     positive = (
         "max_batch_size", "max_batch_tokens", "max_queue", "max_request_bytes", "max_items", "max_connections",
         "header_timeout", "body_timeout", "keep_alive_timeout", "video_fps", "max_video_seconds", "max_video_frames",
         "max_video_decoded_frames", "max_audio_seconds", "redis_timeout_ms", "redis_max_value_mb", "redis_write_queue",
-        "request_timeout", "max_header_bytes",
+        "request_timeout", "max_header_bytes", "max_image_pixels",
     )
     for name in positive:
         if getattr(s, name) <= 0:
@@ -369,8 +379,20 @@ def _validate(s: Settings) -> None:
         raise SystemExit(f"--port must be a port number, got {s.port}")
     if not _DEVICE.fullmatch(s.device):
         raise SystemExit(f"--device must be auto, cpu, cuda or cuda:N, got {s.device!r}")
-    if s.redis_url is not None:
+    if s.redis_url:  # empty, as a compose file's ${VAR:-} gives it: unset
         _check_redis_url(s.redis_url, s.redis_cluster)
+    if s.export_dir is not None and not s.export_dir.strip():
+        raise SystemExit("--export-dir must name a directory (unset it to export nothing)")
+    # grpc-core takes its limits as C ints: past them the gRPC door could not start.
+    if s.max_header_bytes > _C_INT_MAX:
+        raise SystemExit(f"--max-header-bytes must be at most {_C_INT_MAX} (gRPC's limit), got {s.max_header_bytes}")
+    if s.max_request_bytes + MESSAGE_FRAMING > _C_INT_MAX:
+        raise SystemExit(f"--max-request-bytes must be at most {_C_INT_MAX - MESSAGE_FRAMING} (gRPC's message limit "
+                         f"less its framing), got {s.max_request_bytes}")
+    if s.redis_timeout_ms > 3_600_000:
+        raise SystemExit(f"--redis-timeout-ms must be at most 3600000 (an hour), got {s.redis_timeout_ms:g}")
+    if s.redis_ttl > _C_INT_MAX:
+        raise SystemExit(f"--redis-ttl must be at most {_C_INT_MAX} s (68 years; 0: no expiry), got {s.redis_ttl}")
 
 
 def _check_redis_url(url: str, cluster: bool) -> None:

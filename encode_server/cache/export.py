@@ -39,7 +39,7 @@ from pathlib import Path
 from encode_server.core.types import Embedding
 from encode_server.core.wire import WireTensor, dump_safetensors
 
-__all__ = ["FILE_NAME", "TENSOR_NAME", "FileExporter"]
+__all__ = ["FILE_NAME", "TENSOR_NAME", "FileExporter", "check_directory"]
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,15 @@ FILE_NAME = "encoder_cache.safetensors"
 TENSOR_NAME = "ec_cache"
 _MARKER = "FINGERPRINT"
 _MAX_QUEUED = 256
+
+
+def check_directory(directory: str | os.PathLike[str]) -> None:
+    """Make ``directory`` (and its parents) if need be; ``OSError`` when it cannot be made or
+    written. Cheap, so the server checks it before it opens a port."""
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise PermissionError(f"{path} is not writable by this process")
 
 
 class FileExporter:

@@ -127,3 +127,10 @@ def test_an_unreachable_redis_is_said_in_the_start_up_line_and_the_server_serves
         assert "encode_server_redis_up 0.0" in httpx.get(server.url + "/metrics").text
     finally:
         assert server.stop() == 0, server.log()
+
+
+def test_an_export_dir_that_cannot_be_made_fails_before_any_port_opens(tmp_path: Path) -> None:
+    """Before: the ports opened, then ``model failed to load: [Errno 2] ...`` named the wrong culprit."""
+    (tmp_path / "file").write_text("")
+    code, output = run_server_to_exit("--export-dir", str(tmp_path / "file" / "under"))
+    assert_one_reason(code, output, "not started", "--export-dir")

@@ -147,12 +147,31 @@ def test_help_lists_every_redis_scheme_taken_unix_included() -> None:
         (["--device", "cuda:x"], "--device must be auto, cpu, cuda or cuda:N, got 'cuda:x'"),
         (["--port", "70000"], "--port must be a port number, got 70000"),
         (["--max-header-bytes", "0"], "--max-header-bytes must be positive, got 0"),
+        # Each of these passed the checks, then failed later: at every request, or when a door started.
+        (["--max-image-pixels", "0"], "--max-image-pixels must be positive, got 0"),
+        (["--max-inflight-mb", "nan"], "--max-inflight-mb must be a finite number, got nan"),
+        (["--request-timeout", "nan"], "--request-timeout must be a finite number, got nan"),
+        (["--cache-mb", "inf"], "--cache-mb must be a finite number, got inf"),
+        (["--model", ""], "--model must name a model: a hub id, a local directory, or builtin:tiny"),
+        (["--host", ""], "--host must be an address (0.0.0.0 or :: for every interface)"),
+        (["--export-dir", " "], "--export-dir must name a directory (unset it to export nothing)"),
+        (["--max-header-bytes", str(2**31)], f"--max-header-bytes must be at most {2**31 - 1} (gRPC's limit), got "
+         f"{2**31}"),
+        (["--max-request-bytes", str(2**31), "--max-inflight-mb", "0"], "--max-request-bytes must be at most "
+         f"{2**31 - 1 - 65536} (gRPC's message limit less its framing), got {2**31}"),
+        (["--redis-timeout-ms", "1e300"], "--redis-timeout-ms must be at most 3600000 (an hour), got 1e+300"),
+        (["--redis-ttl", str(2**40)], f"--redis-ttl must be at most {2**31 - 1} s (68 years; 0: no expiry), got "
+         f"{2**40}"),
     ],
 )
-def test_a_device_port_or_header_limit_that_cannot_work_is_refused_in_one_line(argv: list[str], message: str) -> None:
+def test_a_value_that_passed_the_checks_then_failed_later_is_refused_in_one_line(argv: list[str], message: str) -> None:
     with pytest.raises(SystemExit) as exited:
         settings_from(argv)
     assert str(exited.value.code) == message
+
+
+def test_an_empty_redis_url_is_unset_as_a_compose_files_default_gives_it() -> None:
+    assert settings_from([], {"ENCODE_SERVER_REDIS_URL": ""}).redis_url == ""
 
 
 def test_the_header_limit_is_64_kib_a_flag_and_a_variable() -> None:

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from encode_server.cache.export import FILE_NAME, FileExporter
+from encode_server.cache.export import FILE_NAME, FileExporter, check_directory
 from encode_server.config import settings_from
 from encode_server.core.types import Embedding, EncodedTensor
 
@@ -99,3 +99,16 @@ def test_settings_refuse_export_with_tenant_isolation(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="export-max-mb"):
         settings_from(["--export-dir", str(tmp_path), "--export-max-mb", "0"])
     assert settings_from(["--export-dir", str(tmp_path)]).export_max_bytes == 10240 * 1024 * 1024
+
+
+def test_the_export_directory_is_made_or_refused_before_a_port_opens(tmp_path: Path) -> None:
+    check_directory(tmp_path / "a" / "b")
+    assert (tmp_path / "a" / "b").is_dir()
+    (tmp_path / "file").write_text("")
+    with pytest.raises(OSError):
+        check_directory(tmp_path / "file" / "under")
+    if os.geteuid() != 0:  # root writes anywhere
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        with pytest.raises(PermissionError, match="not writable"):
+            check_directory(locked)

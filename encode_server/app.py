@@ -42,9 +42,8 @@ from encode_server.core.budget import ByteBudget
 from encode_server.core.errors import EncodeServerError
 from encode_server.core.stored import ValueSpec
 from encode_server.core.types import EncodedTensor
-from encode_server.encoders import check_local_model, load_encoder
+from encode_server.encoders import check_local_model, load_encoder, resolve_device
 from encode_server.encoders.base import PreparedItem, VisionEncoder
-from encode_server.encoders.hf import resolve_device
 from encode_server.encoders.threads import MAX_AUTO_WORKERS, CoreShare, forward_workers
 from encode_server.heap import GcPauses, freeze_startup_heap
 from encode_server.malloc import release_free_memory

@@ -193,7 +193,7 @@ class ProxyApp:
 
     # -- the stop: cut what is in flight ----------------------------------------------------------
 
-    def in_flight(self) -> tuple[int, int]:
+    def open_requests(self) -> tuple[int, int]:
         """The requests being answered now (the probes included), and how many of them stream."""
         live = [e for e in self._open if not e.complete]
         return len(live), sum(e.stream for e in live)

@@ -77,7 +77,7 @@ class ProxyServer(uvicorn.Server):
                      CUT_GRACE_S)
 
     async def _drain_then_exit(self, why: str) -> None:
-        requests, streams = self.proxy_app.in_flight()
+        requests, streams = self.proxy_app.open_requests()
         log.info(
             "%s: draining: waiting up to %g s (--drain-seconds) for %d request(s) in flight (%d streaming) to "
             "finish; /health answers 503 and new requests 503 unavailable_error meanwhile; a second SIGINT or "
@@ -85,9 +85,9 @@ class ProxyServer(uvicorn.Server):
         )
         started = time.monotonic()
         deadline = started + self.drain_seconds
-        while self.proxy_app.in_flight()[0] and time.monotonic() < deadline:
+        while self.proxy_app.open_requests()[0] and time.monotonic() < deadline:
             await asyncio.sleep(_POLL_S)
-        left, _ = self.proxy_app.in_flight()
+        left, _ = self.proxy_app.open_requests()
         if not left:
             log.info("drained in %.1f s; stopping", time.monotonic() - started)
             self.should_exit = True
@@ -96,11 +96,11 @@ class ProxyServer(uvicorn.Server):
             self._cut_then_exit(f"drain time ({self.drain_seconds:g} s, --drain-seconds) is up", "cutting"))
 
     async def _cut_then_exit(self, why: str, doing: str) -> None:
-        requests, streams = self.proxy_app.in_flight()
+        requests, streams = self.proxy_app.open_requests()
         log.warning("%s: %s %d request(s) in flight: %d stream(s) end with an error event and [DONE], the rest "
                     "answered 503 unavailable_error; stopping", why, doing, requests, streams)
         self.proxy_app.cut()
         deadline = time.monotonic() + CUT_GRACE_S
-        while self.proxy_app.in_flight()[0] and time.monotonic() < deadline:
+        while self.proxy_app.open_requests()[0] and time.monotonic() < deadline:
             await asyncio.sleep(_POLL_S)
         self.should_exit = True

@@ -13,10 +13,11 @@ Asynchronous (Starlette's ASGI primitives under uvicorn; ``pip install 'encode-c
 with keep-alive connection pools to vLLM and to encode-server. Several vLLM upstreams: each request
 goes to the one with the fewest outstanding requests (``_upstreams``); one that refuses a
 connection is skipped for a while and the request goes to the next. At most ``--max-concurrency``
-requests at once (past it 503 ``overloaded_error``), bounded bodies and timeouts, OpenAI-shaped
-errors. ``GET /health`` and ``GET /metrics`` are the proxy's own (``_proxy_metrics``). SIGTERM
-drains: no new connection is accepted, requests in flight (streams too) finish within
-``--drain-seconds``.
+requests at once (past it 503 ``overloaded_error``), bounded heads (``--max-header-bytes``, 431),
+bodies and timeouts, OpenAI-shaped errors. ``GET /health`` and ``GET /metrics`` are the proxy's own
+(``_proxy_metrics``). The first SIGTERM or SIGINT drains (``/health`` answers 503, new requests
+503, requests in flight have ``--drain-seconds`` to finish); the second cuts what is left, each
+stream ending with an error event and ``data: [DONE]`` (``_proxy_stop``).
 
 A request vLLM failed before answering (its EC connector found the embedding neither in Redis nor
 at encode-server: vLLM's generic 500, or the same error as a stream's first event,
@@ -33,7 +34,8 @@ caller's ``Authorization`` never reaches vLLM (``--vllm-api-key`` is sent there 
 The pieces, one module each: ``_proxy_app`` (the ASGI app: admission, then the rewrite and the
 forward), ``_proxy_rewrite`` (a body as vLLM gets it), ``_proxy_forward`` (failover across
 upstreams; the first SSE event read apart from it), ``_proxy_errors`` (every answer the proxy gives
-itself, and what each exception becomes), ``proxy_cli`` (the command line and ``EPDProxy``).
+itself, and what each exception becomes), ``_proxy_head`` (the cap on request heads),
+``_proxy_stop`` (the drain and the cut), ``proxy_cli`` (the command line and ``EPDProxy``).
 """
 
 

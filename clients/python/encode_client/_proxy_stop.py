@@ -68,10 +68,10 @@ class ProxyServer(uvicorn.Server):
     def _on_stop(self, why: str, nth: int) -> None:
         if nth == 1:
             self._drain = asyncio.ensure_future(self._drain_then_exit(why))
-        elif nth == 2:
+        elif nth == 2 and self._cut is None:  # not already cut by the drain's time running out
             if self._drain is not None:
                 self._drain.cancel()
-            self._cut = asyncio.ensure_future(self._cut_then_exit(f"{why} again", "cutting"))
+            self._cut = asyncio.ensure_future(self._cut_then_exit(f"{why} again"))
         else:
             log.info("%s: already stopping (what was in flight is cut; the stop takes at most %g s more)", why,
                      CUT_GRACE_S)
@@ -93,12 +93,12 @@ class ProxyServer(uvicorn.Server):
             self.should_exit = True
             return
         self._cut = asyncio.ensure_future(
-            self._cut_then_exit(f"drain time ({self.drain_seconds:g} s, --drain-seconds) is up", "cutting"))
+            self._cut_then_exit(f"drain time ({self.drain_seconds:g} s, --drain-seconds) is up"))
 
-    async def _cut_then_exit(self, why: str, doing: str) -> None:
+    async def _cut_then_exit(self, why: str) -> None:
         requests, streams = self.proxy_app.open_requests()
-        log.warning("%s: %s %d request(s) in flight: %d stream(s) end with an error event and [DONE], the rest "
-                    "answered 503 unavailable_error; stopping", why, doing, requests, streams)
+        log.warning("%s: cutting %d request(s) in flight: %d stream(s) end with an error event and [DONE], the rest "
+                    "answered 503 unavailable_error; stopping", why, requests, streams)
         self.proxy_app.cut()
         deadline = time.monotonic() + CUT_GRACE_S
         while self.proxy_app.open_requests()[0] and time.monotonic() < deadline:

@@ -90,6 +90,25 @@ SKIP: dict[tuple[str, str], str] = {
      "--host 0.0.0.0"):
         "a Qwen3-Omni stack on a real model directory and named hosts, run until stopped; tests/vllm/"
         "test_qwen3_omni.py and test_proxy_families.py run it on a tiny one",
+    ("README.md", "make demo-epd   # the whole EPD stack on this CPU machine; prints the proxy's URL and a chat to "
+     "send it"):
+        "needs vLLM's environment and runs until Ctrl-C; tests/vllm/test_demo_epd.py runs it (the target's module) "
+        "and its printed curl and snippet",
+    ("docs/vllm.md", "encode-epd-proxy --listen 0.0.0.0:8080 --vllm http://prefill:8000 --encoder "
+     "http://encode-server:8000"):
+        "a proxy in front of step 1's and 2's hosts (prefill, encode-server), run until stopped",
+    ("docs/vllm.md", "make checkpoint DIR=/tmp/tiny-qwen"):
+        "the CPU-host stack, whose vLLM needs vLLM's environment: tests/vllm/test_doc_blocks_cpu.py runs its "
+        "four blocks as written",
+    ("docs/vllm.md", "VLLM_CPU_KVCACHE_SPACE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 OMP_WAIT_POLICY=PASSIVE "
+     "PYTHONPATH=$PWD/clients/python \\"):
+        "vLLM's OpenAI server from make vllm-env's environment: tests/vllm/test_doc_blocks_cpu.py runs it",
+    ("docs/vllm.md", ".venv/bin/encode-epd-proxy --listen 127.0.0.1:8080 --vllm http://127.0.0.1:8100 --encoder "
+     "http://127.0.0.1:8000"):
+        "the CPU-host stack's proxy, in front of its vLLM: tests/vllm/test_doc_blocks_cpu.py runs it",
+    ("docs/vllm.md", "{ printf '{\"model\": \"tiny\", \"max_tokens\": 16, \"messages\": [{\"role\": \"user\", "
+     "\"content\": ['"):
+        "a chat through the CPU-host stack's proxy: tests/vllm/test_doc_blocks_cpu.py sends it",
     ("docs/vllm.md",
      "encode-epd-proxy --listen 0.0.0.0:8080 --vllm http://prefill-a:8000 --vllm http://prefill-b:8000 \\"):
         "proxies in front of vLLMs and encode-servers on named hosts, run until stopped; tests/vllm runs the "

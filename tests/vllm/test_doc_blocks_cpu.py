@@ -4,8 +4,7 @@ the documented flags and variables, ``encode-epd-proxy``, and the ``curl`` of a 
 which gets a chat answer. Only the addresses change: the documented ports (8000, 8100, 8080), the
 checkpoint's directory and the Redis URL become this run's own (a free port each, a temporary
 directory, a ``redis-server`` of the test's), so that the run shares nothing with the machine.
-``tests/docs/test_doc_blocks.py`` checks that every block of the page is run here or skipped with
-a reason.
+``tests/integration/test_doc_blocks.py`` skips these four blocks, naming this module.
 """
 
 from __future__ import annotations

@@ -187,11 +187,14 @@ def measure(encoder: Any, batch: list[Any], *, rounds: int = 3, budget_s: float 
 def on_meta(encoder: Any, dtype: torch.dtype = torch.bfloat16) -> Any:
     """``encoder`` moved to the meta device in ``dtype``: its forward runs the GPU path's control
     flow (the ``varlen_attn`` kernel's, in half precision) without computing, so that path's ops,
-    attention calls and syncs can be counted here. Its rows come back as zeros. Tensors the adapter
-    holds beside its module (Kimi-K2.5's normalisation) go too: loading puts them on the device."""
+    attention calls and syncs can be counted here. Its rows come back as zeros. Tensors and towers
+    the adapter holds beside its module (Kimi-K2.5's normalisation, the Omni thinkers' audio tower)
+    go too: loading puts them on the device."""
     encoder.module.to(device="meta", dtype=dtype)
     for name, value in list(vars(encoder).items()):
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, torch.nn.Module):
+            value.to(device="meta", dtype=dtype)
+        elif isinstance(value, torch.Tensor):
             setattr(encoder, name, value.to("meta", dtype if value.is_floating_point() else value.dtype))
     encoder.device, encoder.dtype = torch.device("meta"), dtype
     encoder._to_host = lambda t: torch.zeros(t.shape, dtype=t.dtype)

@@ -50,6 +50,7 @@ from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
 from encode_server.core.errors import EncodeServerError
 from encode_server.core.types import AudioInfo, VideoInfo
 
+from .audio_chunks import ChunkPlan
 from .base import AudioPlan, EncodedTensor, PreparedItem, VideoPlan
 from .family import Epd, Family
 from .hf import LoadSpec, architecture, to_encoded
@@ -58,6 +59,7 @@ from .qwen import OUTPUTS, VIDEO_DEFAULTS, QwenVisionEncoder, as_patch_linear, a
 from .qwen2_audio import num_audio_tokens
 from .qwen_video import video_grid
 from .resample import check_resamplable, resample
+from .varlen import segments, use_varlen
 
 __all__ = ["FAMILY", "VIDEO_CALL_SIZE", "OmniTowers", "Qwen2_5OmniEncoder", "attach_call_video", "load_qwen2_5_omni"]
 
@@ -97,6 +99,9 @@ class Qwen2_5OmniEncoder(QwenVisionEncoder):
         self.hop_length = int(extractor.hop_length)
         self.window = int(extractor.n_samples)  # 30 s at 16 kHz: what the extractor pads to
         self.n_mels = int(extractor.feature_size)
+        self.audio_plan = ChunkPlan(self.audio_tower)
+        if self.audio_plan.supported:
+            use_varlen(self.audio_tower)
         audio = {"feature_extractor": extractor.to_dict()}
         self.info = replace(
             self.info, num_parameters=sum(p.numel() for p in towers.parameters()),
@@ -182,17 +187,28 @@ class Qwen2_5OmniEncoder(QwenVisionEncoder):
                 out[i] = result
         return [result for result in out if result is not None]
 
+    def audio_rows(self, frames: int) -> int:
+        """The audio tower's rows for an item of ``frames`` log-mel frames."""
+        return num_audio_tokens(frames)
+
     def _forward_audio(self, batch: Sequence[PreparedItem]) -> list[EncodedTensor]:
-        """vLLM's ``_process_audio_input``: the items' heard frames side by side on the time axis,
-        their lengths, the tower's rows split back by each item's count."""
-        features = torch.cat([item.inputs["input_features"] for item in batch], dim=-1)
-        features = features.to(self.device, dtype=self.dtype)
-        lengths = torch.tensor([int(item.meta["audio_feature_lengths"][0]) for item in batch], device=self.device)
-        after_cnn, counts = self.audio_tower._get_feat_extract_output_lengths(lengths)
-        with torch.inference_mode():
-            rows = self.audio_tower(features, feature_lens=lengths, aftercnn_lens=after_cnn).last_hidden_state
+        """vLLM's ``_process_audio_input``: the items' heard frames in one pass of the tower, its rows
+        split back by each item's count. The pass's layout (the padded chunks, their rows, the
+        attention's segments) is made on the host from the frame counts (``audio_chunks.py``), so
+        the pass asks the device for nothing."""
+        features = [item.inputs["input_features"] for item in batch]
+        plan = self.audio_plan.inputs(features, self.device, self.dtype)
+        keywords = plan.kwargs if self.audio_plan.supported else self._own_audio_inputs(plan.kwargs)
+        with torch.inference_mode(), segments(plan.layouts):
+            rows = self.audio_tower(**keywords).last_hidden_state
         host = self._to_host(rows)
-        return [to_encoded(part) for part in torch.split(host, counts.tolist())]
+        return [to_encoded(part) for part in torch.split(host, [self.audio_rows(f.shape[-1]) for f in features])]
+
+    def _own_audio_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        """For a tower that makes its own layout (a transformers without precomputed audio inputs):
+        the lengths after its convolutions beside the frame counts, as vLLM passes them."""
+        after_cnn, _ = self.audio_tower._get_feat_extract_output_lengths(inputs["feature_lens"])
+        return {**inputs, "aftercnn_lens": after_cnn}
 
 
 def load_qwen2_5_omni(files: CheckpointFiles, config: PretrainedConfig, processor: Any,

@@ -34,12 +34,10 @@ item and an audio item of the same bytes, interleaved by vLLM (``Epd.audio_in_vi
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
 import numpy as np
-import torch
 from transformers import PretrainedConfig, WhisperFeatureExtractor
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
     Qwen3OmniMoeAudioEncoder,
@@ -48,9 +46,9 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
 
 from encode_server.core.types import AudioInfo, VideoInfo
 
-from .base import AudioPlan, EncodedTensor, PreparedItem, VideoPlan
+from .base import AudioPlan, PreparedItem, VideoPlan
 from .family import Epd, Family
-from .hf import LoadSpec, to_encoded
+from .hf import LoadSpec
 from .loading import CheckpointFiles, Layout, empty_module, load_vision_weights
 from .qwen import OUTPUTS, video_frame_size
 from .qwen2_5_omni import OmniTowers, Qwen2_5OmniEncoder, attach_call_video
@@ -82,6 +80,7 @@ class Qwen3OmniEncoder(Qwen2_5OmniEncoder):
 
     output_width = staticmethod(Qwen3VisionEncoder.output_width)
     features = Qwen3VisionEncoder.features
+    audio_rows = staticmethod(audio_rows)
 
     def __init__(self, towers: OmniTowers, processor: Any, extractor: WhisperFeatureExtractor, spec: LoadSpec,
                  *, digest: str) -> None:
@@ -138,16 +137,9 @@ class Qwen3OmniEncoder(Qwen2_5OmniEncoder):
             return audio_rows(int(meta["audio_feature_lengths"][0]))
         return super().cost_of(num_tokens, meta)
 
-    def _forward_audio(self, batch: Sequence[PreparedItem]) -> list[EncodedTensor]:
-        """vLLM's ``_process_audio_input``: the items' frames side by side on the time axis, their
-        lengths, the tower's rows split back by each item's count."""
-        features = torch.cat([item.inputs["input_features"] for item in batch], dim=-1)
-        features = features.to(self.device, dtype=self.dtype)
-        frames = [int(item.meta["audio_feature_lengths"][0]) for item in batch]
-        with torch.inference_mode():
-            rows = self.audio_tower(features, feature_lens=torch.tensor(frames, device=self.device)).last_hidden_state
-        host = self._to_host(rows)
-        return [to_encoded(part) for part in torch.split(host, [audio_rows(n) for n in frames])]
+    def _own_audio_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        """Qwen3-Omni's tower takes the frame counts alone."""
+        return inputs
 
 
 def load_qwen3_omni(files: CheckpointFiles, config: PretrainedConfig, processor: Any,

@@ -21,6 +21,9 @@ from __future__ import annotations
 import argparse
 import base64
 import contextlib
+import functools
+import hashlib
+import inspect
 import io
 import json
 import os
@@ -92,34 +95,35 @@ def _redis_answers(url: str) -> bool:
 
 
 @contextlib.contextmanager
-def _redis(url: str | None, own: bool, workdir: Path) -> Iterator[tuple[str, bool]]:
+def _redis(url: str | None, own: bool) -> Iterator[tuple[str, bool]]:
     """(the Redis URL, whether it is this demo's own): ``url`` when given, the local one when it
     answers (unless ``own``), else a ``redis-server`` started here and killed on exit."""
-    from tests.redis_procs import start_redis
+    from tests.redis_procs import require_redis_binaries, start_redis
 
     if url is not None or (not own and _redis_answers(LOCAL_REDIS)):
         yield url or LOCAL_REDIS, False
         return
     try:
-        redis_cm = start_redis()
-        server = redis_cm.__enter__()
+        require_redis_binaries()
     except RuntimeError as exc:
-        raise SystemExit(f"no Redis answers on 127.0.0.1:6379 and none could be started: {exc}; "
-                         "or pass --redis-url redis://HOST:PORT/0") from exc
-    try:
+        raise SystemExit(f"no Redis answers on 127.0.0.1:6379 and none can be started here: {exc} "
+                         "(or brew install redis), or pass --redis-url redis://HOST:PORT/0") from exc
+    with start_redis() as server:
         yield server.url, True
-    finally:
-        redis_cm.__exit__(None, None, None)
 
 
 def _checkpoint(workdir: Path) -> Path:
-    """The default tiny checkpoint of ``make checkpoint``, built once into ``workdir``."""
+    """The default tiny checkpoint of ``make checkpoint``, built once into ``workdir`` (again when
+    its builder's module changes)."""
     from scripts.tiny_checkpoint import DEFAULT, builders
 
-    path = workdir / f"checkpoint-{DEFAULT}"
+    build = builders()[DEFAULT][0]
+    func = build.func if isinstance(build, functools.partial) else build
+    key = hashlib.sha256(Path(inspect.getfile(func)).read_bytes()).hexdigest()[:12]
+    path = workdir / f"checkpoint-{DEFAULT}-{key}"
     if not (path / ".complete").exists():
         _say(f"building the tiny {DEFAULT} checkpoint (Qwen2.5-VL, random weights) in {path}")
-        builders()[DEFAULT][0](path)
+        build(path)
         (path / ".complete").touch()
     return path
 
@@ -207,7 +211,7 @@ def _serve(args: argparse.Namespace, stack: contextlib.ExitStack) -> None:
             raise SystemExit(f"port {port} is taken; pick another with --port (0: any)")
         port = free_port()
     model = _checkpoint(workdir)
-    redis_url, own = stack.enter_context(_redis(args.redis_url, args.own_redis, workdir))
+    redis_url, own = stack.enter_context(_redis(args.redis_url, args.own_redis))
     if not own:  # someone else's Redis: leave it as it was
         stack.callback(lambda: delete_prefix(redis.Redis.from_url(redis_url), PREFIX))
     _say(f"Redis: {redis_url} ({'started here' if own else 'already running'})")
@@ -236,9 +240,14 @@ def _serve(args: argparse.Namespace, stack: contextlib.ExitStack) -> None:
         for name, proc in members.items():
             if proc.poll() is not None:
                 raise SystemExit(f"{name} exited with {proc.returncode}; see {logs}; stopping the rest")
-        with contextlib.suppress(httpx.TransportError):
-            if httpx.get(vllm["url"] + "/health", timeout=5).status_code != 200:
-                raise SystemExit(f"vLLM's OpenAI server is unhealthy; see {logs}; stopping the rest")
+        try:
+            healthy = httpx.get(vllm["url"] + "/health", timeout=5).status_code == 200
+        except httpx.ConnectError:
+            healthy = False
+        except httpx.TransportError:  # slow to answer while it works: not a failure
+            healthy = True
+        if not healthy:
+            raise SystemExit(f"vLLM's OpenAI server stopped answering; see {logs}; stopping the rest")
 
 
 def main(argv: list[str] | None = None) -> int:

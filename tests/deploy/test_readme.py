@@ -56,5 +56,5 @@ def test_make_serve_says_and_moves_both_ports() -> None:
     assert by_env.endswith("--port 8003 --grpc-port 0")
     for needle in ("gRPC on 0.0.0.0:50051", "make serve PORT=8001 GRPC_PORT=50052", "`GRPC_PORT=0`: no gRPC",
                    "ENCODE_SERVER_GRPC_PORT", "are in `.venv/bin`", ".venv/bin/encode-client",
-                   "with the venv's blake3: .venv/bin/python -c \"import blake3"):
+                   "with what make serve installed: H=$(.venv/bin/encode-client hash cat.png"):
         assert needle in README, needle

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import fcntl
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -58,5 +59,6 @@ def test_make_dist_builds_both_wheels_and_the_documented_lines_install_them(tmp_
         fcntl.flock(lock, fcntl.LOCK_EX)
         for line in ('"$(ls dist/encode_client-*.whl)[vllm]"', "dist/encode_server-*.whl", "'./clients/python[vllm]'"):
             subprocess.run(["bash", "-c", f"{pip} --upgrade {line}"], cwd=ROOT, check=True, timeout=300)
+        shutil.rmtree(ROOT / "clients" / "python" / "build", ignore_errors=True)  # the clone's build, as make dist
     assert (tmp_path / "t" / "encode_client" / "vllm_connector.py").exists()
     assert (tmp_path / "t" / "encode_server" / "__main__.py").exists()

@@ -29,7 +29,6 @@ import json
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -128,15 +127,6 @@ def _checkpoint(workdir: Path) -> Path:
     return path
 
 
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 @contextlib.contextmanager
 def _proxy(port: int, vllm_url: str, encoder_url: str, logs: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     """``encode-epd-proxy`` from the project's environment, in a session of its own, stopped by
@@ -199,14 +189,14 @@ def _serve(args: argparse.Namespace, stack: contextlib.ExitStack) -> None:
     import redis
 
     from tests.redis_procs import delete_prefix
-    from tests.server import free_port, start_server
+    from tests.server import free_port, port_free, start_server
     from tests.vllm.epd_stack import vllm_openai_server
 
     workdir: Path = args.workdir
     logs = workdir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     port = args.port or free_port()
-    if not _free(port):
+    if not port_free(port):
         if args.port != 8080:
             raise SystemExit(f"port {port} is taken; pick another with --port (0: any)")
         port = free_port()

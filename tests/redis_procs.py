@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import redis
 
-from tests.server import free_port
+from tests.server import free_port, port_free
 
 __all__ = [
     "RedisProcess",
@@ -39,20 +38,11 @@ def require_redis_binaries() -> None:
         raise RuntimeError(f"{', '.join(missing)} not found; install it: apt-get install -y redis-server")
 
 
-def _port_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
-
-
 def free_cluster_port(taken: set[int]) -> int:
     """A free port P below 55535 whose cluster bus port P + 10000 is free too."""
     for _ in range(200):
         port = free_port()  # this lane's range
-        if port < 55535 and port not in taken and _port_free(port + 10000):
+        if port < 55535 and port not in taken and port_free(port + 10000):
             return port
     raise RuntimeError("no free port pair for a cluster node")
 

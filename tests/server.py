@@ -29,7 +29,8 @@ import httpx
 from tests import startups
 from tests.forkserver import ForkedProcess, import_environment
 
-__all__ = ["ServerProcess", "fork_servers", "free_port", "run_server_to_exit", "start_module", "start_server"]
+__all__ = ["ServerProcess", "fork_servers", "free_port", "port_free", "run_server_to_exit", "start_module",
+           "start_server"]
 
 
 # `make test` runs two lanes side by side (the server's suite and the vLLM suite, Makefile): each
@@ -52,16 +53,21 @@ def free_port() -> int:
             return int(s.getsockname()[1])
     for _ in range(1000):
         port = _pick.choice(ports)
-        if port in _handed:
+        if port in _handed or not port_free(port):
             continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
         _handed.append(port)
         return port
     raise RuntimeError(f"no free port in {ports}")
+
+
+def port_free(port: int) -> bool:
+    """Whether ``port`` on 127.0.0.1 can be bound now."""
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 @dataclass

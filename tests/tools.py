@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import shutil
+import time
+from collections.abc import Callable
 
 import pytest
 
-__all__ = ["INSTALL_HINT", "require_tool"]
+__all__ = ["INSTALL_HINT", "require_tool", "wait_until"]
 
 INSTALL_HINT = {
     "promtool": "apt-get install -y prometheus",
@@ -22,3 +24,12 @@ def require_tool(name: str) -> str:
     if path is None:
         pytest.fail(f"{name} is not installed; run `make test` (it installs it) or: {INSTALL_HINT[name]}")
     return path
+
+
+def wait_until(condition: Callable[[], object], what: str, seconds: float = 20.0) -> None:
+    """Poll ``condition`` every 10 ms until it holds; an AssertionError naming ``what`` after ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {seconds} s: {what}")
+        time.sleep(0.01)

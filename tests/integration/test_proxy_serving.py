@@ -30,19 +30,12 @@ from tests.images import image_bytes
 from tests.proxy_upstream import StubVllm
 from tests.redis_procs import delete_prefix
 from tests.server import ServerProcess, free_port, start_server
+from tests.tools import wait_until
 
 pytestmark = pytest.mark.integration
 
 NOWHERE = f"http://127.0.0.1:{free_port()}"
 PREFIX = f"test-proxy-serving-{os.getpid()}"
-
-
-def _wait(condition: Any, what: str, seconds: float = 20.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {seconds} s: {what}")
-        time.sleep(0.01)
 
 
 class _Running:
@@ -52,7 +45,7 @@ class _Running:
 
     def __enter__(self) -> EPDProxy:
         self.thread.start()
-        _wait(lambda: self.proxy._server.started, "the proxy started")
+        wait_until(lambda: self.proxy._server.started, "the proxy started")
         return self.proxy
 
     def __exit__(self, *exc: object) -> None:
@@ -88,11 +81,11 @@ def test_requests_go_to_the_upstream_with_the_fewest_outstanding() -> None:
     request than the other, and the next request goes to the other."""
     with StubVllm("a") as a, StubVllm("b") as b, running([a.url, b.url]) as proxy, ThreadPoolExecutor(8) as pool:
         held = [pool.submit(post, proxy.url, text_chat(hold=True)) for _ in range(4)]
-        _wait(lambda: a.active + b.active == 4, "four requests held")
+        wait_until(lambda: a.active + b.active == 4, "four requests held")
         assert (a.active, b.active) == (2, 2)
         assert metric(proxy, "encode_epd_proxy_upstream_outstanding", upstream=a.url) == 2
         a.release()  # the stubs share nothing: a answers its two, b still holds its two
-        _wait(lambda: a.active == 0 and a.served == 2, "a's requests answered")
+        wait_until(lambda: a.active == 0 and a.served == 2, "a's requests answered")
         one = pool.submit(post, proxy.url, text_chat())
         assert one.result().status_code == 200
         assert (len(a.bodies), len(b.bodies)) == (3, 2), "the next request went to a, which had none outstanding"
@@ -203,7 +196,7 @@ def test_concurrency_bodies_and_timeouts_are_bounded() -> None:
     with StubVllm() as stub, running([stub.url], max_concurrency=2, max_body_bytes=4096, timeout=3) as proxy:
         with ThreadPoolExecutor(2) as pool:
             held = [pool.submit(post, proxy.url, text_chat(hold=True)) for _ in range(2)]
-            _wait(lambda: stub.active == 2, "two requests held")
+            wait_until(lambda: stub.active == 2, "two requests held")
             over = post(proxy.url, text_chat())
             assert over.status_code == 503 and over.json()["error"]["type"] == "overloaded_error"
             assert over.headers["retry-after"] == "1"

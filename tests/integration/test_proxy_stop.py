@@ -29,19 +29,12 @@ from encode_client.proxy import EPDProxy
 
 from tests.proxy_upstream import StubVllm
 from tests.server import free_port
+from tests.tools import wait_until
 
 pytestmark = pytest.mark.integration
 
 NOWHERE = f"http://127.0.0.1:{free_port()}"
 CHAT = "/v1/chat/completions"
-
-
-def _wait(condition: Any, what: str, seconds: float = 20.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {seconds} s: {what}")
-        time.sleep(0.01)
 
 
 def text_chat(**extra: Any) -> dict[str, Any]:
@@ -103,7 +96,7 @@ def command(stub: StubVllm, tmp_path: Path, *flags: str) -> Iterator[Command]:
             except httpx.TransportError:
                 return False
 
-        _wait(up, "the proxy answered /health")
+        wait_until(up, "the proxy answered /health")
         yield running
     finally:
         stub.release()
@@ -122,9 +115,9 @@ def test_the_first_signal_drains_with_health_503_and_says_so(tmp_path: Path, sig
         big = httpx.get(proxy.url + "/v1/models", headers={"X-Big": "a" * 20_000}, timeout=10)
         assert big.status_code == 431 and "16384 bytes" in big.json()["error"]["message"], "the flag reaches the app"
         stream = Stream(proxy.url)
-        _wait(lambda: stub.streams_held == 1, "the stream is in flight")
+        wait_until(lambda: stub.streams_held == 1, "the stream is in flight")
         proxy.proc.send_signal(sig)
-        _wait(lambda: "draining" in proxy.log, "the drain is logged")
+        wait_until(lambda: "draining" in proxy.log, "the drain is logged")
         health = httpx.get(proxy.url + "/health", timeout=5)
         assert health.status_code == 503, health.text
         assert health.json()["error"]["type"] == "unavailable_error" and health.headers["retry-after"] == "1"
@@ -152,14 +145,14 @@ def test_a_second_signal_cuts_every_stream_with_an_error_event_and_done(
     and the process exits 0 at once, not after ``--drain-seconds``."""
     with StubVllm(tokens=3) as stub, command(stub, tmp_path, "--drain-seconds", "60") as proxy:
         streams = [Stream(proxy.url), Stream(proxy.url)]
-        _wait(lambda: stub.streams_held == 2, "two streams in flight")
+        wait_until(lambda: stub.streams_held == 2, "two streams in flight")
         waiting: list[httpx.Response] = []
         held = threading.Thread(target=lambda: waiting.append(
             httpx.post(proxy.url + CHAT, json=text_chat(hold=True), timeout=30)), daemon=True)
         held.start()
-        _wait(lambda: stub.active == 1, "a chat held before its answer (a stream is not counted active)")
+        wait_until(lambda: stub.active == 1, "a chat held before its answer (a stream is not counted active)")
         proxy.proc.send_signal(sigs[0])
-        _wait(lambda: "draining" in proxy.log, "the drain is logged")
+        wait_until(lambda: "draining" in proxy.log, "the drain is logged")
         started = time.monotonic()
         proxy.proc.send_signal(sigs[1])
         for stream in streams:
@@ -188,10 +181,10 @@ def test_the_drain_time_up_cuts_what_is_left() -> None:
         proxy = EPDProxy(("127.0.0.1", 0), [stub.url], [NOWHERE], drain_seconds=0.5)
         thread = threading.Thread(target=proxy.serve_forever, daemon=True)
         thread.start()
-        _wait(lambda: proxy._server.started, "the proxy started")
+        wait_until(lambda: proxy._server.started, "the proxy started")
         try:
             stream = Stream(proxy.url)
-            _wait(lambda: stub.streams_held == 1, "the stream is in flight")
+            wait_until(lambda: stub.streams_held == 1, "the stream is in flight")
             started = time.monotonic()
             proxy.shutdown()
             assert 0.4 < time.monotonic() - started < 10
@@ -224,7 +217,7 @@ def test_a_head_over_the_cap_is_a_431_naming_the_flag_and_closed(limit: int | No
         proxy = EPDProxy(("127.0.0.1", 0), [stub.url], [NOWHERE], **options)
         thread = threading.Thread(target=proxy.serve_forever, daemon=True)
         thread.start()
-        _wait(lambda: proxy._server.started, "the proxy started")
+        wait_until(lambda: proxy._server.started, "the proxy started")
         try:
             answer = _raw_get(proxy.url, size)  # read until the proxy closes the connection: it does
             head, _, body = answer.partition(b"\r\n\r\n")

@@ -244,6 +244,38 @@ def _module_call(encoder: Any, inputs: dict[str, Any]) -> Callable[[], Any]:
     return lambda: encoder._embed(inputs["pixel_values"])
 
 
+def graphs(model: Path, device: str, dtype: str, images: Sequence[bytes], reps: int) -> dict[str, Any]:
+    """A Qwen-style tower's ``forward`` eager and replayed from CUDA graphs (``--cuda-graphs``' default
+    budgets), on one preprocessed batch of 16 and on a batch of one: median ms and the speedup."""
+    from encode_server.encoders import load_encoder
+
+    eager: Any = load_encoder(str(model), device=device, dtype=dtype)
+    graphed: Any = load_encoder(str(model), device=device, dtype=dtype, cuda_graph_tokens=16384)
+    line = graphed.capture_graphs()
+    if graphed.graphs is None:
+        return {"cuda_graphs": line or f"not used on {device} in {dtype}"}
+    batch = [eager.prepare(d, max_pixels=MAX_PIXELS) for d in images]
+
+    def median_s(encoder: Any, items: list[Any]) -> float:
+        encoder.forward(items)
+        times = []
+        for _ in range(max(3, reps)):
+            _sync(device)
+            started = time.perf_counter()
+            encoder.forward(items)
+            _sync(device)
+            times.append(time.perf_counter() - started)
+        return statistics.median(times)
+
+    out: dict[str, Any] = {"cuda_graphs": line}
+    for label, items in (("batch16", batch), ("batch1", batch[:1])):
+        plain, replayed = median_s(eager, items), median_s(graphed, items)
+        out[f"{label}_eager_ms"], out[f"{label}_graphs_ms"] = plain * 1e3, replayed * 1e3
+        out[f"{label}_graphs_speedup"] = plain / replayed
+    out["replays"], out["eager_packs"] = graphed.graphs.replays, graphed.graphs.eager
+    return out
+
+
 def parity(gpu_pre: BarePipeline, cpu_pre: BarePipeline, images: Sequence[bytes]) -> dict[str, float]:
     """The device path's embeddings against the CPU-preprocessing path's (same model, dtype, device)."""
     import torch
@@ -278,6 +310,13 @@ def tower(name: str, model: Path, sizes: Sizes, device: str, dtype: str, log_dir
     out.update(forward_only(gpu_pre, photos(seed + 80_000, CONCURRENCY), sizes.forward_reps, device))
     out["parity"] = parity(gpu_pre, cpu_pre, photos(seed + 70_000, sizes.parity_images))
     log(f"{name}: forward-only and parity done")
+    if hasattr(gpu_pre.encoder, "grid_plan"):  # a Qwen-style tower: with and without CUDA graphs
+        try:
+            out["graphs"] = graphs(model, device, dtype, photos(seed + 60_000, CONCURRENCY), sizes.forward_reps)
+        except Exception as exc:  # the other figures still count
+            traceback.print_exc()
+            out["graphs"] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+        log(f"{name}: CUDA graphs {out['graphs']}")
     rounds = max(1, sizes.images // 64)
     per_round = sizes.images // rounds
     common = ["--model", str(model), "--device", device, "--dtype", dtype]
@@ -419,13 +458,19 @@ GOALS: dict[str, tuple[str, Callable[[float], bool]]] = {
 SIGLIP_GOALS: dict[str, tuple[str, Callable[[float], bool]]] = {
     "s1_vs_forward_only": (">= 0.8", lambda v: v >= 0.8),
 }
+# The tower's own goals (one attention call per layer, no sync, CUDA graphs), on an H200.
+QWEN_GOALS: dict[str, tuple[str, Callable[[float], bool]]] = {
+    "forward_only_images_per_s": (">= 120", lambda v: v >= 120),
+    "graphs.batch1_graphs_speedup": (">= 1.1", lambda v: v >= 1.1),
+}
 ROWS = (
     "forward_only_images_per_s", "forward_d2h_images_per_s", "bare_images_per_s", "bare_cpu_pre_images_per_s",
     "server_images_per_s", "server_cpu_pre_images_per_s", "s1_ratio", "s1_vs_forward_only",
     "gpu_over_cpu_preprocessing.server", "gpu_over_cpu_preprocessing.bare", "bare_batch1_ms", "server_raw_p50_ms",
     "server_json_p50_ms", "s1_overhead_ms.raw", "s1_overhead_ms.json", "gpu_busy_share.nvidia_smi",
     "gpu_busy_share.forward_thread", "server_peak_gpu_memory_mb", "bare_peak_allocated_mb",
-    "parity.embedding_rel_l2_max", "parity.cosine_min",
+    "parity.embedding_rel_l2_max", "parity.cosine_min", "forward_counts.attention_calls", "forward_counts.syncs",
+    "graphs.batch16_graphs_speedup", "graphs.batch1_graphs_speedup",
 )
 
 
@@ -445,12 +490,15 @@ def table(result: dict[str, Any]) -> str:
         cells = []
         for name in names:
             value = _get(result["towers"][name], row)
-            goal = GOALS.get(row) or (SIGLIP_GOALS.get(row) if name.startswith("siglip") else None)
+            goal = (GOALS.get(row) or (SIGLIP_GOALS.get(row) if name.startswith("siglip") else None)
+                    or (QWEN_GOALS.get(row) if name.startswith("qwen") else None))
             met = "" if goal is None or value is None else (" (met)" if goal[1](value) else " (not met)")
             cells.append("-" if value is None else f"{value:.3g}{met}")
         goal_text = GOALS[row][0] if row in GOALS else ""
         if row in SIGLIP_GOALS:
             goal_text = f"{SIGLIP_GOALS[row][0]} (SigLIP)"
+        if row in QWEN_GOALS:
+            goal_text = f"{QWEN_GOALS[row][0]} (Qwen)"
         lines.append(f"| {row} | {' | '.join(cells)} | {goal_text} |")
     for key, goal_text in (("s2_ratio_safetensors", ">= 0.8"), ("s2_ratio_json", "")):
         if key in result:

@@ -104,6 +104,7 @@ class EncodeServer:
         except StartFailed as exc:
             log.error("not started: %s", exc)
             return 1
+        self._say_auth()
         http = asyncio.create_task(self.http.serve([http_socket]), name="http")
         # Threads are made as passes need them: --forward-workers (found at load) bounds how many.
         forward = ThreadPoolExecutor(max(self.settings.forward_workers, MAX_AUTO_WORKERS), thread_name_prefix="forward")
@@ -141,6 +142,16 @@ class EncodeServer:
         self.http.request_drain()
 
     # -- steps -------------------------------------------------------------------------------------
+
+    def _say_auth(self) -> None:
+        """Who may call /v1/*, said once the doors are open (a refused start says only why)."""
+        keys, isolation = self.runtime.keys, self.settings.tenant_isolation
+        if keys is None:
+            log.info("no API keys configured: /v1/* is open")
+            if isolation:
+                log.warning("--tenant-isolation without API keys: every request is in the default tenant")
+        else:
+            log.info("%d API key(s), tenant isolation %s", len(keys), "on" if isolation else "off")
 
     async def _open_doors(self) -> tuple[socket.socket, grpc.aio.Server | None]:
         """``--model`` checked (when it is a path), then the HTTP socket bound and listening, then

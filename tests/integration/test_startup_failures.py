@@ -108,6 +108,7 @@ def test_cuda_on_a_torch_without_it_fails_in_one_line_before_any_port_opens() ->
         pytest.skip("this torch can use CUDA")
     code, output = run_server_to_exit("--device", "cuda")
     assert_one_reason(code, output, "not started", "--device cuda", "CUDA")
+    assert len(output.strip().splitlines()) == 1, f"the reason alone, nothing before it:\n{output}"
 
 
 def test_an_unreachable_redis_is_said_in_the_start_up_line_and_the_server_serves(server_logs: Path) -> None:

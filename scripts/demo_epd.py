@@ -251,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--own-redis", action="store_true", help="start a redis-server even if one answers on 6379")
     args = parser.parse_args(argv)
     _environment()
-    signal.signal(signal.SIGTERM, _stop)
+    for sig in (signal.SIGINT, signal.SIGTERM):  # SIGINT too where a shell started it ignoring SIGINT (`&`)
+        signal.signal(sig, _stop)
     with contextlib.ExitStack() as stack:
         stack.callback(_end_descendants)
         try:

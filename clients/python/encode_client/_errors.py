@@ -12,7 +12,7 @@ every other 4xx is the caller's to fix and is raised at once.
 
 from __future__ import annotations
 
-__all__ = ["EncodeClientError", "MissingExtra", "PrefixKeyError", "ReplicaUnavailable", "ServerError"]
+__all__ = ["EncodeClientError", "MissingExtra", "PrefixKeyError", "ReplicaUnavailable", "ServerError", "install_hint"]
 
 
 class EncodeClientError(Exception):
@@ -55,6 +55,13 @@ class PrefixKeyError(EncodeClientError, ValueError):
     """The prompt's placeholder runs do not match the images given."""
 
 
+def install_hint(extra: str) -> str:
+    """How to install an extra where the package comes from: a checkout, or the wheel ``make dist``
+    builds (the package is on no public index)."""
+    return (f"pip install './clients/python[{extra}]' from a checkout of encode-server, or "
+            f"pip install \"$(ls dist/encode_client-*.whl)[{extra}]\" after its make dist")
+
+
 class MissingExtra(EncodeClientError, ImportError):
     """A part of the package used without the extra that installs what it imports (a ``grpc://``
     replica without ``encode-client[grpc]``): said where it is configured, naming the extra,
@@ -63,7 +70,7 @@ class MissingExtra(EncodeClientError, ImportError):
     def __init__(self, what: str, extra: str, missing: str | None) -> None:
         super().__init__(
             f"{what} needs the [{extra}] extra ({missing or 'a dependency'} is not installed): "
-            f"pip install 'encode-client[{extra}]' (from a checkout: pip install './clients/python[{extra}]')",
+            f"{install_hint(extra)}",
             name=missing,
         )
         self.extra = extra

@@ -40,7 +40,8 @@ exit codes:
      others were still processed)
   3  no replica answered
 
-grpc:// replicas need the [grpc] extra (grpcio, protobuf): pip install 'encode-client[grpc]'"""
+grpc:// replicas need the [grpc] extra (grpcio, protobuf): pip install './clients/python[grpc]'
+from a checkout of encode-server, or make dist's client wheel with [grpc]"""
 
 T = TypeVar("T")
 

@@ -9,7 +9,7 @@ the served family's EPD mode says, read once from encode-server's
     encode-epd-proxy --listen 0.0.0.0:8080 --vllm http://prefill-a:8000 --vllm http://prefill-b:8000 \\
         --encoder http://encode-server:8000
 
-Asynchronous (Starlette's ASGI primitives under uvicorn; ``pip install 'encode-client[proxy]'``),
+Asynchronous (Starlette's ASGI primitives under uvicorn: the client package's ``[proxy]`` extra),
 with keep-alive connection pools to vLLM and to encode-server. Several vLLM upstreams: each request
 goes to the one with the fewest outstanding requests (``_upstreams``); one that refuses a
 connection is skipped for a while and the request goes to the next. At most ``--max-concurrency``
@@ -43,12 +43,14 @@ from __future__ import annotations
 
 import sys
 
+from encode_client._errors import install_hint
+
 try:
     import prometheus_client  # noqa: F401
     import starlette  # noqa: F401
     import uvicorn  # noqa: F401
 except ImportError as exc:  # pragma: no cover - the extra is missing
-    raise ImportError(f"encode-epd-proxy needs its extra: pip install 'encode-client[proxy]' ({exc})") from exc
+    raise ImportError(f"encode-epd-proxy needs its [proxy] extra ({exc}): {install_hint('proxy')}") from exc
 
 from encode_client._proxy_app import FORWARDED, OPEN_PATHS, OWN_ROUTES, ProxyApp
 from encode_client._proxy_settings import ProxySettings

@@ -18,7 +18,7 @@ class NoGrpc:
 
 sys.meta_path.insert(0, NoGrpc())
 """
-INSTALL = "pip install 'encode-client[grpc]'"
+INSTALL = "pip install './clients/python[grpc]'"  # the package is on no index: the checkout's (or its wheel)
 
 
 def without_grpc(code: str, *args: str) -> subprocess.CompletedProcess[str]:

@@ -229,16 +229,8 @@ def _module_call(encoder: Any, inputs: dict[str, Any]) -> Callable[[], Any]:
     tower's with its grid plan made first, as ``_forward`` makes it: one attention call per layer,
     no host sync)."""
     if "image_grid_thw" in inputs:
-        from encode_server.encoders.varlen import segments
-
         grids = [(int(t), int(h), int(w)) for t, h, w in inputs["image_grid_thw"].tolist()]  # before timing
-
-        def call() -> Any:
-            plan = encoder.grid_plan.inputs(grids, encoder.device)
-            with segments(plan.layouts):
-                return encoder.features(inputs["pixel_values"], inputs["image_grid_thw"], **plan.kwargs)
-
-        return call
+        return lambda: encoder.tower_pass(inputs["pixel_values"], grids, inputs["image_grid_thw"])
     if "spatial_shapes" in inputs:
         return lambda: encoder.module(**inputs)
     return lambda: encoder._embed(inputs["pixel_values"])

@@ -75,7 +75,6 @@ class Budget:
     """One captured graph: its static input buffers (copied into before a replay) and output."""
 
     rows: int
-    slots: int
     pixels: torch.Tensor
     kwargs: dict[str, Any]
     graph: Any
@@ -104,7 +103,7 @@ class TowerGraphs:
         them, which the warm-up's peak includes."""
         before = torch.cuda.memory_reserved(self.device)
         pool = None
-        for rows in sorted(self.sizes, reverse=True):
+        for rows in reversed(self.sizes):
             budget = self._capture(rows, pool)
             pool = budget.graph.pool()
             self.captured[rows] = budget
@@ -131,7 +130,7 @@ class TowerGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.inference_mode(), torch.cuda.graph(graph, pool=pool):
             output = self.features(pixels, grid, **kwargs)
-        return Budget(rows, rows // self.unit, pixels, kwargs, graph, output)
+        return Budget(rows, pixels, kwargs, graph, output)
 
     def run(self, pixels: torch.Tensor, grids: Sequence[Grid], eager: Callable[[torch.Tensor, Sequence[Grid]],
                                                                                 torch.Tensor]) -> torch.Tensor:
@@ -152,7 +151,7 @@ class TowerGraphs:
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def _replay(self, budget: Budget, pixels: torch.Tensor, grids: Sequence[Grid]) -> torch.Tensor:
-        arrays, bounds, _ = self.plan.host(grids, budget=budget.rows, slots=budget.slots)
+        arrays, bounds, _ = self.plan.host(grids, budget=budget.rows, slots=budget.rows // self.unit)
         n = pixels.shape[0]
         budget.pixels[:n].copy_(pixels, non_blocking=True)
         budget.pixels[n:].zero_()

@@ -16,7 +16,7 @@ Every step follows vLLM's arithmetic, not only its maths, so that a bfloat16 tow
 rows to the last bit (tests/vllm/test_kimi_k25_pixels.py): the patch convolution as a matmul, the
 position grid resized in float32 and rounded once, the rotary table from ``torch.polar``, each
 image's attention as its own SDPA call computes it (``varlen.attend``: one call per distinct
-image size on the CPU, one ``varlen_attn`` call on CUDA).
+patch count on the CPU, one ``varlen_attn`` call on CUDA).
 
 The tower (``vision_tower.*``, the hub's names, which vLLM loads as they are): a patch
 projection; the learned ``pos_emb`` grid, bicubically resized to the image's grid when it
@@ -56,9 +56,8 @@ from torch import nn
 from .base import EncodedTensor, PreparedItem
 from .family import Epd, Family
 from .hf import HFEncoder, LoadSpec, to_encoded
-from .loading import CheckpointFiles, empty_module, load_vision_weights
-from .loading import Layout as WeightLayout
-from .varlen import Layout, attend, segments
+from .loading import CheckpointFiles, Layout, empty_module, load_vision_weights
+from .varlen import attend, cu_seqlens_on, segments
 
 __all__ = ["FAMILY", "KimiK25Encoder", "KimiK25Vision", "MediaConfig", "load_kimi_k25", "load_media_config",
            "navit_size"]
@@ -67,7 +66,7 @@ OUTPUTS = ("hidden", "projected")  # "hidden" is accepted as the default and mea
 
 # The hub's checkpoints name the tower and projector at the top (vLLM loads them so); a checkpoint
 # re-saved from another tree nests them under ``model.``.
-LAYOUTS: list[WeightLayout] = [
+LAYOUTS: list[Layout] = [
     {"vision_tower.": "vision_tower.", "mm_projector.": "mm_projector."},
     {"model.vision_tower.": "vision_tower.", "model.mm_projector.": "mm_projector."},
 ]
@@ -304,10 +303,9 @@ class KimiK25Vision(nn.Module):
         x = F.linear(pixels.flatten(1), proj.weight.flatten(1), proj.bias)
         x = x + torch.cat([tower.patch_embed.pos_emb(rows, cols) for rows, cols in grids])
         lengths = [rows * cols for rows, cols in grids]
-        bounds = np.concatenate([[0], np.cumsum(lengths)])
-        cu_seqlens = torch.from_numpy(bounds.astype(np.int32)).to(x.device, non_blocking=True)
+        cu_seqlens, layouts = cu_seqlens_on(np.concatenate([[0], np.cumsum(lengths)]), x.device)
         cos, sin = self._rope(grids, x.device)
-        with segments({id(cu_seqlens): Layout.of(bounds)}):
+        with segments(layouts):
             for block in tower.encoder.blocks:
                 x = block(x, cu_seqlens, max(lengths), cos, sin)
         x = tower.encoder.final_layernorm(x)

@@ -33,15 +33,14 @@ from encode_server.core.errors import EncodeServerError
 from .base import EncodedTensor, PreparedItem
 from .family import Epd, Family
 from .hf import HFEncoder, LoadSpec, to_encoded
-from .loading import CheckpointFiles, empty_module, load_vision_weights
-from .loading import Layout as WeightLayout
-from .varlen import Layout, segments, use_varlen
+from .loading import CheckpointFiles, Layout, empty_module, load_vision_weights
+from .varlen import cu_seqlens_on, segments, use_varlen
 
 __all__ = ["FAMILY", "Mistral3Encoder", "Mistral3Vision", "load_mistral3"]
 
 OUTPUTS = ("hidden", "projected")  # "hidden" is accepted as the default and means "projected"
 
-LAYOUTS: list[WeightLayout] = [
+LAYOUTS: list[Layout] = [
     {"model.vision_tower.": "vision_tower.", "model.multi_modal_projector.": "multi_modal_projector."},
     {"vision_tower.": "vision_tower.", "multi_modal_projector.": "multi_modal_projector."},
 ]
@@ -72,13 +71,12 @@ class Mistral3Vision(torch.nn.Module):
         position_ids = torch.from_numpy(rows).to(x.device, non_blocking=True)
         position_embeddings = tower.patch_positional_embedding(x, position_ids)
         lengths = [h * w for h, w in grids]
-        bounds = np.concatenate([[0], np.cumsum(lengths)])
-        cu_seqlens = torch.from_numpy(bounds.astype(np.int32)).to(x.device, non_blocking=True)
+        cu_seqlens, layouts = cu_seqlens_on(np.concatenate([[0], np.cumsum(lengths)]), x.device)
         packed = {"cu_seq_lens_q": cu_seqlens, "cu_seq_lens_k": cu_seqlens, "max_length_q": max(lengths),
                   "max_length_k": max(lengths)}
         layers = tower.transformer.layers
         depth = self.feature_layer % (len(layers) + 1)  # hidden_states[i] is the output of i layers
-        with segments({id(cu_seqlens): Layout.of(bounds)}):
+        with segments(layouts):
             for layer in layers[:depth]:
                 x = layer(x, None, position_embeddings=position_embeddings, **packed)
         return self.multi_modal_projector(x.squeeze(0), [(h * patch, w * patch) for h, w in grids])

@@ -344,10 +344,13 @@ class QwenVisionEncoder(HFEncoder):
             return f"CUDA graphs not captured ({type(exc).__name__}: {first}): the forward runs eagerly"
         return f"CUDA graphs at {len(self.graphs.sizes)} budgets ({sizes} patch rows): {held / 2**20:.0f} MiB"
 
-    def _eager(self, pixels: torch.Tensor, grids: Sequence[Grid]) -> torch.Tensor:
-        """The pass as the tower runs it, its grid plan made first."""
+    def tower_pass(self, pixels: torch.Tensor, grids: Sequence[Grid], grid_thw: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+        """The pass run eagerly, its grid plan made first (``grid_thw``: the grids as a tensor on
+        the device where the caller has it; the tower reads it only where it has no plan)."""
         plan = self.grid_plan.inputs(grids, self.device)
-        grid_thw = torch.tensor(grids, dtype=torch.int64).to(self.device, non_blocking=True)
+        if grid_thw is None:
+            grid_thw = torch.tensor(grids, dtype=torch.int64).to(self.device, non_blocking=True)
         with segments(plan.layouts):
             return self.features(pixels, grid_thw, **plan.kwargs)
 
@@ -355,11 +358,9 @@ class QwenVisionEncoder(HFEncoder):
         grids = self.grids(batch)
         with torch.inference_mode():
             if self.graphs is not None:
-                merged = self.graphs.run(inputs["pixel_values"], grids, self._eager)
+                merged = self.graphs.run(inputs["pixel_values"], grids, self.tower_pass)
             else:
-                plan = self.grid_plan.inputs(grids, self.device)
-                with segments(plan.layouts):
-                    merged = self.features(inputs["pixel_values"], inputs["image_grid_thw"], **plan.kwargs)
+                merged = self.tower_pass(inputs["pixel_values"], grids, inputs["image_grid_thw"])
         merged = self._to_host(merged)
         return [to_encoded(rows) for rows in torch.split(merged, [item.num_tokens for item in batch])]
 

@@ -42,8 +42,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-__all__ = ["ATTENTION", "GridPlan", "Layout", "PassInputs", "attend", "kernel_takes", "layout_of", "segments",
-           "use_varlen"]
+__all__ = ["ATTENTION", "GridPlan", "Layout", "PassInputs", "attend", "cu_seqlens_on", "kernel_takes", "layout_of",
+           "segments", "use_varlen"]
 
 # transformers takes its one-call (packed) path for an implementation whose name contains "flash".
 ATTENTION = "encode_server_flash_varlen"
@@ -53,8 +53,9 @@ Grid = tuple[int, int, int]
 
 @dataclass(frozen=True)
 class Layout:
-    """How the exact path lays one ``cu_seqlens`` out: the segments grouped by length, each group
-    one SDPA batch ``[segments, heads, length, head_dim]``.
+    """How the exact path lays one ``cu_seqlens`` (``bounds``) out: the segments grouped by length,
+    each group one SDPA batch ``[segments, heads, length, head_dim]``. Worked out on first use, so
+    a pass the ``varlen_attn`` kernel runs never pays for it.
 
     ``groups``: per group, (the packed rows it gathers, segment after segment; its segment count;
     their length). ``scatter``: for each packed row, its place in the groups' outputs laid end to
@@ -65,13 +66,16 @@ class Layout:
     per-segment loop's (transformers' and vLLM's CPU path) in one call per distinct length.
     """
 
-    groups: tuple[tuple[np.ndarray, int, int], ...]
-    scatter: np.ndarray | None
+    bounds: np.ndarray
     _device: dict[torch.device, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
-    def of(cls, cu: Sequence[int]) -> Layout:
-        bounds = np.asarray(cu, dtype=np.int64)
+    def of(cls, cu: Sequence[int] | np.ndarray) -> Layout:
+        return cls(np.asarray(cu, dtype=np.int64))
+
+    @functools.cached_property
+    def _grouped(self) -> tuple[tuple[tuple[np.ndarray, int, int], ...], np.ndarray | None]:
+        bounds = self.bounds
         starts, lengths = bounds[:-1] - bounds[0], np.diff(bounds)
         total = int(bounds[-1] - bounds[0])
         scatter = np.empty(total, dtype=np.int64)
@@ -84,7 +88,15 @@ class Layout:
             groups.append((gather, len(members), length))
             base += gather.size
         identity = len(groups) == 1 and bool((scatter == np.arange(total)).all())
-        return cls(tuple(groups), None if identity else scatter)
+        return tuple(groups), None if identity else scatter
+
+    @property
+    def groups(self) -> tuple[tuple[np.ndarray, int, int], ...]:
+        return self._grouped[0]
+
+    @property
+    def scatter(self) -> np.ndarray | None:
+        return self._grouped[1]
 
     @property
     def calls(self) -> int:
@@ -109,12 +121,19 @@ _LAYOUTS: contextvars.ContextVar[Mapping[int, Layout] | None] = contextvars.Cont
 
 @contextlib.contextmanager
 def segments(layouts: Mapping[int, Layout]) -> Iterator[None]:
-    """Within it, the padded path finds each ``cu_seqlens`` tensor's layout by the tensor's id."""
+    """Within it, the exact path finds each ``cu_seqlens`` tensor's layout by the tensor's id."""
     token = _LAYOUTS.set(layouts)
     try:
         yield
     finally:
         _LAYOUTS.reset(token)
+
+
+def cu_seqlens_on(bounds: np.ndarray, device: torch.device) -> tuple[torch.Tensor, dict[int, Layout]]:
+    """Cumulative segment bounds as the kernels take them (int32, on ``device``) and their layout,
+    keyed for ``segments``."""
+    tensor = torch.from_numpy(np.asarray(bounds).astype(np.int32)).to(device, non_blocking=True)
+    return tensor, {id(tensor): Layout.of(bounds)}
 
 
 def layout_of(cu_seqlens: torch.Tensor) -> Layout:
@@ -314,11 +333,10 @@ class GridPlan:
             return PassInputs({}, {})
         arrays, bounds, maxima = self.host(grids)
         kwargs: dict[str, Any] = {k: torch.from_numpy(v).to(device, non_blocking=True) for k, v in arrays.items()}
-        layouts = {}
+        layouts: dict[int, Layout] = {}
         for name, b in bounds.items():
-            tensor = torch.from_numpy(b.astype(np.int32)).to(device, non_blocking=True)
-            kwargs[name] = tensor
-            layouts[id(tensor)] = Layout.of(b)
+            kwargs[name], layout = cu_seqlens_on(b, device)
+            layouts |= layout
         kwargs.update(maxima)
         return PassInputs(kwargs, layouts)
 

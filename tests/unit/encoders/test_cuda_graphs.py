@@ -64,7 +64,7 @@ def _stand_in(encoder: Any, sizes: tuple[int, ...]) -> TowerGraphs:
         with torch.inference_mode(), segments(layouts):
             output = graphs.features(pixels, grid, **kwargs).clone()
         graph = _CpuGraph(graphs, pixels, kwargs, grid, output)
-        graphs.captured[rows] = Budget(rows, rows // graphs.unit, pixels, kwargs, graph, output)
+        graphs.captured[rows] = Budget(rows, pixels, kwargs, graph, output)
     return graphs
 
 

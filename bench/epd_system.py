@@ -38,7 +38,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -56,7 +55,7 @@ from bench.flops import QWEN2_5_VL_7B, tower_share
 from bench.latest import RESULTS, merge_into
 from bench.vllm_peer import tree_cpu_seconds, tree_memory_mb, vllm_env
 from tests.redis_procs import start_redis
-from tests.server import free_port
+from tests.server import end_group, free_port
 from tests.vllm.epd_stack import entered_together
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -159,13 +158,7 @@ def process(name: str, cmd: Sequence[str], ready: str, log_dir: Path, env: dict[
             time.sleep(0.5)
         yield Proc(name, url, proc.pid)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
+        end_group(proc)
 
 
 def _vllm_cmd(env: Path, model: Path, port: int, dtype: str, *extra: str) -> list[str]:

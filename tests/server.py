@@ -29,8 +29,8 @@ import httpx
 from tests import startups
 from tests.forkserver import ForkedProcess, import_environment
 
-__all__ = ["ServerProcess", "fork_servers", "free_port", "port_free", "run_server_to_exit", "start_module",
-           "start_server"]
+__all__ = ["ServerProcess", "end_group", "fork_servers", "free_port", "port_free", "run_server_to_exit",
+           "start_module", "start_server"]
 
 
 # `make test` runs two lanes side by side (the server's suite and the vLLM suite, Makefile): each
@@ -58,6 +58,19 @@ def free_port() -> int:
         _handed.append(port)
         return port
     raise RuntimeError(f"no free port in {ports}")
+
+
+def end_group(proc: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:
+    """SIGTERM to the process group ``proc`` leads (started with ``start_new_session``: a server and
+    what it started), SIGKILL if it is still there after ``grace_s``; nothing if it has ended."""
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
 
 
 def port_free(port: int) -> bool:

@@ -28,13 +28,14 @@ import os
 import resource
 import shlex
 import shutil
-import signal
 import subprocess
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from tests.server import end_group
 
 __all__ = [
     "BASE_IMAGE",
@@ -203,16 +204,9 @@ runroot = "{self.run_dir}/storage"
 
 
 def _end_group(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM to the process group we started, SIGKILL if it is still there after 60 s. (What its
-    RUN steps started is not in that group: see ``Podman.build``.)"""
-    if proc.poll() is not None:
-        return
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(10)
+    """The process group we started ended, with 60 s before SIGKILL. (What its RUN steps started is
+    not in that group: see ``Podman.build``.)"""
+    end_group(proc, grace_s=60)
 
 
 @contextlib.contextmanager

@@ -11,7 +11,6 @@ import contextlib
 import json
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -27,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from tests import startups
-from tests.server import free_port, start_module
+from tests.server import end_group, free_port, start_module
 
 if TYPE_CHECKING:
     import pytest
@@ -289,13 +288,7 @@ def vllm_openai_server(
         startups.record("vLLM OpenAI server", what, seconds)
         yield {"url": url, "port": port, "startup_s": seconds, "log": log_path}
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)  # our own process group: the server and its engine
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
+        end_group(proc)  # our own process group: the server and its engine
 
 
 @contextlib.contextmanager

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -23,7 +22,7 @@ import pytest
 
 from tests.docs.markdown import ROOT, code_blocks
 from tests.redis_procs import start_redis
-from tests.server import free_port
+from tests.server import end_group, free_port
 from tests.vllm.conftest import png
 
 HEADING = "On a CPU host"
@@ -62,13 +61,7 @@ def _running(command: str, cwd: Path, log: Path, ready_url: str, timeout: float)
             time.sleep(0.5)
         yield
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
+        end_group(proc)
 
 
 @pytest.mark.timeout(600)

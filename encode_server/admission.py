@@ -7,9 +7,9 @@ Each check comes before the cost it bounds, and refuses with the errors a client
 - :class:`MemoryCharge`: the request-memory budget (``--max-inflight-mb``) charged with what
   decoding one item holds, from its header, before it is decoded;
 - :func:`plan_video`: a video's container header checked against the video limits and planned by
-  its family (``VisionEncoder.plan_video``), before a frame is decoded;
+  its family (``Encoder.plan_video``), before a frame is decoded;
 - :func:`plan_audio`: an audio file's header checked against ``--max-audio-seconds`` and costed by
-  its family (``VisionEncoder.plan_audio``: a rate it cannot resample in bounded memory is refused),
+  its family (``Encoder.plan_audio``: a rate it cannot resample in bounded memory is refused),
   before a sample is decoded.
 
 The service (``service.py``) owns single flight and the tiers; it asks this module, never the
@@ -29,7 +29,7 @@ from encode_server.config import Settings
 from encode_server.core.budget import ByteBudget
 from encode_server.core.errors import BadInput, TooLarge, Unavailable, UnsupportedMediaType
 from encode_server.core.types import AudioInfo, VideoInfo
-from encode_server.encoders.base import AudioPlan, VideoPlan, VisionEncoder
+from encode_server.encoders.base import AudioPlan, Encoder, VideoPlan
 from encode_server.imaging import decoded_nbytes
 from encode_server.metrics import Metrics
 
@@ -42,7 +42,7 @@ class QueueBound:
     requests arrive.
 
     The unit is the item, one cache key's encode, counted once, here. A long video is encoded as
-    several parts (``VisionEncoder.split``), but how many is known only once it is decoded and
+    several parts (``Encoder.split``), but how many is known only once it is decoded and
     preprocessed, after the work this bound is there to refuse; so a video's parts ride on its one
     admission, and the batcher, which only receives admitted work, keeps no count of its own. (A
     second count, in parts, refused a split video halfway and left its first parts queued for
@@ -146,7 +146,7 @@ class MemoryCharge:
 
 
 def plan_video(
-    encoder: VisionEncoder, settings: Settings, data: bytes, index: int, item_settings: Mapping[str, Any] | None = None
+    encoder: Encoder, settings: Settings, data: bytes, index: int, item_settings: Mapping[str, Any] | None = None
 ) -> tuple[VideoInfo, VideoPlan]:
     """A video's header read and checked against the limits, and its sampling planned by its family:
     before any frame is decoded (``/v1/tokens`` stops here). ``item_settings``: the item's effective
@@ -190,7 +190,7 @@ def plan_video(
 ESTIMATE_MARGIN = 1.25
 
 
-def plan_audio(encoder: VisionEncoder, s: Settings, data: bytes, index: int) -> tuple[AudioInfo, AudioPlan]:
+def plan_audio(encoder: Encoder, s: Settings, data: bytes, index: int) -> tuple[AudioInfo, AudioPlan]:
     """An audio file's header read and checked against ``--max-audio-seconds``, and costed by its
     family, before a sample is decoded; an estimated length is returned as its bound
     (``ESTIMATE_MARGIN``)."""

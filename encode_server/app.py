@@ -43,7 +43,7 @@ from encode_server.core.errors import EncodeServerError
 from encode_server.core.stored import ValueSpec
 from encode_server.core.types import EncodedTensor
 from encode_server.encoders import check_local_model, load_encoder, resolve_device
-from encode_server.encoders.base import PreparedItem, VisionEncoder
+from encode_server.encoders.base import Encoder, PreparedItem
 from encode_server.encoders.threads import MAX_AUTO_WORKERS, CoreShare, forward_workers
 from encode_server.heap import GcPauses, freeze_startup_heap
 from encode_server.malloc import release_free_memory
@@ -58,7 +58,7 @@ __all__ = [
 
 log = logging.getLogger("encode_server")
 
-EncoderLoader = Callable[[], VisionEncoder]
+EncoderLoader = Callable[[], Encoder]
 
 
 class StartFailed(Exception):
@@ -250,7 +250,7 @@ async def give_back_memory(
 
 
 def build_service(
-    encoder: VisionEncoder,
+    encoder: Encoder,
     settings: Settings,
     metrics: Metrics,
     forward: Executor,
@@ -284,7 +284,7 @@ def build_service(
     )
 
 
-async def shared_tier(settings: Settings, metrics: Metrics, encoder: VisionEncoder) -> SharedTier | None:
+async def shared_tier(settings: Settings, metrics: Metrics, encoder: Encoder) -> SharedTier | None:
     """The Redis tier when ``--redis-url`` is set, pinged once so that its start-up line says
     whether Redis answers. It checks every value it reads against this model's fingerprint,
     dtype and hidden size."""
@@ -315,7 +315,7 @@ def check_device(device: str) -> None:
         raise StartFailed(f"--device {device}: this torch cannot use CUDA ({exc})") from None
 
 
-def file_exporter(settings: Settings, encoder: VisionEncoder) -> FileExporter | None:
+def file_exporter(settings: Settings, encoder: Encoder) -> FileExporter | None:
     """``--export-dir``: vLLM's stock EC file layout, for deployments without our connector."""
     if settings.export_dir is None:
         return None

@@ -2,7 +2,7 @@
 
 The order is the video path's (``admission.plan_video``, then decoding): the header is read and
 checked (``admission.plan_audio``: ``--max-audio-seconds``, a rate the resampler can take), the
-family costs it (``VisionEncoder.plan_audio``), that cost is charged to the request-memory budget,
+family costs it (``Encoder.plan_audio``), that cost is charged to the request-memory budget,
 and only then is anything decoded (``audio.decode``), no further than the family reads, and no
 further than the header says where the header states the length exactly (PCM, FLAC), as
 libsndfile, vLLM's reader for those, stops there too.
@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 from encode_server.admission import MemoryCharge, plan_audio
 from encode_server.config import Settings
 from encode_server.core.errors import BadInput
-from encode_server.encoders.base import PreparedItem, VisionEncoder
+from encode_server.encoders.base import Encoder, PreparedItem
 
 __all__ = ["AudioItems"]
 
@@ -29,7 +29,7 @@ T = TypeVar("T")
 class AudioItems:
     """``prepare`` (an encode's model inputs) and ``count`` (``/v1/tokens``) for audio items."""
 
-    def __init__(self, encoder: VisionEncoder, settings: Settings, memory: MemoryCharge) -> None:
+    def __init__(self, encoder: Encoder, settings: Settings, memory: MemoryCharge) -> None:
         self.encoder = encoder
         self.settings = settings
         self.memory = memory

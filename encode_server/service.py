@@ -52,7 +52,7 @@ from encode_server.core.types import (
     Resolved,
     Return,
 )
-from encode_server.encoders.base import EncoderInfo, PreparedItem, VisionEncoder
+from encode_server.encoders.base import Encoder, EncoderInfo, PreparedItem
 from encode_server.imaging import oriented_size
 from encode_server.metrics import Metrics
 from encode_server.warmup import PassChoice, WarmupReport, choose_passes, warm_up
@@ -91,7 +91,7 @@ def model_fingerprint(info: EncoderInfo, video_sampling: dict[str, Any] | None =
     return fingerprint(fields)
 
 
-def serving_fingerprint(encoder: VisionEncoder, settings: Settings) -> str:
+def serving_fingerprint(encoder: Encoder, settings: Settings) -> str:
     """The fingerprint this server keys, stores and exports under: the model's, and for a model
     that takes videos the server's frame sampling too (the service, the tiers and the exporter all
     ask this one function)."""
@@ -135,7 +135,7 @@ class EncodeService:
 
     def __init__(
         self,
-        encoder: VisionEncoder,
+        encoder: Encoder,
         settings: Settings,
         metrics: Metrics,
         *,

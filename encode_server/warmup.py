@@ -19,7 +19,7 @@ default):
   forward pass takes, from a synthetic waveform at the family's rate through its own
   ``preprocess_audio``.
 
-The peak memory over all of it (``VisionEncoder.peak_memory``) is logged and published in ``GET /v1/model``
+The peak memory over all of it (``Encoder.peak_memory``) is logged and published in ``GET /v1/model``
 (``warmup``). A worst case that fails (out of memory on the device or the host, an input the
 processor refuses) is :class:`WarmupFailed`: the server does not become ready, and says why in one
 line. ``--warmup quick`` runs one 64x64 JPEG instead (a quick start; the peak is then unknown until
@@ -44,7 +44,7 @@ from PIL import Image
 
 from encode_server.config import Settings
 from encode_server.core.types import AUDIO, IMAGE, VIDEO, AudioInfo, EncodedTensor, VideoInfo
-from encode_server.encoders.base import MemoryPeak, PreparedItem, VideoPlan, VisionEncoder
+from encode_server.encoders.base import Encoder, MemoryPeak, PreparedItem, VideoPlan
 from encode_server.encoders.threads import FORWARD_SHARE, auto_passes
 
 __all__ = [
@@ -134,7 +134,7 @@ class WarmupReport:
         return f"warm-up ({self.mode}) in {self.seconds:.2f} s: {cases}; peak memory: {', '.join(peaks) or 'unknown'}"
 
 
-def worst_image_size(encoder: VisionEncoder, max_pixels: int) -> tuple[int, int]:
+def worst_image_size(encoder: Encoder, max_pixels: int) -> tuple[int, int]:
     """The size within ``max_pixels`` (of a few aspect ratios) the family gives the most rows for;
     the square where they tie."""
     best: tuple[int, tuple[int, int]] | None = None
@@ -165,7 +165,7 @@ def _image_file(width: int, height: int) -> bytes:
     return buffer.getvalue()
 
 
-def _video_plan(encoder: VisionEncoder, settings: Settings, budget: int | None) -> tuple[VideoInfo, VideoPlan]:
+def _video_plan(encoder: Encoder, settings: Settings, budget: int | None) -> tuple[VideoInfo, VideoPlan]:
     """The longest video the limits allow, at the largest frame size admission would take."""
     s = settings
     seconds = min(s.max_video_seconds, s.max_video_frames / s.video_fps, s.max_video_decoded_frames / _HEADER_FPS)
@@ -182,7 +182,7 @@ def _video_plan(encoder: VisionEncoder, settings: Settings, budget: int | None) 
             return info, plan
 
 
-async def _worst_image(encoder: VisionEncoder, settings: Settings, submit: Submit, run: Run[Any]) -> WarmupCase:
+async def _worst_image(encoder: Encoder, settings: Settings, submit: Submit, run: Run[Any]) -> WarmupCase:
     width, height = worst_image_size(encoder, settings.max_image_pixels)
     data = await run(lambda: _image_file(width, height))
     prepared: PreparedItem = await run(lambda: encoder.prepare(data, max_pixels=settings.max_image_pixels))
@@ -192,7 +192,7 @@ async def _worst_image(encoder: VisionEncoder, settings: Settings, submit: Submi
     return WarmupCase("image", width, height, prepared.num_tokens, prepared.cost_tokens, items=items)
 
 
-def _audio(encoder: VisionEncoder, settings: Settings) -> tuple[Any, int]:
+def _audio(encoder: Encoder, settings: Settings) -> tuple[Any, int]:
     """The longest waveform the family reads of one file (a tone under noise, at its own rate):
     its window (Qwen2-Audio's 30 s), or ``--max-audio-seconds`` where it reads the whole file."""
     import numpy as np
@@ -205,7 +205,7 @@ def _audio(encoder: VisionEncoder, settings: Settings) -> tuple[Any, int]:
     return 0.3 * np.sin(2 * np.pi * 440 * t) + 0.05 * noise, plan.sample_rate
 
 
-async def _longest_audio(encoder: VisionEncoder, settings: Settings, submit: Submit, run: Run[Any], *,
+async def _longest_audio(encoder: Encoder, settings: Settings, submit: Submit, run: Run[Any], *,
                          full: bool) -> WarmupCase:
     waveform, rate = await run(lambda: _audio(encoder, settings))
     prepared: PreparedItem = await run(lambda: encoder.preprocess_audio(waveform, rate))
@@ -217,7 +217,7 @@ async def _longest_audio(encoder: VisionEncoder, settings: Settings, submit: Sub
 
 
 async def _longest_video(
-    encoder: VisionEncoder, settings: Settings, submit: Submit, run: Run[Any], budget: int | None
+    encoder: Encoder, settings: Settings, submit: Submit, run: Run[Any], budget: int | None
 ) -> WarmupCase:
     import numpy as np
 
@@ -234,7 +234,7 @@ async def _longest_video(
                       frames=len(plan.indices), seconds=info.duration, parts=len(parts))
 
 
-async def _quick(encoder: VisionEncoder, settings: Settings, submit: Submit, run: Run[Any]) -> WarmupCase:
+async def _quick(encoder: Encoder, settings: Settings, submit: Submit, run: Run[Any]) -> WarmupCase:
     data = _image_file(64, 64)
     prepared: PreparedItem = await run(lambda: encoder.prepare(data, max_pixels=settings.max_image_pixels))
     await submit(prepared, prepared.cost_tokens)
@@ -242,7 +242,7 @@ async def _quick(encoder: VisionEncoder, settings: Settings, submit: Submit, run
 
 
 async def warm_up(
-    encoder: VisionEncoder, settings: Settings, submit: Submit, run: Run[Any], *, budget: int | None
+    encoder: Encoder, settings: Settings, submit: Submit, run: Run[Any], *, budget: int | None
 ) -> WarmupReport:
     """Run the warm-up ``settings.warmup`` names (module docstring) through ``submit`` (the
     batcher's) and ``run`` (the preprocessing threads'). Raises :class:`WarmupFailed`."""
@@ -307,7 +307,7 @@ def _typical_image(max_pixels: int) -> tuple[bytes, tuple[int, int]]:
     return buffer.getvalue(), size
 
 
-async def choose_passes(encoder: VisionEncoder, settings: Settings, submit: Submit, run: Run[Any],
+async def choose_passes(encoder: Encoder, settings: Settings, submit: Submit, run: Run[Any],
                         passes: int) -> PassChoice:
     """``--forward-workers 0``'s count once measured (module docstring): ``passes`` or one. The
     timings go through the real path: ``prepare`` on the preprocessing threads, the pass through

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 from encode_server.app import build_service
 from encode_server.cache.base import SharedTier
 from encode_server.config import Settings
-from encode_server.encoders.base import VisionEncoder
+from encode_server.encoders.base import Encoder
 from encode_server.encoders.threads import MAX_AUTO_WORKERS
 from encode_server.metrics import Metrics
 from encode_server.service import EncodeService
@@ -17,7 +17,7 @@ __all__ = ["make_service"]
 
 
 def make_service(
-    encoder: VisionEncoder, settings: Settings, metrics: Metrics, *, shared: SharedTier | None = None
+    encoder: Encoder, settings: Settings, metrics: Metrics, *, shared: SharedTier | None = None
 ) -> EncodeService:
     forward = ThreadPoolExecutor(MAX_AUTO_WORKERS, thread_name_prefix="test-forward")
     return build_service(encoder, settings, metrics, forward, shared=shared)

@@ -1,7 +1,7 @@
 """Vision encoders: the only package that imports torch and transformers.
 
 ``load_encoder`` turns ``--model`` (a local directory, a hub id, or ``builtin:tiny``) into a
-``VisionEncoder``, picking the adapter from the checkpoint's ``config.json`` ``model_type``. Every
+``Encoder``, picking the adapter from the checkpoint's ``config.json`` ``model_type``. Every
 adapter holds only the vision tower (and projector): a VLM's language model is never read.
 """
 
@@ -44,7 +44,7 @@ from . import (
     qwen3_vl,
     siglip2,
 )
-from .base import EncodedTensor, EncoderInfo, PreparedItem, VisionEncoder
+from .base import EncodedTensor, Encoder, EncoderInfo, PreparedItem
 from .batched import BatchedPipeline
 from .builtin import BUILTIN_MODELS, load_builtin
 from .family import Epd, Family, by_model_type
@@ -57,11 +57,11 @@ __all__ = [
     "PREPROCESS_DEVICES",
     "SUPPORTED_MODEL_TYPES",
     "EncodedTensor",
+    "Encoder",
     "EncoderInfo",
     "Epd",
     "Family",
     "PreparedItem",
-    "VisionEncoder",
     "check_local_model",
     "load_encoder",
 ]
@@ -90,7 +90,7 @@ def load_encoder(
     revision: str | None = None,
     preprocess_device: str = "cpu",
     cuda_graph_tokens: int = 0,
-) -> VisionEncoder:
+) -> Encoder:
     """Load ``model``'s vision encoder, ready for ``prepare``/``forward``.
 
     ``device``: ``auto`` (CUDA if present, else CPU) or a torch device string. ``dtype``: ``auto``
@@ -130,7 +130,7 @@ def load_encoder(
     return encoder
 
 
-def _load(model: str, revision: str | None, dtype: str, torch_device: Any, output: str) -> VisionEncoder:
+def _load(model: str, revision: str | None, dtype: str, torch_device: Any, output: str) -> Encoder:
     if model.startswith("builtin:"):
         choice = resolve_dtype(dtype, torch_device)
         encoder = load_builtin(LoadSpec(model, revision, torch_device, DTYPES[choice.dtype], output))

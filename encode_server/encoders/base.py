@@ -26,8 +26,14 @@ from .family import Family
 from .memory import MemoryPeak, PeakMemory
 
 __all__ = [
-    "AudioPlan", "EncodedTensor", "EncoderInfo", "MemoryPeak", "PeakMemory", "PreparedItem", "VideoPlan",
-    "VisionEncoder",
+    "AudioPlan",
+    "EncodedTensor",
+    "Encoder",
+    "EncoderInfo",
+    "MemoryPeak",
+    "PeakMemory",
+    "PreparedItem",
+    "VideoPlan",
 ]
 
 
@@ -60,7 +66,7 @@ class EncoderInfo:
 @dataclass
 class PreparedItem:
     """One item turned into model inputs, as the batcher queues it: an image, a video, or one part
-    of a video (``VisionEncoder.split``); ``cost_tokens`` is what it weighs in a batch."""
+    of a video (``Encoder.split``); ``cost_tokens`` is what it weighs in a batch."""
 
     inputs: dict[str, torch.Tensor]
     num_tokens: int  # N, the rows of this image's embedding
@@ -104,7 +110,7 @@ class AudioPlan:
     nbytes: int
 
 
-class VisionEncoder(ABC):
+class Encoder(ABC):
     """A loaded vision tower (and projector). ``preprocess`` is thread-safe; ``forward`` is called
     from one thread at a time, under ``torch.inference_mode``."""
 

@@ -2,7 +2,7 @@
 
 A family module (``qwen.py``, ``llava.py``, ``clip.py``, ...) ends with a ``FAMILY`` (or several)
 saying which ``model_type`` values it serves, how a checkpoint of it loads (the loader builds the
-``VisionEncoder`` that preprocesses, encodes and counts tokens), which modalities it takes, and how
+``Encoder`` that preprocesses, encodes and counts tokens), which modalities it takes, and how
 a vLLM prefill worker consumes its embeddings (``Epd``). ``encoders/__init__.py`` builds its
 ``model_type`` table from the families; the server publishes the family and its EPD contract in
 ``GET /v1/model``, so the connector and the proxy (``encode_client``, which never imports the
@@ -126,7 +126,7 @@ class Epd:
 class Family:
     """One model family: its ``model_type`` values, its loader, its modalities and its EPD contract.
 
-    ``load(files, config, processor, spec)`` returns the family's ``VisionEncoder``; ``epd`` is None
+    ``load(files, config, processor, spec)`` returns the family's ``Encoder``; ``epd`` is None
     for a family no vLLM prefill consumes through the EPD path (yet, or ever: a retrieval tower).
     ``settings``: the keys of vLLM's per-request ``mm_processor_kwargs`` this family's encoder
     applies (its ``setting_defaults``, ``preprocess_with`` and ``count_tokens_with``), in vLLM's

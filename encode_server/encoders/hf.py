@@ -21,7 +21,7 @@ from PIL import Image
 from encode_server.core.dtypes import DtypeChoice, auto_dtype, normalize_dtype, widest_dtype
 from encode_server.core.errors import EncodeServerError
 
-from .base import EncodedTensor, EncoderInfo, PreparedItem, VisionEncoder
+from .base import EncodedTensor, Encoder, EncoderInfo, PreparedItem
 from .batched import BatchedPipeline
 
 __all__ = [
@@ -200,7 +200,7 @@ class LoadSpec:
     output: str
 
 
-class HFEncoder(VisionEncoder):
+class HFEncoder(Encoder):
     """A transformers module plus its image processor.
 
     Invariants: ``module`` is in eval mode on ``device`` in ``dtype`` and holds only vision (and

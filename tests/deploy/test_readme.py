@@ -33,7 +33,7 @@ def test_each_topic_is_on_its_page() -> None:
         "operations": ("--api-keys", "SIGTERM", "--log-format", "kubectl apply", "docker compose", "--redis-url"),
         "robustness": ("--max-inflight-mb", "make soak", "schemathesis"),
         "benchmarks": ("make bench", "bench/results/latest.json", "gpu_check.sh"),
-        "development": ("tests/unit", "VisionEncoder", "make test-vllm"),
+        "development": ("tests/unit", "Encoder", "make test-vllm"),
     }
     for page, needles in expected.items():
         text = _page(page)

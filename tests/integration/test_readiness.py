@@ -18,7 +18,7 @@ import pytest
 from encode_server.app import EncodeServer
 from encode_server.config import Settings
 from encode_server.encoders import load_encoder
-from encode_server.encoders.base import VisionEncoder
+from encode_server.encoders.base import Encoder
 from tests.server import free_port
 
 
@@ -26,7 +26,7 @@ from tests.server import free_port
 def gated_server() -> Iterator[tuple[str, threading.Event]]:
     gate = threading.Event()
 
-    def slow_load() -> VisionEncoder:
+    def slow_load() -> Encoder:
         assert gate.wait(30), "the test never opened the gate"
         return load_encoder("builtin:tiny", device="cpu")
 

@@ -16,7 +16,7 @@ from encode_server.core.budget import ByteBudget
 from encode_server.core.errors import BadInput, EncodeServerError
 from encode_server.core.types import EncodedTensor, RequestItem
 from encode_server.encoders import load_encoder
-from encode_server.encoders.base import PreparedItem, VisionEncoder
+from encode_server.encoders.base import Encoder, PreparedItem
 from encode_server.imaging import read_header
 from encode_server.metrics import Metrics
 from tests.images import image_bytes
@@ -29,7 +29,7 @@ class _Waiting:
     pixels: bytearray
 
 
-class HoldingEncoder(VisionEncoder):
+class HoldingEncoder(Encoder):
     """The built-in model, prepared as a batched encoder prepares: ``prepare`` keeps the image's
     pixels in ``pending`` (``held_bytes``), ``forward`` runs behind a gate and fails the items whose
     bytes end in b"BAD" alone, as a batch that finds a stream bad when it decodes it."""

@@ -14,7 +14,7 @@ from encode_server.config import Settings
 from encode_server.core.errors import EncodeServerError, Unavailable
 from encode_server.core.types import VIDEO, EncodedTensor, RequestItem
 from encode_server.encoders import load_encoder
-from encode_server.encoders.base import PreparedItem, VisionEncoder
+from encode_server.encoders.base import Encoder, PreparedItem
 from encode_server.metrics import Metrics
 from encode_server.service import EncodeService
 from tests.images import image_bytes
@@ -29,7 +29,7 @@ SETTINGS = Settings(cache_mb=16, max_queue=MAX_QUEUE, max_batch_tokens=16, max_b
 
 
 @pytest.fixture(scope="module")
-def encoder() -> VisionEncoder:
+def encoder() -> Encoder:
     return load_encoder("builtin:tiny", device="cpu")
 
 
@@ -39,7 +39,7 @@ def video() -> bytes:
 
 
 @pytest.fixture
-def gate(encoder: VisionEncoder, monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
+def gate(encoder: Encoder, monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
     """Forward passes wait for the gate (set: they run): what is admitted stays pending meanwhile."""
     opened = threading.Event()
     inner = encoder.forward
@@ -61,7 +61,7 @@ async def _settled(service: EncodeService) -> None:
         await asyncio.sleep(0.01)
 
 
-def test_a_video_split_into_more_parts_than_the_queue_holds_is_one_item(encoder: VisionEncoder, video: bytes) -> None:
+def test_a_video_split_into_more_parts_than_the_queue_holds_is_one_item(encoder: Encoder, video: bytes) -> None:
     # The bug: the service counted the video once, the batcher each part, so the third part was
     # refused (503) with the first two queued for nobody.
     async def scenario() -> None:
@@ -86,7 +86,7 @@ def test_a_video_split_into_more_parts_than_the_queue_holds_is_one_item(encoder:
 
 
 def test_a_full_queue_refuses_a_video_before_any_part_is_queued(
-    encoder: VisionEncoder, video: bytes, gate: threading.Event
+    encoder: Encoder, video: bytes, gate: threading.Event
 ) -> None:
     async def scenario() -> None:
         metrics = Metrics()

@@ -15,7 +15,7 @@ from encode_server.config import Settings
 from encode_server.core.errors import BadInput, TooLarge
 from encode_server.core.types import VIDEO, RequestItem
 from encode_server.encoders import load_encoder
-from encode_server.encoders.base import VisionEncoder
+from encode_server.encoders.base import Encoder
 from encode_server.metrics import Metrics
 from encode_server.service import EncodeService
 from tests.images import image_bytes
@@ -28,11 +28,11 @@ FEWER = {"max_pixels": 12544}
 
 
 @pytest.fixture(scope="module")
-def encoder() -> VisionEncoder:
+def encoder() -> Encoder:
     return load_encoder("builtin:tiny", device="cpu")
 
 
-def _run(encoder: VisionEncoder, settings: Settings, body: Callable[[EncodeService], Awaitable[Any]]) -> Any:
+def _run(encoder: Encoder, settings: Settings, body: Callable[[EncodeService], Awaitable[Any]]) -> Any:
     async def scenario() -> Any:
         service = make_service(encoder, settings, Metrics())
         await service.start()
@@ -44,7 +44,7 @@ def _run(encoder: VisionEncoder, settings: Settings, body: Callable[[EncodeServi
     return asyncio.run(scenario())
 
 
-def test_settings_are_refused_naming_the_flag_unless_the_operator_turns_them_on(encoder: VisionEncoder) -> None:
+def test_settings_are_refused_naming_the_flag_unless_the_operator_turns_them_on(encoder: Encoder) -> None:
     async def body(service: EncodeService) -> None:
         with pytest.raises(BadInput, match="--trust-request-mm-kwargs") as refused:
             await service.encode([RequestItem(0, data=IMAGE), RequestItem(1, data=IMAGE, settings=FEWER)])
@@ -58,7 +58,7 @@ def test_settings_are_refused_naming_the_flag_unless_the_operator_turns_them_on(
 
 
 def test_one_image_under_two_settings_is_two_entries_and_the_defaults_restated_are_todays(
-    encoder: VisionEncoder,
+    encoder: Encoder,
 ) -> None:
     async def body(service: EncodeService) -> None:
         plain, restated, fewer = [
@@ -93,7 +93,7 @@ def test_one_image_under_two_settings_is_two_entries_and_the_defaults_restated_a
      ({"min_pixels": 200705}, "at most 200704 \\(the checkpoint's max_pixels\\)")],
 )
 def test_a_bad_setting_is_bad_input_naming_the_key_and_the_item(
-    encoder: VisionEncoder, settings: dict[str, Any], words: str
+    encoder: Encoder, settings: dict[str, Any], words: str
 ) -> None:
     async def body(service: EncodeService) -> None:
         with pytest.raises(BadInput, match=words) as refused:
@@ -103,7 +103,7 @@ def test_a_bad_setting_is_bad_input_naming_the_key_and_the_item(
     _run(encoder, ON, body)
 
 
-def test_a_video_takes_no_pixel_setting(encoder: VisionEncoder) -> None:
+def test_a_video_takes_no_pixel_setting(encoder: Encoder) -> None:
     async def body(service: EncodeService) -> None:
         with pytest.raises(BadInput, match="does not apply to a video") as refused:
             await service.encode([RequestItem(0, mm_hash="ab" * 32, modality=VIDEO, settings=FEWER)])
@@ -123,7 +123,7 @@ def _video(settings: dict[str, Any] | None = None, index: int = 0) -> RequestIte
     return RequestItem(index, data=CLIP, modality=VIDEO, settings=settings)
 
 
-def test_a_videos_fps_samples_its_frames_keys_its_entry_and_tokens_count_its_rows(encoder: VisionEncoder) -> None:
+def test_a_videos_fps_samples_its_frames_keys_its_entry_and_tokens_count_its_rows(encoder: Encoder) -> None:
     async def body(service: EncodeService) -> None:
         assert service.setting_defaults["fps"] == ON.video_fps
         results = {fps: (await service.encode([_video(None if fps is None else {"fps": fps})]))[0]
@@ -155,7 +155,7 @@ def test_a_videos_fps_samples_its_frames_keys_its_entry_and_tokens_count_its_row
      ({"num_frames": 8}, "num_frames is not a setting of this model's family")],
 )
 def test_a_bad_video_setting_is_bad_input_naming_the_key_and_the_item(
-    encoder: VisionEncoder, settings: dict[str, Any], words: str
+    encoder: Encoder, settings: dict[str, Any], words: str
 ) -> None:
     async def body(service: EncodeService) -> None:
         with pytest.raises(BadInput, match=words) as refused:
@@ -167,7 +167,7 @@ def test_a_bad_video_setting_is_bad_input_naming_the_key_and_the_item(
     _run(encoder, ON, body)
 
 
-def test_a_videos_fps_is_refused_naming_the_flag_when_settings_are_off(encoder: VisionEncoder) -> None:
+def test_a_videos_fps_is_refused_naming_the_flag_when_settings_are_off(encoder: Encoder) -> None:
     async def body(service: EncodeService) -> None:
         with pytest.raises(BadInput, match="--trust-request-mm-kwargs") as refused:
             await service.tokens(items=[_video({"fps": 1.0})])
@@ -176,7 +176,7 @@ def test_a_videos_fps_is_refused_naming_the_flag_when_settings_are_off(encoder: 
     _run(encoder, Settings(cache_mb=16, warmup="quick"), body)
 
 
-def test_an_fps_sampling_more_frames_than_the_video_limit_is_refused_naming_the_item(encoder: VisionEncoder) -> None:
+def test_an_fps_sampling_more_frames_than_the_video_limit_is_refused_naming_the_item(encoder: Encoder) -> None:
     async def body(service: EncodeService) -> None:
         assert len(await service.tokens(items=[_video({"fps": 2.0})])) == 1
         with pytest.raises(TooLarge, match="samples 14 frames, above the limit of 8") as refused:

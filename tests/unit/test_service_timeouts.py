@@ -13,16 +13,16 @@ from encode_server.config import Settings
 from encode_server.core.hashing import mm_hash
 from encode_server.core.types import RequestItem
 from encode_server.encoders import load_encoder
-from encode_server.encoders.base import EncodedTensor, PreparedItem, VisionEncoder
+from encode_server.encoders.base import EncodedTensor, Encoder, PreparedItem
 from encode_server.metrics import Metrics
 from tests.images import image_bytes
 from tests.services import make_service
 
 
-class GatedEncoder(VisionEncoder):
+class GatedEncoder(Encoder):
     """The built-in model, with a forward pass that waits while ``gate`` is clear."""
 
-    def __init__(self, inner: VisionEncoder) -> None:
+    def __init__(self, inner: Encoder) -> None:
         self.inner = inner
         self.info = inner.info
         self.gate = threading.Event()

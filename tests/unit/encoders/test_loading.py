@@ -16,7 +16,7 @@ from PIL import Image
 from safetensors.torch import load_file, save_file
 
 import encode_server.encoders as encoders
-from encode_server.encoders import VisionEncoder, load_encoder
+from encode_server.encoders import Encoder, load_encoder
 from encode_server.encoders.loading import weights_digest
 from tests.tiny_models import reference_qwen_features
 from tests.unit.encoders.util import decode
@@ -46,7 +46,7 @@ def rewrite_checkpoint(
     return dst
 
 
-def assert_matches_reference(encoder: VisionEncoder, qwen_dir: Path, image: Image.Image) -> None:
+def assert_matches_reference(encoder: Encoder, qwen_dir: Path, image: Image.Image) -> None:
     [encoded] = encoder.forward([encoder.preprocess(image)])
     assert torch.equal(decode(encoded), reference_qwen_features(qwen_dir, image)[0])
 
@@ -142,7 +142,7 @@ def test_a_checkpoint_without_vision_tensors_says_so(qwen_dir: Path, tmp_path: P
         load_encoder(str(text_only), device="cpu")
 
 
-def _vision_state(encoder: VisionEncoder) -> dict[str, torch.Tensor]:
+def _vision_state(encoder: Encoder) -> dict[str, torch.Tensor]:
     return encoder.module.state_dict()  # type: ignore[attr-defined]
 
 
@@ -221,7 +221,7 @@ def test_public_surface() -> None:
         "Epd",
         "Family",
         "PreparedItem",
-        "VisionEncoder",
+        "Encoder",
         "check_local_model",
         "load_encoder",
     }

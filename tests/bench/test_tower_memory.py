@@ -40,7 +40,7 @@ def test_kv_arithmetic_for_the_whole_3b() -> None:
 
 @pytest.mark.parametrize("layers", [1, 32])
 def test_qwen2_audio_counts_are_transformers_own(layers: int) -> None:
-    """The audio case: Whisper-large's encoder and the projector (637.0 M and 5.2 M, as docs/vllm.md
+    """The audio case: Whisper-large's encoder and the projector (637.0 M and 5.2 M, as docs/epd-families.md
     counts them), the 7B language model with untied embeddings."""
     from transformers import Qwen2AudioConfig, Qwen2AudioForConditionalGeneration
 

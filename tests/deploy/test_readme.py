@@ -28,12 +28,15 @@ def test_each_topic_is_on_its_page() -> None:
     expected = {
         "api": ("grpcurl", "## Error types", "## Limits"),
         "client": ("encode-client warm", "encode-client hash", "AsyncClient", "image_aware_ids"),
-        "vllm": ("ec_consumer", "encode-epd-proxy", "--export-dir", "StoreReader", "What the tests prove"),
+        "vllm": ("ec_consumer", "encode-epd-proxy", "--export-dir", "StoreReader", "## Families"),
+        "epd-proxy": ("--trust-client-embeds", "pixel_free_alone", "per_modality", "ec_transfer_params", "SSRF"),
+        "epd-families": ("use_audio_in_video", "second_per_grid_ts", "vision_chunk", "audio_feature_lengths"),
         "models": ("model_type", "fingerprint", "--dtype", "/v1/tokens"),
         "operations": ("--api-keys", "SIGTERM", "--log-format", "kubectl apply", "docker compose", "--redis-url"),
         "robustness": ("--max-inflight-mb", "make soak", "schemathesis"),
-        "benchmarks": ("make bench", "bench/results/latest.json", "gpu_check.sh"),
-        "development": ("tests/unit", "Encoder", "make test-vllm"),
+        "benchmarks": ("make bench", "make bench-epd", "bench/results/latest.json", "gpu_check.sh", "## The machine"),
+        "benchmark-history": ("## EPD runs", "## Measured, not kept"),
+        "development": ("tests/unit", "Encoder", "make test-vllm", "What the vLLM tests prove", "torchvision_cpu_shim"),
     }
     for page, needles in expected.items():
         text = _page(page)

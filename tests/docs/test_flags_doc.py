@@ -86,14 +86,14 @@ def test_the_limits_name_real_flags_and_variables() -> None:
     assert {"--max-request-bytes", "--max-items", "--max-image-pixels", "--max-queue", "--request-timeout"} <= named
 
 
-def test_the_vllm_page_lists_every_proxy_flag_and_its_variable() -> None:
-    """docs/vllm.md's table of encode-epd-proxy's flags is the proxy's command line, no more, no less."""
+def test_the_proxy_page_lists_every_proxy_flag_and_its_variable() -> None:
+    """docs/epd-proxy.md's table of encode-epd-proxy's flags is the proxy's command line, no more, no less."""
     import inspect
 
     from encode_client import proxy
 
     flags = {o for a in proxy.build_parser()._actions for o in a.option_strings if o.startswith("--")} - {"--help"}
-    rows = _table("docs/vllm.md", ["flag (env)", "what"])
+    rows = _table("docs/epd-proxy.md", ["flag (env)", "what"])
     listed = {flag for row in rows for flag in re.findall(r"`(--[a-z-]+)`", row[0])}
     assert listed == flags
     source = inspect.getsource(proxy.build_parser)

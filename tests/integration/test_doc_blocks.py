@@ -76,18 +76,19 @@ SKIP: dict[tuple[str, str], str] = {
     ("docs/vllm.md", "vllm serve /models/Qwen2.5-VL-7B-Instruct --limit-mm-per-prompt '{\"image\":0,\"video\":0}' "
      "--ec-transfer-config '{"):
         "vLLM serving a real model; tests/vllm runs it on a tiny one (make test-vllm)",
-    ("docs/vllm.md", "encode-server --model /models/Qwen2-Audio-7B-Instruct --redis-url redis://redis:6379/0 --host "
-     "0.0.0.0"):
+    ("docs/epd-families.md", "encode-server --model /models/Qwen2-Audio-7B-Instruct --redis-url redis://redis:6379/0 "
+     "--host 0.0.0.0"):
         "a Qwen2-Audio stack on a real model directory and named hosts, run until stopped; tests/vllm/"
         "test_proxy_audio.py runs it on a tiny one",
-    ("docs/vllm.md", "encode-server --model /models/Qwen2.5-Omni-7B --redis-url redis://redis:6379/0 --host 0.0.0.0"):
+    ("docs/epd-families.md", "encode-server --model /models/Qwen2.5-Omni-7B --redis-url redis://redis:6379/0 --host "
+     "0.0.0.0"):
         "a Qwen2.5-Omni stack on a real model directory and named hosts, run until stopped; tests/vllm/"
         "test_qwen2_5_omni.py and test_proxy_families.py run it on a tiny one",
-    ("docs/vllm.md", "vllm serve /models/Qwen2.5-Omni-7B --trust-request-mm-kwargs \\"):
+    ("docs/epd-families.md", "vllm serve /models/Qwen2.5-Omni-7B --trust-request-mm-kwargs \\"):
         "a prefill and a proxy taking use_audio_in_video on a real model directory and named hosts, run until "
         "stopped; tests/vllm/test_proxy_families.py runs both Omni thinkers so on tiny ones",
-    ("docs/vllm.md", "encode-server --model /models/Qwen3-Omni-30B-A3B-Instruct --redis-url redis://redis:6379/0 "
-     "--host 0.0.0.0"):
+    ("docs/epd-families.md", "encode-server --model /models/Qwen3-Omni-30B-A3B-Instruct --redis-url "
+     "redis://redis:6379/0 --host 0.0.0.0"):
         "a Qwen3-Omni stack on a real model directory and named hosts, run until stopped; tests/vllm/"
         "test_qwen3_omni.py and test_proxy_families.py run it on a tiny one",
     ("README.md", "make demo-epd   # the whole EPD stack on this CPU machine; prints the proxy's URL and a chat to "
@@ -109,7 +110,7 @@ SKIP: dict[tuple[str, str], str] = {
     ("docs/vllm.md", "{ printf '{\"model\": \"tiny\", \"max_tokens\": 16, \"messages\": [{\"role\": \"user\", "
      "\"content\": ['"):
         "a chat through the CPU-host stack's proxy: tests/vllm/test_doc_blocks_cpu.py sends it",
-    ("docs/vllm.md",
+    ("docs/epd-proxy.md",
      "encode-epd-proxy --listen 0.0.0.0:8080 --vllm http://prefill-a:8000 --vllm http://prefill-b:8000 \\"):
         "proxies in front of vLLMs and encode-servers on named hosts, run until stopped; tests/vllm runs the "
         "proxy against a real vLLM",

@@ -96,7 +96,7 @@ def vllm_side(checkpoint: Path) -> dict[str, Any]:
 
 def test_a_prefill_with_audio_limit_0_builds_no_audio_tower(checkpoint: Path, server: ServerProcess,
                                                             vllm_side: dict[str, Any]) -> None:
-    """The tower-free EC consumer of docs/vllm.md (``--limit-mm-per-prompt '{"audio": 0}'``) holds
+    """The tower-free EC consumer of docs/epd-families.md (``--limit-mm-per-prompt '{"audio": 0}'``) holds
     none of the audio tower's parameters; vLLM with its tower holds them (tests/vllm/test_proxy_audio.py
     proves the consumer answers as vLLM with its tower does)."""
     config = connector_config(REDIS_URL, server.url, "test-vllm-audio-tower-free")

@@ -92,7 +92,7 @@ def _address(value: str) -> tuple[str, int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The command line (docs/vllm.md's proxy flag table lists exactly these flags; a test checks)."""
+    """The command line (docs/epd-proxy.md's flag table lists exactly these flags; a test checks)."""
     parser = argparse.ArgumentParser(prog="encode-epd-proxy", description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument(
         "--listen", type=_address, default=("127.0.0.1", 8080), help="HOST:PORT (default 127.0.0.1:8080)"

@@ -56,6 +56,7 @@ from bench import models
 from bench.rawhttp import Conn, Request, post_many
 from bench.serving import CONCURRENCY, MAX_PIXELS, RESULTS, S2_TOKENS, BarePipeline, Plan, checked, json_body, s2
 from bench.workload import photos
+from encode_server.kinds import image_inputs
 from encode_server.malloc import tune_allocator
 from tests.server import ServerProcess, start_server
 
@@ -196,7 +197,7 @@ def forward_only(bare: BarePipeline, images: Sequence[bytes], reps: int, device:
     import torch
 
     encoder: Any = bare.encoder
-    batch = [encoder.prepare(d, max_pixels=MAX_PIXELS) for d in images[:CONCURRENCY]]
+    batch = [image_inputs(encoder, d, max_pixels=MAX_PIXELS) for d in images[:CONCURRENCY]]
     made, errors = encoder.batched.run([p.pending for p in batch])
     assert made is not None and not any(errors)
     inputs = {k: v.to(encoder.device, dtype=encoder.dtype if k == "pixel_values" else None) for k, v in made.items()}
@@ -246,7 +247,7 @@ def graphs(model: Path, device: str, dtype: str, images: Sequence[bytes], reps: 
     line = graphed.capture_graphs()
     if graphed.graphs is None:
         return {"cuda_graphs": line or f"not used on {device} in {dtype}"}
-    batch = [eager.prepare(d, max_pixels=MAX_PIXELS) for d in images]
+    batch = [image_inputs(eager, d, max_pixels=MAX_PIXELS) for d in images]
 
     def median_s(encoder: Any, items: list[Any]) -> float:
         encoder.forward(items)
@@ -276,8 +277,8 @@ def parity(gpu_pre: BarePipeline, cpu_pre: BarePipeline, images: Sequence[bytes]
         raw = torch.frombuffer(bytearray(e.data), dtype=getattr(torch, e.dtype))
         return raw.reshape(e.shape).float()
 
-    ours = gpu_pre.encoder.forward([gpu_pre.encoder.prepare(d, max_pixels=MAX_PIXELS) for d in images])
-    theirs = cpu_pre.encoder.forward([cpu_pre.encoder.prepare(d, max_pixels=MAX_PIXELS) for d in images])
+    ours = gpu_pre.encoder.forward([image_inputs(gpu_pre.encoder, d, max_pixels=MAX_PIXELS) for d in images])
+    theirs = cpu_pre.encoder.forward([image_inputs(cpu_pre.encoder, d, max_pixels=MAX_PIXELS) for d in images])
     rel, cos = [], []
     for a, b in zip(ours, theirs, strict=True):
         x, y = decode(a), decode(b)

@@ -72,6 +72,7 @@ from bench.latest import RESULTS, merge_into
 from bench.rawhttp import Conn, Request, exchange, post_many
 from bench.vllm_peer import TOWER as VLLM_PEER_TOWER
 from bench.workload import photos, zipf_sequence
+from encode_server.kinds import image_inputs
 from encode_server.malloc import tune_allocator
 from tests.redis_procs import start_redis
 from tests.server import ServerProcess, free_port, start_server
@@ -156,7 +157,7 @@ class BarePipeline:
 
     def run(self, chunk: Sequence[bytes]) -> float:
         started = time.perf_counter()
-        prepared = [self.encoder.prepare(d, max_pixels=MAX_PIXELS) for d in chunk]
+        prepared = [image_inputs(self.encoder, d, max_pixels=MAX_PIXELS) for d in chunk]
         self.encoder.forward(prepared)  # returns host bytes: the device work is done
         self._sync()
         return time.perf_counter() - started

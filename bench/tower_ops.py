@@ -139,32 +139,21 @@ def _encoder(path: Path, dtype: str = "float32") -> Any:
 
 def _images(encoder: Any, n: int) -> list[Any]:
     from bench.workload import photos
+    from encode_server.kinds import image_inputs
 
-    return [encoder.prepare(data, max_pixels=50_000_000) for data in photos(0, n)]
-
-
-def _video(encoder: Any, data: bytes) -> list[Any]:
-    """The service's way (``Service._prepare_video``): header planned, sampled frames decoded,
-    preprocessed; one item."""
-    from encode_server.admission import plan_video
-    from encode_server.config import Settings
-    from encode_server.video import decode_frames
-
-    info, plan = plan_video(encoder, Settings(), data, 0)
-    frames = decode_frames(data, plan.indices, size=(info.height, info.width), index=0)
-    return [encoder.preprocess_video(frames, plan)]
+    return [image_inputs(encoder, data, max_pixels=50_000_000) for data in photos(0, n)]
 
 
-def _audio(encoder: Any, data: bytes) -> list[Any]:
-    """The service's way (``AudioItems.prepare``: planned, decoded as far as the family reads,
-    preprocessed); one item."""
+def _prepared(encoder: Any, modality: str, data: bytes) -> list[Any]:
+    """The service's way (its kind's ``prepare``: header planned, decoded as far as the family
+    reads, preprocessed); one item, nothing charged."""
     from encode_server.admission import MemoryCharge
-    from encode_server.audio_items import AudioItems
     from encode_server.config import Settings
+    from encode_server.kinds import KINDS
 
     settings = Settings()
     memory = MemoryCharge(None, None, max_pixels=settings.max_image_pixels)  # type: ignore[arg-type]
-    return [AudioItems(encoder, settings, memory).prepare(data, 0)]
+    return [KINDS[modality](encoder, settings, memory).prepare(data, 0, None)]
 
 
 def measure(encoder: Any, batch: list[Any], *, rounds: int = 20, budget_s: float = 3.0) -> dict[str, Any]:
@@ -272,8 +261,8 @@ def every_family(work: Path, n_images: int = 16, rounds: int = 20) -> dict[str, 
     video = make_video(VIDEO_SECONDS * VIDEO_FPS, VIDEO_FPS, 640, 480)
     audio = make_audio(AUDIO_SECONDS)
     inputs: dict[str, Callable[[Any], list[Any]]] = {
-        "image": lambda e: _images(e, n_images), "video": lambda e: _video(e, video),
-        "audio": lambda e: _audio(e, audio)}
+        "image": lambda e: _images(e, n_images), "video": lambda e: _prepared(e, "video", video),
+        "audio": lambda e: _prepared(e, "audio", audio)}
     out: dict[str, dict[str, Any]] = {}
     for family, (build, extra) in _builders().items():
         path = build(work / family)

@@ -1,39 +1,30 @@
 """What the service lets in before it does the work, and what it charges while the work runs.
 
 Each check comes before the cost it bounds, and refuses with the errors a client already knows
-(``core/errors.py``: 503 ``overloaded`` with ``Retry-After``, 413 ``video_too_large``...):
+(``core/errors.py``: 503 ``overloaded`` with ``Retry-After``):
 
 - :class:`QueueBound`: ``--max-queue``, the items pending encode, admitted all or none per request;
 - :class:`MemoryCharge`: the request-memory budget (``--max-inflight-mb``) charged with what
-  decoding one item holds, from its header, before it is decoded;
-- :func:`plan_video`: a video's container header checked against the video limits and planned by
-  its family (``Encoder.plan_video``), before a frame is decoded;
-- :func:`plan_audio`: an audio file's header checked against ``--max-audio-seconds`` and costed by
-  its family (``Encoder.plan_audio``: a rate it cannot resample in bounded memory is refused),
-  before a sample is decoded.
+  decoding one item holds, from its header, before it is decoded.
 
-The service (``service.py``) owns single flight and the tiers; it asks this module, never the
-reverse (``tests/unit/test_layering.py``).
+What an item's header says and what its family makes of it (a video's sampling, an audio file's
+length) is its kind's (``kinds/``), which charges :class:`MemoryCharge`; the service owns single
+flight and the tiers and admits through :class:`QueueBound`. Neither is asked by this module
+(``tests/unit/test_layering.py``).
 """
 
 from __future__ import annotations
 
-import math
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import replace
-from typing import Any
 
-from encode_server.config import Settings
 from encode_server.core.budget import ByteBudget
-from encode_server.core.errors import BadInput, TooLarge, Unavailable, UnsupportedMediaType
-from encode_server.core.types import AudioInfo, VideoInfo
-from encode_server.encoders.base import AudioPlan, Encoder, VideoPlan
+from encode_server.core.errors import Unavailable
 from encode_server.imaging import decoded_nbytes
 from encode_server.metrics import Metrics
 
-__all__ = ["Charge", "MemoryCharge", "QueueBound", "plan_audio", "plan_video"]
+__all__ = ["Charge", "MemoryCharge", "QueueBound"]
 
 
 class QueueBound:
@@ -143,68 +134,3 @@ class MemoryCharge:
             yield charge
         finally:
             charge.close()
-
-
-def plan_video(
-    encoder: Encoder, settings: Settings, data: bytes, index: int, item_settings: Mapping[str, Any] | None = None
-) -> tuple[VideoInfo, VideoPlan]:
-    """A video's header read and checked against the limits, and its sampling planned by its family:
-    before any frame is decoded (``/v1/tokens`` stops here). ``item_settings``: the item's effective
-    per-request settings (their ``fps`` in place of ``--video-fps``), None for the server's."""
-    from encode_server.video import probe
-
-    s = settings
-    info = probe(data, index=index)
-    if info.codec == "gif":
-        raise UnsupportedMediaType(
-            "a GIF is an image for this model (vLLM reads its first frame): send it as an image",
-            type="unsupported_video", index=index,
-        )
-    if info.duration > s.max_video_seconds:
-        raise TooLarge(f"video is {info.duration:.1f} s long, above the limit of {s.max_video_seconds:g} s "
-                       "(--max-video-seconds)",
-                       type="video_too_large", index=index)
-    if info.width * info.height > s.max_image_pixels:
-        raise TooLarge(f"video frames are {info.width}x{info.height}, above the limit of {s.max_image_pixels} "
-                       "pixels (--max-image-pixels)", type="video_too_large", index=index)
-    try:
-        plan = encoder.plan_video(info, float((item_settings or {}).get("fps", s.video_fps)))
-    except ValueError as exc:
-        raise BadInput(f"video cannot be preprocessed: {exc}", type="invalid_video", index=index) from exc
-    if len(plan.indices) > s.max_video_frames:
-        raise TooLarge(f"video samples {len(plan.indices)} frames, above the limit of {s.max_video_frames} "
-                       "(--max-video-frames)",
-                       type="video_too_large", index=index)
-    # Every frame up to the last sampled one is decoded (inter-frame codecs): a header that
-    # claims a high frame rate asks for that much decoding in a few seconds of "duration".
-    if (decoded := max(plan.indices) + 1) > s.max_video_decoded_frames:
-        raise TooLarge(f"video needs {decoded} frames decoded ({info.num_frames} at {info.fps:g} fps), above the "
-                       f"limit of {s.max_video_decoded_frames} (--max-video-decoded-frames)", type="video_too_large",
-                       index=index)
-    return info, plan
-
-
-# A header that only estimates its length (MP3, AAC, Opus: from a bitrate) is taken to hold up to this
-# much more (and a second): the length ``plan_audio`` returns and the family is costed at. A family
-# that reads the whole file (Qwen2.5-Omni) decodes no further: past it the item is 413.
-ESTIMATE_MARGIN = 1.25
-
-
-def plan_audio(encoder: Encoder, s: Settings, data: bytes, index: int) -> tuple[AudioInfo, AudioPlan]:
-    """An audio file's header read and checked against ``--max-audio-seconds``, and costed by its
-    family, before a sample is decoded; an estimated length is returned as its bound
-    (``ESTIMATE_MARGIN``)."""
-    from encode_server.audio import probe
-
-    info = probe(data, index=index)
-    if info.duration > s.max_audio_seconds:
-        raise TooLarge(f"audio is {info.duration:.1f} s long, above the limit of {s.max_audio_seconds:g} s "
-                       "(--max-audio-seconds)",
-                       type="audio_too_large", index=index)
-    if not info.exact_length:  # costed (and, where the family reads it all, decoded) up to a bound
-        bound = math.ceil(info.num_samples * ESTIMATE_MARGIN) + info.sample_rate
-        info = replace(info, num_samples=min(bound, math.ceil(s.max_audio_seconds * info.sample_rate)))
-    try:
-        return info, encoder.plan_audio(info)
-    except ValueError as exc:  # e.g. a rate the resampler cannot take within bounded memory
-        raise UnsupportedMediaType(f"audio cannot be taken: {exc}", type="unsupported_audio", index=index) from exc

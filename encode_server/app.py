@@ -27,6 +27,7 @@ from types import FrameType
 import grpc
 import uvicorn
 
+from encode_server.admission import MemoryCharge
 from encode_server.api.connections import uvicorn_options
 from encode_server.api.grpc import start_grpc_server
 from encode_server.api.http import create_app
@@ -40,16 +41,19 @@ from encode_server.config import Settings
 from encode_server.core.batcher import Batcher
 from encode_server.core.budget import ByteBudget
 from encode_server.core.errors import EncodeServerError
+from encode_server.core.settings import RequestSettings
 from encode_server.core.stored import ValueSpec
 from encode_server.core.types import EncodedTensor
 from encode_server.encoders import check_local_model, load_encoder, resolve_device
 from encode_server.encoders.base import Encoder, PreparedItem
 from encode_server.encoders.threads import MAX_AUTO_WORKERS, CoreShare, forward_workers
+from encode_server.fingerprints import serving_fingerprint
 from encode_server.heap import GcPauses, freeze_startup_heap
+from encode_server.kinds import kinds_for
 from encode_server.malloc import release_free_memory
 from encode_server.metrics import Metrics
-from encode_server.service import EncodeService, serving_fingerprint
-from encode_server.warmup import WarmupFailed
+from encode_server.service import EncodeService, Served
+from encode_server.warmup import WarmupFailed, prepare_to_serve
 
 __all__ = [
     "DrainingServer", "EncodeServer", "EncoderLoader", "StartFailed", "build_service", "check_device", "file_exporter",
@@ -262,7 +266,8 @@ def build_service(
     """The service over its tiers: the local LRU, ``shared`` (or none), and the encoder's batcher,
     whose forward passes run on ``forward``, ``--forward-workers`` of them at once (the executor
     must have that many threads); on a CPU they share torch's threads (``encoders/threads.py``).
-    Decoded pixels are charged to ``budget`` (the runtime's)."""
+    Each input kind the family takes (``kinds/``) charges what decoding an item holds to
+    ``budget`` (the runtime's); the warm-up runs when the service starts."""
     workers = forward_workers(settings.forward_workers, encoder.info.device, batched=encoder.preprocesses_on_device)
     run_batch: Callable[[Sequence[PreparedItem]], Sequence[EncodedTensor | EncodeServerError]] = encoder.forward
     if workers > 1 and encoder.info.device == "cpu":
@@ -279,9 +284,26 @@ def build_service(
         concurrency=workers,
     )
     local = LocalTier(settings.cache_bytes, metrics)
+    memory = MemoryCharge(budget, metrics, max_pixels=settings.max_image_pixels)
+    family = encoder.family.describe() if encoder.family is not None else None
+    served = Served(encoder.info, family, encoder.dtype_reason, serving_fingerprint(encoder, settings))
+    capacity = budget.capacity if budget is not None else None
     return EncodeService(
-        encoder, settings, metrics, local=local, batcher=batcher, shared=shared, budget=budget, exporter=exporter
+        served, settings, metrics, local=local, batcher=batcher, kinds=kinds_for(encoder, settings, memory),
+        item_settings=request_settings(encoder, settings), shared=shared, exporter=exporter,
+        warm=partial(prepare_to_serve, encoder, settings, budget=capacity),
     )
+
+
+def request_settings(encoder: Encoder, settings: Settings) -> RequestSettings:
+    """The per-request settings this server takes (``core/settings.py``): the family's keys, the
+    checkpoint's defaults for them (the server's where a key has one, as ``fps`` is
+    ``--video-fps``), capped by ``--max-image-pixels``."""
+    declared = encoder.family.settings if encoder.family is not None else ()
+    defaults = encoder.setting_defaults() if declared else {}
+    defaults |= {s.name: getattr(settings, s.server_default) for s in declared if s.server_default is not None}
+    return RequestSettings(declared, defaults, {"max_image_pixels": float(settings.max_image_pixels)},
+                           trusted=settings.trust_request_mm_kwargs)
 
 
 async def shared_tier(settings: Settings, metrics: Metrics, encoder: Encoder) -> SharedTier | None:

@@ -2,49 +2,42 @@
 
 HTTP and gRPC both call ``EncodeService``; neither holds any logic of its own beyond parsing and
 mapping errors. The service owns the single-flight table: one encode per cache key at a time,
-however many requests (or items of one request) want it. What it lets in and charges for is
-``admission.py``'s (the ``--max-queue`` bound, the request-memory charge, a video's limits); what
-``GET /v1/model`` publishes about it is ``api/model.py``'s.
+however many requests (or items of one request) want it. It asks an item's kind (``kinds/``) to
+prepare or count it and never reads an item's bytes itself; it admits through ``admission.py``'s
+``--max-queue`` bound; what ``GET /v1/model`` publishes about it is ``api/model.py``'s, from
+:meth:`EncodeService.describe`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
-from encode_server.admission import MemoryCharge, QueueBound, plan_video
-from encode_server.audio_items import AudioItems
+from encode_server.admission import QueueBound
 from encode_server.cache.base import SharedTier
 from encode_server.cache.export import FileExporter
 from encode_server.cache.local import LocalTier
 from encode_server.config import Settings
 from encode_server.core.batcher import Batcher
-from encode_server.core.budget import ByteBudget
 from encode_server.core.errors import (
     BadInput,
     Conflict,
     EncodeServerError,
     InvalidRequest,
     Timeout,
-    TooLarge,
     Unavailable,
 )
-from encode_server.core.hashing import CacheKey, fingerprint, mm_hash, parse_mm_hash
-from encode_server.core.settings import describe as describe_settings
+from encode_server.core.hashing import CacheKey, mm_hash, parse_mm_hash
+from encode_server.core.settings import RequestSettings
 from encode_server.core.settings import digest as settings_digest
-from encode_server.core.settings import refuse_prompt_keys
-from encode_server.core.settings import resolve as resolve_settings
 from encode_server.core.types import (
-    AUDIO,
     ENCODER,
     IMAGE,
-    VIDEO,
     Embedding,
     EncodedTensor,
     ItemResult,
@@ -52,16 +45,12 @@ from encode_server.core.types import (
     Resolved,
     Return,
 )
-from encode_server.encoders.base import Encoder, EncoderInfo, PreparedItem
-from encode_server.imaging import oriented_size
+from encode_server.encoders.base import EncoderInfo, PreparedItem
+from encode_server.kinds import KINDS, ImageKind, ItemKind, TokenCount
 from encode_server.metrics import Metrics
-from encode_server.warmup import PassChoice, WarmupReport, choose_passes, warm_up
+from encode_server.warmup import PassChoice, WarmupReport, initial_passes
 
-__all__ = ["EncodeService", "LookupResult", "TokenCount", "model_fingerprint", "serving_fingerprint"]
-
-log = logging.getLogger(__name__)
-
-_PLURAL = {IMAGE: "images", VIDEO: "videos", AUDIO: "audio"}  # for refusals: "takes images only, not videos"
+__all__ = ["EncodeService", "LookupResult", "Served", "TokenCount", "Warm"]
 
 # Hashing a large upload takes a few ms per MiB; above this it leaves the event loop.
 _HASH_OFF_LOOP_BYTES = 1 << 20
@@ -69,35 +58,26 @@ _HASH_OFF_LOOP_BYTES = 1 << 20
 # ~20 us of a cached hit's ~60 us in the server.
 _IN_TASK_TIMEOUT = sys.version_info >= (3, 11)
 
-
-def model_fingerprint(info: EncoderInfo, video_sampling: dict[str, Any] | None = None) -> str:
-    """Everything besides the image that changes the embedding (docs/cache.md).
-
-    Content, not names: the digest of the loaded weights stands for the model id and revision, so
-    replicas that mount one checkpoint at different paths (or pull it by hub id) share a cache,
-    and a re-uploaded checkpoint under an old name does not. For a model that takes videos, the
-    server's frame sampling (``--video-fps``) too: two samplings of one file never share an entry.
-    """
-    fields: dict[str, Any] = {
-        "weights_digest": info.weights_digest,
-        "architecture": info.architecture,
-        "kind": info.kind,
-        "output": info.output,
-        "dtype": info.dtype,
-        "preprocessing": info.preprocessing,
-    }
-    if video_sampling is not None:
-        fields["video_sampling"] = video_sampling
-    return fingerprint(fields)
+Run = Callable[[Callable[[], Any]], Awaitable[Any]]
+# The warm-up (``warmup.prepare_to_serve``, bound by the composition root): run through the batcher
+# and the preprocessing threads, what it measured and how many forward passes to keep.
+Warm = Callable[[Batcher[PreparedItem, EncodedTensor], Run], Awaitable[tuple[WarmupReport, PassChoice]]]
 
 
-def serving_fingerprint(encoder: Encoder, settings: Settings) -> str:
-    """The fingerprint this server keys, stores and exports under: the model's, and for a model
-    that takes videos the server's frame sampling too (the service, the tiers and the exporter all
-    ask this one function)."""
-    family = encoder.family
-    takes_video = family is not None and VIDEO in family.modalities
-    return model_fingerprint(encoder.info, {"fps": settings.video_fps} if takes_video else None)
+@dataclass(frozen=True)
+class Served:
+    """What this server serves, as its answers name it: the encoder's ``info``, its family as
+    published (``Family.describe``; None: a model outside the registry), why its dtype, and the
+    fingerprint of every key."""
+
+    info: EncoderInfo
+    family: dict[str, Any] | None
+    dtype_reason: str
+    fingerprint: str
+
+    @property
+    def model(self) -> str:
+        return self.info.model_id
 
 
 @dataclass(frozen=True)
@@ -105,17 +85,6 @@ class LookupResult:
     mm_hash: str
     cached: bool
     tier: str | None
-
-
-@dataclass(frozen=True)
-class TokenCount:
-    """What one image will cost: ``num_tokens`` rows, for the (EXIF-oriented) ``width`` x ``height``."""
-
-    index: int
-    width: int
-    height: int
-    num_tokens: int
-    meta: dict[str, Any]
 
 
 @dataclass
@@ -130,53 +99,44 @@ class _Identified:
 
 class EncodeService:
     """Resolves items through the tiers it is handed: ``local`` (this process), ``shared``
-    (Redis, optional) and, last, ``batcher`` (the encoder). It builds none of them: the
-    composition root (``encode_server.app``) does, so a test can hand in its own."""
+    (Redis, optional) and, last, ``batcher`` (the encoder), preparing an item's bytes with its
+    ``kinds`` entry. It builds none of them: the composition root (``encode_server.app``) does, so
+    a test can hand in its own."""
 
     def __init__(
         self,
-        encoder: Encoder,
+        served: Served,
         settings: Settings,
         metrics: Metrics,
         *,
         local: LocalTier,
         batcher: Batcher[PreparedItem, EncodedTensor],
+        kinds: Mapping[str, ItemKind],
+        item_settings: RequestSettings,
+        warm: Warm | None = None,
         shared: SharedTier | None = None,
         exporter: FileExporter | None = None,
-        budget: ByteBudget | None = None,
     ) -> None:
-        self.encoder = encoder
+        self.served = served
         self.settings = settings
         self.metrics = metrics
         self.shared = shared
         self.exporter = exporter  # --export-dir: vLLM's stock EC file layout (cache/export.py)
-        family = encoder.family
-        self.modalities = family.modalities if family is not None else (IMAGE,)
-        self.fingerprint = serving_fingerprint(encoder, settings)
-        # Per-request processor settings (core/settings.py): the family's keys, the checkpoint's
-        # defaults for them, and the server limits that cap them.
-        self.declared_settings = family.settings if family is not None else ()
-        self.setting_defaults = encoder.setting_defaults() if self.declared_settings else {}
-        self.setting_defaults |= {s.name: getattr(settings, s.server_default) for s in self.declared_settings
-                                  if s.server_default is not None}
-        self.setting_limits = {"max_image_pixels": float(settings.max_image_pixels)}
+        self.kinds = dict(kinds)
+        self.fingerprint = served.fingerprint
+        self.item_settings = item_settings  # per-request processor settings (core/settings.py)
         self.local = local
         self.batcher = batcher
         self._preprocess_pool = ThreadPoolExecutor(
             settings.preprocess_threads, thread_name_prefix="preprocess"
         )
-        # Admission (admission.py): --max-queue in items, and the request-memory budget (the
-        # runtime's) charged with what decoding an item holds, before it is decoded.
+        # Admission (admission.py): --max-queue in items; a kind charges the request-memory budget.
         self.queue = QueueBound(settings.max_queue, metrics)
+        self._warm = warm
         self.warmup: WarmupReport | None = None  # what ``start`` ran, and the peak memory it took
-        why = (f"--forward-workers {settings.forward_workers}" if settings.forward_workers
-               else "--forward-workers 0: one pass on this device" if batcher.concurrency == 1
-               else "--forward-workers 0: one per core torch uses, before the warm-up's measurement")
-        self.passes = PassChoice(batcher.concurrency, why)  # forward passes side by side (``start``)
-        self.memory = MemoryCharge(budget, metrics, max_pixels=settings.max_image_pixels)
-        self.audio = AudioItems(encoder, settings, self.memory)
+        self.passes = initial_passes(settings, batcher.concurrency)  # forward passes side by side
         metrics.queue_depth.set_function(lambda: self.queue.pending)
-        info = encoder.info
+        info = served.info
         metrics.model_info.labels(
             model=info.model_id, fingerprint=self.fingerprint, dtype=info.dtype, device=info.device
         ).set(1)
@@ -190,27 +150,19 @@ class EncodeService:
     # -- lifecycle -----------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Start the batcher (and the shared tier's background work) and run the warm-up
-        (``warmup.py``: the family's worst case, its peak memory in ``self.warmup``): readiness
-        waits for it. Raises ``WarmupFailed`` for a worst case this server cannot hold."""
+        """Start the batcher (and the shared tier's background work) and run the warm-up it was
+        handed (``warmup.py``: the family's worst case, its peak memory in ``self.warmup``):
+        readiness waits for it. Raises ``WarmupFailed`` for a worst case this server cannot hold."""
         self.batcher.start()
         if self.shared is not None:
             await self.shared.start()
-        loop = asyncio.get_running_loop()
+        if self._warm is not None:
+            loop = asyncio.get_running_loop()
 
-        # The encoder's own ``prepare``, not ``_prepare``: a warm-up is no request's preprocessing
-        # (its metric counts requests' items) and holds no request's budget.
-        async def run(work: Callable[[], Any]) -> Any:
-            return await loop.run_in_executor(self._preprocess_pool, work)
+            async def run(work: Callable[[], Any]) -> Any:
+                return await loop.run_in_executor(self._preprocess_pool, work)
 
-        budget = self.memory.budget.capacity if self.memory.budget is not None else None
-        self.warmup = await warm_up(self.encoder, self.settings, self.batcher.submit, run, budget=budget)
-        # The warm-up ran with every pass --forward-workers 0 allows (its peak covers them); keep
-        # them only where the tower is the work (``warmup.choose_passes``).
-        if self.settings.forward_workers == 0 and self.batcher.concurrency > 1:
-            self.passes = await choose_passes(self.encoder, self.settings, self.batcher.submit, run,
-                                              self.batcher.concurrency)
-            self.batcher.concurrency = self.passes.passes
+            self.warmup, self.passes = await self._warm(self.batcher, run)
 
     async def close(self) -> None:
         await self.batcher.close()
@@ -224,6 +176,10 @@ class EncodeService:
         if self.exporter is not None:
             self.exporter.close()
 
+    def describe(self) -> Served:
+        """What this server serves: what every answer names (``model``, ``fingerprint``)."""
+        return self.served
+
     def key_for(
         self, h: str, tenant: str | None = None, modality: str = IMAGE, settings: Mapping[str, Any] | None = None
     ) -> CacheKey:
@@ -232,32 +188,6 @@ class EncodeService:
         an item preprocessed under other (effective) ``settings`` another's."""
         digest = settings_digest(settings) if settings is not None else None
         return CacheKey(self.fingerprint, h, self.settings.cache_prefix, tenant, modality, digest)
-
-    def effective_settings(
-        self, given: Mapping[str, Any] | None, modality: str = IMAGE, index: int | None = None
-    ) -> dict[str, Any] | None:
-        """What an item's ``mm_processor_kwargs`` resolve to (``core.settings.resolve``; None: the
-        defaults). Refused unless the operator turned them on, as vLLM refuses them: they change
-        what one item costs. Errors name the ``index`` when there is one."""
-        if not given:
-            return None
-        try:
-            refuse_prompt_keys(given)
-            if not self.settings.trust_request_mm_kwargs:
-                raise BadInput(
-                    "per-request mm_processor_kwargs are off on this server (start it with "
-                    "--trust-request-mm-kwargs to take them)", type="settings_disabled",
-                )
-            return resolve_settings(self.declared_settings, self.setting_defaults, given, self.setting_limits,
-                                    modality)
-        except EncodeServerError as exc:
-            raise (exc.with_index(index) if index is not None else exc) from None
-
-    def describe_settings(self) -> dict[str, Any]:
-        """What ``GET /v1/model`` publishes under ``mm_processor_kwargs``: whether they are taken,
-        and each key with its (capped) bounds and default, for the proxy to check a chat against."""
-        return {"enabled": self.settings.trust_request_mm_kwargs,
-                "keys": describe_settings(self.declared_settings, self.setting_defaults, self.setting_limits)}
 
     # -- use cases -----------------------------------------------------------------------------
 
@@ -320,7 +250,7 @@ class EncodeService:
     ) -> list[LookupResult]:
         """Which tier holds each hash (as a ``modality`` item, under ``settings``: the request's
         ``mm_processor_kwargs``), without moving bytes or changing recency."""
-        effective = self.effective_settings(settings, modality)
+        effective = self.item_settings.effective(settings, modality)
         parsed = []
         for index, raw in enumerate(hashes):
             try:
@@ -353,11 +283,12 @@ class EncodeService:
         """
         if bool(items) == bool(sizes):
             raise InvalidRequest("give either image uploads or sizes, not both and not neither")
-        if sizes and IMAGE not in self.modalities:
-            raise BadInput(f"{self.encoder.info.kind} takes {' and '.join(_PLURAL[m] for m in self.modalities)} only: "
-                           "an image size counts nothing for it", type="unsupported_modality", index=0)
         if sizes:
-            return [self._count(i, *self._size(i, raw), self.effective_settings(settings, IMAGE, i))
+            image = self.kinds.get(IMAGE)
+            if not isinstance(image, ImageKind):
+                raise BadInput(f"{self._takes()}: an image size counts nothing for it", type="unsupported_modality",
+                               index=0)
+            return [image.count_size(i, *image.size(i, raw), self.item_settings.effective(settings, IMAGE, i))
                     for i, raw in enumerate(sizes)]
         for item in items:
             if item.data is None:
@@ -367,44 +298,13 @@ class EncodeService:
         return await loop.run_in_executor(self._preprocess_pool, self._count_uploads, items)
 
     def _count_uploads(self, items: Sequence[RequestItem]) -> list[TokenCount]:
-        self._identify_all(items, None)  # the same hash checks as an encode (hash_mismatch...)
-        limit = self.settings.max_image_pixels
-        counts = []
-        for item in items:
-            if item.modality == VIDEO:  # from the container's header: no frame is decoded
-                effective = self.effective_settings(item.settings, VIDEO, item.index)
-                info, plan = plan_video(self.encoder, self.settings, item.data or b"", item.index, effective)
-                counts.append(TokenCount(item.index, info.width, info.height, plan.num_tokens, plan.meta))
-            elif item.modality == AUDIO:
-                counts.append(TokenCount(item.index, 0, 0, *self.audio.count(item.data or b"", item.index)))
-            else:
-                effective = self.effective_settings(item.settings, IMAGE, item.index)
-                size = oriented_size(item.data or b"", max_pixels=limit, index=item.index)
-                counts.append(self._count(item.index, *size, effective))
-        return counts
+        # The same checks as an encode's (hash_mismatch, settings...), then each item's kind counts it.
+        idents = self._identify_all(items, None)
+        return [self.kinds[i.modality].count(i.data or b"", i.index, i.settings) for i in idents]
 
-    def _size(self, index: int, raw: Sequence[object]) -> tuple[int, int]:
-        if not (len(raw) == 2 and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in raw)):
-            raise InvalidRequest(f"a size is [width, height] of two positive integers, got {list(raw)!r}", index=index)
-        width, height = (cast(int, v) for v in raw)
-        if width * height > self.settings.max_image_pixels:
-            raise TooLarge(
-                f"{width}x{height} = {width * height} pixels is above the limit of {self.settings.max_image_pixels} "
-                "(--max-image-pixels)",
-                type="image_too_large",
-                index=index,
-            )
-        return width, height
-
-    def _count(self, index: int, width: int, height: int, settings: Mapping[str, Any] | None = None) -> TokenCount:
-        try:
-            if settings is None:
-                num_tokens, meta = self.encoder.count_tokens(width, height)
-            else:
-                num_tokens, meta = self.encoder.count_tokens_with(width, height, settings)
-        except ValueError as exc:  # e.g. an aspect ratio the processor refuses, as in _prepare
-            raise BadInput(f"image cannot be preprocessed: {exc}", type="unsupported_image", index=index) from exc
-        return TokenCount(index, width, height, num_tokens, meta)
+    def _takes(self) -> str:
+        """``"<kind> takes images and videos only"``: the start of a refusal of a modality."""
+        return f"{self.served.info.kind} takes {' and '.join(kind.plural for kind in self.kinds.values())} only"
 
     # -- steps ---------------------------------------------------------------------------------
 
@@ -434,11 +334,10 @@ class EncodeService:
                     raise BadInput("an item needs 'data', 'hash' or both", type="invalid_hash")
             except EncodeServerError as exc:
                 raise exc.with_index(item.index) from None
-            if item.modality not in self.modalities:
-                taken = " and ".join(_PLURAL[m] for m in self.modalities)
-                raise BadInput(f"{self.encoder.info.kind} takes {taken} only, not {_PLURAL[item.modality]}",
-                               type="unsupported_modality", index=item.index)
-            effective = self.effective_settings(item.settings, item.modality, item.index)
+            if item.modality not in self.kinds:
+                raise BadInput(f"{self._takes()}, not {KINDS[item.modality].plural}", type="unsupported_modality",
+                               index=item.index)
+            effective = self.item_settings.effective(item.settings, item.modality, item.index)
             key = self.key_for(h, tenant, item.modality, effective)
             out.append(_Identified(item.index, h, key, item.data, item.modality, effective))
         return out
@@ -526,16 +425,13 @@ class EncodeService:
         try:
             loop = asyncio.get_running_loop()
             # Announced while it decodes: an idle model waits (at most --max-wait-ms) for it to join
-            # the batch of the images decoding beside it, and never waits for images not coming.
+            # the batch of the items decoding beside it, and never waits for items not coming.
+            kind = self.kinds[ident.modality]
             with self.batcher.arriving():
-                prepared = await loop.run_in_executor(
-                    self._preprocess_pool, self._prepare, ident.data, ident.index, ident.modality, ident.settings
-                )
-            # A long video goes in runs of whole temporal groups, each its own forward pass, so other
-            # requests' items are batched between them instead of waiting behind one long pass.
-            parts = [prepared]
-            if ident.modality == VIDEO:
-                parts = self.encoder.split(prepared, self.settings.max_batch_tokens)
+                prepared = await loop.run_in_executor(self._preprocess_pool, self._prepare, kind, ident)
+            # A long video goes in parts, each its own forward pass, so other requests' items are
+            # batched between them instead of waiting behind one long pass.
+            parts = kind.split(prepared, self.settings.max_batch_tokens)
             del prepared
             tensors = await asyncio.gather(*(self.batcher.submit(part, part.cost_tokens) for part in parts))
             value = Embedding(_concat(tensors), parts[0].meta)
@@ -554,43 +450,10 @@ class EncodeService:
             self._inflight.pop(key, None)
             self.queue.release()
 
-    def _prepare(
-        self, data: bytes, index: int, modality: str = "image", settings: Mapping[str, Any] | None = None
-    ) -> PreparedItem:
-        if modality == VIDEO:
-            return self._prepare_video(data, index, settings)
-        if modality == AUDIO:
-            return self._prepare_audio(data, index)
+    def _prepare(self, kind: ItemKind, ident: _Identified) -> PreparedItem:
+        assert ident.data is not None
         started = time.perf_counter()
-        with self.memory.pixels(data, index) as charge:
-            try:
-                prepared = self.encoder.prepare(data, max_pixels=self.settings.max_image_pixels, index=index,
-                                                settings=settings)
-            except ValueError as exc:  # e.g. an aspect ratio the processor refuses
-                raise BadInput(f"image cannot be preprocessed: {exc}", type="unsupported_image", index=index) from exc
-            if prepared.pending is not None and prepared.held_bytes:
-                charge.keep_while_alive(prepared.pending, prepared.held_bytes)
-        self.metrics.preprocess.observe(time.perf_counter() - started)
-        return prepared
-
-    def _prepare_video(self, data: bytes, index: int, settings: Mapping[str, Any] | None = None) -> PreparedItem:
-        from encode_server.video import decode_frames
-
-        started = time.perf_counter()
-        info, plan = plan_video(self.encoder, self.settings, data, index, settings)
-        with self.memory.bytes(plan.nbytes, index, "decoding this video"):
-            frames = decode_frames(data, plan.indices, size=(info.height, info.width), index=index)
-            try:
-                prepared = self.encoder.preprocess_video(frames, plan)
-            except ValueError as exc:
-                raise BadInput(f"video cannot be preprocessed: {exc}", type="invalid_video", index=index) from exc
-            del frames
-        self.metrics.preprocess.observe(time.perf_counter() - started)
-        return prepared
-
-    def _prepare_audio(self, data: bytes, index: int) -> PreparedItem:
-        started = time.perf_counter()
-        prepared = self.audio.prepare(data, index)
+        prepared = kind.prepare(ident.data, ident.index, ident.settings)
         self.metrics.preprocess.observe(time.perf_counter() - started)
         return prepared
 

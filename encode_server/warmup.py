@@ -43,13 +43,15 @@ from typing import Any, TypeVar
 from PIL import Image
 
 from encode_server.config import Settings
+from encode_server.core.batcher import Batcher
 from encode_server.core.types import AUDIO, IMAGE, VIDEO, AudioInfo, EncodedTensor, VideoInfo
 from encode_server.encoders.base import Encoder, MemoryPeak, PreparedItem, VideoPlan
 from encode_server.encoders.threads import FORWARD_SHARE, auto_passes
+from encode_server.kinds.image import image_inputs
 
 __all__ = [
-    "WARMUP_MODES", "PassChoice", "WarmupCase", "WarmupFailed", "WarmupReport", "choose_passes", "warm_up",
-    "worst_image_size",
+    "WARMUP_MODES", "PassChoice", "WarmupCase", "WarmupFailed", "WarmupReport", "choose_passes", "initial_passes",
+    "prepare_to_serve", "warm_up", "worst_image_size",
 ]
 
 WARMUP_MODES = ("worst", "quick")
@@ -185,7 +187,7 @@ def _video_plan(encoder: Encoder, settings: Settings, budget: int | None) -> tup
 async def _worst_image(encoder: Encoder, settings: Settings, submit: Submit, run: Run[Any]) -> WarmupCase:
     width, height = worst_image_size(encoder, settings.max_image_pixels)
     data = await run(lambda: _image_file(width, height))
-    prepared: PreparedItem = await run(lambda: encoder.prepare(data, max_pixels=settings.max_image_pixels))
+    prepared: PreparedItem = await run(lambda: image_inputs(encoder, data, max_pixels=settings.max_image_pixels))
     cost = max(1, prepared.cost_tokens)
     items = max(1, min(settings.max_batch_size, settings.max_batch_tokens // cost))
     await asyncio.gather(*(submit(prepared, prepared.cost_tokens) for _ in range(items)))
@@ -236,7 +238,7 @@ async def _longest_video(
 
 async def _quick(encoder: Encoder, settings: Settings, submit: Submit, run: Run[Any]) -> WarmupCase:
     data = _image_file(64, 64)
-    prepared: PreparedItem = await run(lambda: encoder.prepare(data, max_pixels=settings.max_image_pixels))
+    prepared: PreparedItem = await run(lambda: image_inputs(encoder, data, max_pixels=settings.max_image_pixels))
     await submit(prepared, prepared.cost_tokens)
     return WarmupCase("image", 64, 64, prepared.num_tokens, prepared.cost_tokens)
 
@@ -293,6 +295,30 @@ class PassChoice:
         return f"forward passes: {self.passes} side by side ({self.reason})"
 
 
+def initial_passes(settings: Settings, concurrency: int) -> PassChoice:
+    """The passes a batcher of ``concurrency`` runs before the warm-up measured anything, and why."""
+    why = (f"--forward-workers {settings.forward_workers}" if settings.forward_workers
+           else "--forward-workers 0: one pass on this device" if concurrency == 1
+           else "--forward-workers 0: one per core torch uses, before the warm-up's measurement")
+    return PassChoice(concurrency, why)
+
+
+async def prepare_to_serve(
+    encoder: Encoder, settings: Settings, batcher: Batcher[PreparedItem, EncodedTensor], run: Run[Any], *,
+    budget: int | None,
+) -> tuple[WarmupReport, PassChoice]:
+    """The warm-up through ``batcher`` and ``run`` (the preprocessing threads), with every pass
+    ``--forward-workers 0`` allows (its peak covers them); then those passes kept only where the
+    tower is the work (:func:`choose_passes`), ``batcher`` set to them. ``budget``: the
+    request-memory budget's capacity, which bounds the longest video."""
+    report = await warm_up(encoder, settings, batcher.submit, run, budget=budget)
+    passes = initial_passes(settings, batcher.concurrency)
+    if settings.forward_workers == 0 and batcher.concurrency > 1:
+        passes = await choose_passes(encoder, settings, batcher.submit, run, batcher.concurrency)
+        batcher.concurrency = passes.passes
+    return report, passes
+
+
 def _typical_image(max_pixels: int) -> tuple[bytes, tuple[int, int]]:
     """A 640x480 JPEG with a photo's texture (a gradient under noise: its decode costs what a photo's
     does, where a flat image's costs almost nothing), smaller where ``--max-image-pixels`` is; and
@@ -320,7 +346,7 @@ async def choose_passes(encoder: Encoder, settings: Settings, submit: Submit, ru
     else:
         data, (width, height) = _typical_image(settings.max_image_pixels)
         name, what = "a typical image", f"a {width}x{height} JPEG's"
-        made = lambda: encoder.prepare(data, max_pixels=settings.max_image_pixels)  # noqa: E731
+        made = lambda: image_inputs(encoder, data, max_pixels=settings.max_image_pixels)  # noqa: E731
     try:
         forward_s, prepare_s = await _timings(submit, run, made)
     except Exception as exc:  # a family that refuses the input: not a reason to stop the server

@@ -246,9 +246,10 @@ class GrpcApi(pb_grpc.EncoderServicer):
         return_kind = Return.METADATA if request.return_kind == pb.RETURN_METADATA else Return.EMBEDDINGS
         results = await service.encode(items, return_kind=return_kind, tenant=tenant)
         record.hits = sum(r.status == "hit" for r in results)
+        served = service.describe()
         return pb.EncodeResponse(
-            model=service.encoder.info.model_id,
-            fingerprint=service.fingerprint,
+            model=served.model,
+            fingerprint=served.fingerprint,
             items=[_encode_item(r, return_kind) for r in results],
         )
 
@@ -275,9 +276,10 @@ class GrpcApi(pb_grpc.EncoderServicer):
         sizes = [(int(size.width), int(size.height)) for size in request.sizes]
         counts = await service.tokens(items=items, sizes=sizes, settings=settings)
         record.items = len(counts)
+        served = service.describe()
         return pb.TokensResponse(
-            model=service.encoder.info.model_id,
-            fingerprint=service.fingerprint,
+            model=served.model,
+            fingerprint=served.fingerprint,
             items=[
                 pb.TokenCount(index=c.index, num_tokens=c.num_tokens, width=c.width, height=c.height,
                               meta_json=json.dumps(c.meta, separators=(",", ":")))
@@ -288,9 +290,10 @@ class GrpcApi(pb_grpc.EncoderServicer):
     async def _model(
         self, service: EncodeService, request: pb.ModelRequest, record: RequestRecord, tenant: str | None
     ) -> pb.ModelResponse:
-        info = service.encoder.info
+        served = service.describe()
+        info = served.info
         return pb.ModelResponse(
-            model=info.model_id, id=info.model_id, fingerprint=service.fingerprint, kind=info.kind, dtype=info.dtype,
+            model=info.model_id, id=info.model_id, fingerprint=served.fingerprint, kind=info.kind, dtype=info.dtype,
             hidden_size=info.hidden_size, json=json.dumps(describe_model(service)),
         )
 

@@ -140,7 +140,8 @@ class HttpApi:
 
     def _json(self, service: EncodeService, results: list[ItemResult], return_kind: Return) -> Response:
         items = [_item_json(r, return_kind) for r in results]
-        content = {"model": service.encoder.info.model_id, "fingerprint": service.fingerprint, "items": items}
+        served = service.describe()
+        content = {"model": served.model, "fingerprint": served.fingerprint, "items": items}
         return Response(orjson.dumps(content), media_type="application/json")
 
     def _safetensors(self, service: EncodeService, results: list[ItemResult]) -> Response:
@@ -149,9 +150,10 @@ class HttpApi:
             for r in results
             if r.embedding is not None
         ]
+        served = service.describe()
         metadata = {
-            "model": service.encoder.info.model_id,
-            "fingerprint": service.fingerprint,
+            "model": served.model,
+            "fingerprint": served.fingerprint,
             "items": orjson.dumps([item_fields(r, Return.EMBEDDINGS) for r in results]).decode(),
         }
         return PartsResponse(safetensors_parts(tensors, metadata), SAFETENSORS)
@@ -181,8 +183,8 @@ class HttpApi:
             {"index": c.index, "num_tokens": c.num_tokens, "width": c.width, "height": c.height, "meta": c.meta}
             for c in counts
         ]
-        info = service.encoder.info
-        return JSONResponse({"model": info.model_id, "fingerprint": service.fingerprint, "items": items})
+        served = service.describe()
+        return JSONResponse({"model": served.model, "fingerprint": served.fingerprint, "items": items})
 
     async def model(self, request: Request) -> Response:
         """The loaded model, its fingerprint, preprocessing, batching and limits."""

@@ -17,18 +17,18 @@ __all__ = ["describe_model"]
 
 def describe_model(service: EncodeService) -> dict[str, Any]:
     """The JSON document of ``GET /v1/model`` (docs/api.md)."""
-    encoder, s = service.encoder, service.settings
-    info = encoder.info
+    served, s = service.describe(), service.settings
+    info = served.info
     return {
         "model": info.model_id,
         "id": info.model_id,  # deprecated alias of "model" (the name every other answer uses)
         "revision": info.revision,
-        "fingerprint": service.fingerprint,
+        "fingerprint": served.fingerprint,
         "kind": info.kind,
-        "family": family.describe() if (family := encoder.family) is not None else None,
+        "family": served.family,
         "output": info.output,
         "dtype": info.dtype,
-        "dtype_reason": encoder.dtype_reason,
+        "dtype_reason": served.dtype_reason,
         "device": info.device,
         "hidden_size": info.hidden_size,
         "widths": dict(info.widths),  # a modality's row width where it is not hidden_size
@@ -36,7 +36,7 @@ def describe_model(service: EncodeService) -> dict[str, Any]:
         "weights_digest": info.weights_digest,
         "meaningless": info.meaningless,
         "preprocessing": info.preprocessing,
-        "mm_processor_kwargs": service.describe_settings(),
+        "mm_processor_kwargs": service.item_settings.describe(),
         "batching": {
             "max_batch_size": s.max_batch_size,
             "max_batch_tokens": s.max_batch_tokens,

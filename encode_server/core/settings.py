@@ -11,7 +11,7 @@ InternVL's tiles never above its ``max_patches``), so a request can ask for less
 defaults, never for more than the warm-up's worst case ran (``warmup.py``: the largest image,
 preprocessed under the defaults). A video's ``fps`` may ask for more frames than the default: the
 frames it samples are held to the video limits (``--max-video-frames``, ``--max-video-decoded-frames``)
-and charged to the memory budget as at the default rate (``admission.plan_video``).
+and charged to the memory budget as at the default rate (``kinds.plan_video``).
 
 ``resolve`` turns what a request gave into the *effective* settings: every declared key, the
 request's value where it gave one, the default elsewhere. Two spellings of one setting (another
@@ -33,10 +33,13 @@ from typing import Any
 
 import blake3
 
-from encode_server.core.errors import BadInput
+from encode_server.core.errors import BadInput, EncodeServerError
 from encode_server.core.hashing import frame
 
-__all__ = ["AUDIO_IN_VIDEO", "SETTINGS_DOMAIN", "Setting", "describe", "digest", "refuse_prompt_keys", "resolve"]
+__all__ = [
+    "AUDIO_IN_VIDEO", "SETTINGS_DOMAIN", "RequestSettings", "Setting", "describe", "digest", "refuse_prompt_keys",
+    "resolve",
+]
 
 SETTINGS_DOMAIN = "encode-server/mm-processor-kwargs/v1"
 # vLLM's key for the Omni thinkers' video with its own sound: a setting of the prompt, never an item's
@@ -162,3 +165,40 @@ def describe(declared: Sequence[Setting], defaults: Mapping[str, Any], limits: M
                        "default": defaults.get(s.name), "modalities": list(s.modalities),
                        "vllm_field": s.vllm_field, "meaning": s.meaning}
     return out
+
+
+class RequestSettings:
+    """The per-request settings one server takes: its family's ``declared`` keys, their
+    ``defaults`` (the checkpoint's, and the server's where a key has one), the server ``limits``
+    that cap them, and whether the operator ``trusted`` requests with them
+    (``--trust-request-mm-kwargs``, as vLLM refuses them unless told: they change what one item
+    costs)."""
+
+    def __init__(self, declared: Sequence[Setting], defaults: Mapping[str, Any], limits: Mapping[str, float], *,
+                 trusted: bool) -> None:
+        self.declared = tuple(declared)
+        self.defaults = dict(defaults)
+        self.limits = dict(limits)
+        self.trusted = trusted
+
+    def effective(self, given: Mapping[str, Any] | None, modality: str = "image",
+                  index: int | None = None) -> dict[str, Any] | None:
+        """What an item's ``mm_processor_kwargs`` resolve to (:func:`resolve`; None: the
+        defaults); errors name the ``index`` when there is one."""
+        if not given:
+            return None
+        try:
+            refuse_prompt_keys(given)
+            if not self.trusted:
+                raise BadInput(
+                    "per-request mm_processor_kwargs are off on this server (start it with "
+                    "--trust-request-mm-kwargs to take them)", type="settings_disabled",
+                )
+            return resolve(self.declared, self.defaults, given, self.limits, modality)
+        except EncodeServerError as exc:
+            raise (exc.with_index(index) if index is not None else exc) from None
+
+    def describe(self) -> dict[str, Any]:
+        """What ``GET /v1/model`` publishes under ``mm_processor_kwargs``: whether they are taken,
+        and each key with its (capped) bounds and default, for the proxy to check a chat against."""
+        return {"enabled": self.trusted, "keys": describe(self.declared, self.defaults, self.limits)}

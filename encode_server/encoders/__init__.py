@@ -91,7 +91,7 @@ def load_encoder(
     preprocess_device: str = "cpu",
     cuda_graph_tokens: int = 0,
 ) -> Encoder:
-    """Load ``model``'s vision encoder, ready for ``prepare``/``forward``.
+    """Load ``model``'s vision encoder, ready for ``preprocess``/``forward``.
 
     ``device``: ``auto`` (CUDA if present, else CPU) or a torch device string. ``dtype``: ``auto``
     (for a family with an EPD contract, what vLLM 0.32's ``auto`` picks for the checkpoint and

@@ -1,11 +1,12 @@
 """The one interface every model family implements.
 
-Split as infinity's batch handler is: ``prepare`` (any worker thread, per image) is apart from
-``forward`` (one thread, a batch of many requests' images) so that the per-image work on the next
-images overlaps with the forward pass of the current batch. On the CPU path ``prepare`` decodes
-and runs the image processor (``preprocess``); with batched preprocessing on the model's device
-(``encoders/batched.py``) it only reads the header, and ``forward`` decodes and preprocesses the
-whole batch on the device first.
+Split as infinity's batch handler is: ``preprocess`` (any worker thread, per item) is apart from
+``forward`` (one thread, a batch of many requests' items) so that the per-item work on the next
+items overlaps with the forward pass of the current batch. An item's bytes are decoded by its kind
+(``kinds/``: Pillow for an image, FFmpeg for a video or an audio file), which hands the family its
+pixels, frames or samples; with batched preprocessing on the model's device
+(``encoders/batched.py``) an image is only read to its header (``defer``), and ``forward`` decodes
+and preprocesses the whole batch on the device first.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from PIL import Image
 
 from encode_server.core.errors import EncodeServerError
 from encode_server.core.types import AudioInfo, EncodedTensor, VideoInfo
-from encode_server.imaging import decode_image
 
 from .family import Family
 from .memory import MemoryPeak, PeakMemory
@@ -111,7 +111,8 @@ class AudioPlan:
 
 
 class Encoder(ABC):
-    """A loaded vision tower (and projector). ``preprocess`` is thread-safe; ``forward`` is called
+    """A loaded model's encoder: its vision tower (and projector), and its audio tower where the
+    family takes audio. ``preprocess`` is thread-safe; ``forward`` is called
     from one thread at a time, under ``torch.inference_mode``."""
 
     info: EncoderInfo
@@ -143,16 +144,12 @@ class Encoder(ABC):
     def preprocess(self, image: Image.Image) -> PreparedItem:
         """An RGB image (EXIF orientation already applied) to inputs, its token count and meta."""
 
-    def prepare(
-        self, data: bytes, *, max_pixels: int, index: int | None = None, settings: Mapping[str, Any] | None = None
-    ) -> PreparedItem:
-        """Image bytes to a ``PreparedItem``: decoded (Pillow) and preprocessed here, unless the
-        encoder preprocesses batches on its device. ``settings``: the item's effective per-request
-        settings (``core.settings.resolve``: every key the family declares, checked), None for the
-        server's defaults. Raises ``BadInput``/``TooLarge`` for bad bytes, ``ValueError`` for an
-        image the processor refuses."""
-        image = decode_image(data, max_pixels=max_pixels, index=index)
-        return self.preprocess(image) if settings is None else self.preprocess_with(image, settings)
+    def defer(self, data: bytes, *, max_pixels: int, index: int | None = None) -> PreparedItem | None:
+        """For an encoder that decodes and preprocesses whole batches on its device
+        (``encoders/batched.py``): the image as it waits for its batch, its header read, its rows
+        counted. None (the default): images are decoded on the host (``kinds/image.py``) and
+        handed to ``preprocess``."""
+        return None
 
     @abstractmethod
     def forward(self, batch: Sequence[PreparedItem]) -> list[EncodedTensor | EncodeServerError]:

@@ -204,7 +204,7 @@ class HFEncoder(Encoder):
     """A transformers module plus its image processor.
 
     Invariants: ``module`` is in eval mode on ``device`` in ``dtype`` and holds only vision (and
-    projector) weights; ``preprocess`` and ``prepare`` only read shared state, so they are safe from
+    projector) weights; ``preprocess`` and ``defer`` only read shared state, so they are safe from
     any thread. Subclasses implement ``_forward`` over a batch's inputs already on the device (the
     CPU path's per-image tensors concatenated, or the batched pipeline's output: the same tensors)
     and ``cost_of``.
@@ -212,7 +212,7 @@ class HFEncoder(Encoder):
 
     batched: BatchedPipeline | None = None
     # The meta fields the batched processor also makes, as tensors of the same name, that must agree
-    # with what ``prepare`` computed from the header (the token count and grid the batcher budgeted
+    # with what ``defer`` computed from the header (the token count and grid the batcher budgeted
     # and the client is told). The family's encoder names its own (Qwen's grid, SigLIP2's shapes).
     checked_meta: ClassVar[tuple[str, ...]] = ()
 
@@ -262,13 +262,9 @@ class HFEncoder(Encoder):
     def cost_of(self, num_tokens: int, meta: dict[str, Any]) -> int:
         """The patch tokens an image of this count and meta costs through the tower."""
 
-    def prepare(
-        self, data: bytes, *, max_pixels: int, index: int | None = None, settings: Mapping[str, Any] | None = None
-    ) -> PreparedItem:
-        # An item with its own settings takes the CPU path: the batched pipeline preprocesses a
-        # whole batch under one processor config (the server's), which is not this item's.
-        if self.batched is None or settings is not None:
-            return super().prepare(data, max_pixels=max_pixels, index=index, settings=settings)
+    def defer(self, data: bytes, *, max_pixels: int, index: int | None = None) -> PreparedItem | None:
+        if self.batched is None:
+            return None
         pending, width, height = self.batched.prepare(data, max_pixels=max_pixels, index=index)
         num_tokens, meta = self.count_tokens(width, height)
         cost = self.cost_of(num_tokens, meta)

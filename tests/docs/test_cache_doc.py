@@ -56,7 +56,7 @@ def test_the_example_value_is_what_the_writer_writes() -> None:
 
 def test_the_documented_fields_are_the_fingerprints() -> None:
     """The fingerprint table lists exactly the fields ``model_fingerprint`` hashes."""
-    tree = ast.parse((ROOT / "encode_server" / "service.py").read_text())
+    tree = ast.parse((ROOT / "encode_server" / "fingerprints.py").read_text())
     function = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "model_fingerprint")
     dicts = [n for n in ast.walk(function) if isinstance(n, ast.Dict)]
     hashed = {k.value for d in dicts for k in d.keys if isinstance(k, ast.Constant)}

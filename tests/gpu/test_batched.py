@@ -33,6 +33,7 @@ from encode_server.encoders import load_encoder
 from encode_server.encoders.base import PreparedItem
 from encode_server.encoders.hf import HFEncoder
 from encode_server.imaging import decode_image
+from encode_server.kinds import image_inputs
 from tests.gpu.conftest import DEVICES
 from tests.images import image_bytes, jpeg_without_tables, truncated_jpeg
 
@@ -67,7 +68,7 @@ def _limits(device: str) -> tuple[float, float]:
 def test_batched_inputs_match_the_cpu_path(family_dirs: dict[str, Path], family: str, device: str) -> None:
     path, images = family_dirs[family], _images()
     encoder = _batched(path, device)
-    prepared = [encoder.prepare(data, max_pixels=MAX_PIXELS, index=i) for i, data in enumerate(images)]
+    prepared = [image_inputs(encoder, data, max_pixels=MAX_PIXELS, index=i) for i, data in enumerate(images)]
     assert encoder.batched is not None
     made, errors = encoder.batched.run([p.pending for p in prepared])
     assert errors == [None] * len(images) and made is not None
@@ -82,7 +83,7 @@ def test_batched_inputs_match_the_cpu_path(family_dirs: dict[str, Path], family:
         same = encoder.batched.processor(images=decoded, return_tensors="pt")["pixel_values"]
         assert torch.equal(pixels, same)
     cpu_path = load_encoder(str(path), device=device)
-    for mine, theirs in zip(prepared, (cpu_path.prepare(d, max_pixels=MAX_PIXELS) for d in images), strict=True):
+    for mine, theirs in zip(prepared, (image_inputs(cpu_path, d, max_pixels=MAX_PIXELS) for d in images), strict=True):
         assert (mine.num_tokens, mine.cost_tokens, mine.meta) == (theirs.num_tokens, theirs.cost_tokens, theirs.meta)
 
 
@@ -92,8 +93,8 @@ def test_batched_embeddings_match_the_cpu_path(family_dirs: dict[str, Path], fam
     path, images = family_dirs[family], _images()
     encoder = _batched(path, device, dtype="float32")
     cpu_path = load_encoder(str(path), device=device, dtype="float32")
-    ours = encoder.forward([encoder.prepare(d, max_pixels=MAX_PIXELS, index=i) for i, d in enumerate(images)])
-    theirs = cpu_path.forward([cpu_path.prepare(d, max_pixels=MAX_PIXELS) for d in images])
+    ours = encoder.forward([image_inputs(encoder, d, max_pixels=MAX_PIXELS, index=i) for i, d in enumerate(images)])
+    theirs = cpu_path.forward([image_inputs(cpu_path, d, max_pixels=MAX_PIXELS) for d in images])
     for a, b in zip(ours, theirs, strict=True):
         x, y = _decode(a), _decode(b)
         assert x.shape == y.shape
@@ -111,7 +112,7 @@ def test_exif_orientation_is_applied_as_the_cpu_path_applies_it(device: str, ori
     data = buffer.getvalue()
     encoder = load_encoder("builtin:tiny", device=device, preprocess_device="model")
     assert isinstance(encoder, HFEncoder) and encoder.batched is not None
-    prepared = encoder.prepare(data, max_pixels=MAX_PIXELS)
+    prepared = image_inputs(encoder, data, max_pixels=MAX_PIXELS)
     [ours] = encoder.batched._decode([prepared.pending])
     assert isinstance(ours, torch.Tensor)
     reference = torch.from_numpy(np.asarray(decode_image(data, max_pixels=MAX_PIXELS)).copy()).permute(2, 0, 1)
@@ -123,7 +124,7 @@ def test_exif_orientation_is_applied_as_the_cpu_path_applies_it(device: str, ori
 def _refused(encoder: HFEncoder, index: int) -> PreparedItem:
     """An item waiting as a JPEG stream that every decoder refuses (start and end of image, nothing
     between), put in by hand: ``prepare`` itself sends every stream it can tell is bad to Pillow."""
-    item = encoder.prepare(photos(42, 1)[0], max_pixels=MAX_PIXELS, index=index)
+    item = image_inputs(encoder, photos(42, 1)[0], max_pixels=MAX_PIXELS, index=index)
     stream = b"\xff\xd8\xff\xd9"
     item.pending.data, item.pending.jpeg = stream, torch.frombuffer(bytearray(stream), dtype=torch.uint8)
     return item
@@ -135,12 +136,12 @@ def test_a_jpeg_the_batch_decoder_refuses_is_decoded_alone_and_fails_alone(devic
     libjpeg) is decoded alone, then by Pillow; one Pillow refuses too is that item's error."""
     encoder = load_encoder("builtin:tiny", device=device, preprocess_device="model", dtype="float32")
     good = photos(41, 2)
-    batch = [encoder.prepare(good[0], max_pixels=MAX_PIXELS, index=0), _refused(encoder, 1),
-             encoder.prepare(good[1], max_pixels=MAX_PIXELS, index=2)]
+    batch = [image_inputs(encoder, good[0], max_pixels=MAX_PIXELS, index=0), _refused(encoder, 1),
+             image_inputs(encoder, good[1], max_pixels=MAX_PIXELS, index=2)]
     first, bad, last = encoder.forward(batch)
     assert isinstance(bad, BadInput) and bad.type == "invalid_image" and bad.index == 1
     single = load_encoder("builtin:tiny", device=device, preprocess_device="model", dtype="float32")
-    [alone] = single.forward([single.prepare(good[1], max_pixels=MAX_PIXELS)])
+    [alone] = single.forward([image_inputs(single, good[1], max_pixels=MAX_PIXELS)])
     assert isinstance(first, EncodedTensor) and isinstance(last, EncodedTensor)
     # the last item is its own image's rows, whatever the batch (cuDNN's TF32 convolutions differ by batch)
     tolerance = {} if device == "cpu" else {"rtol": 1e-2, "atol": 1e-3}
@@ -153,7 +154,7 @@ def test_a_jpeg_without_its_quantization_tables_is_refused_when_prepared(device:
     reaches the device decoder, and Pillow refuses it as on the CPU path."""
     encoder = load_encoder("builtin:tiny", device=device, preprocess_device="model")
     with pytest.raises(BadInput, match="cannot decode") as refused:
-        encoder.prepare(jpeg_without_tables(), max_pixels=MAX_PIXELS, index=1)
+        image_inputs(encoder, jpeg_without_tables(), max_pixels=MAX_PIXELS, index=1)
     assert refused.value.type == "invalid_image" and refused.value.index == 1
 
 
@@ -163,7 +164,7 @@ def test_a_truncated_jpeg_is_refused_when_prepared_as_on_the_cpu_path(device: st
     answer does not depend on what the device decoder makes of a short stream."""
     encoder = load_encoder("builtin:tiny", device=device, preprocess_device="model")
     with pytest.raises(BadInput, match="truncated") as refused:
-        encoder.prepare(truncated_jpeg(), max_pixels=MAX_PIXELS, index=2)
+        image_inputs(encoder, truncated_jpeg(), max_pixels=MAX_PIXELS, index=2)
     assert refused.value.type == "invalid_image" and refused.value.index == 2
 
 
@@ -173,13 +174,13 @@ def test_formats_the_device_does_not_decode_wait_as_pillow_pixels(device: str) -
     cmyk = io.BytesIO()
     Image.open(io.BytesIO(photos(51, 1)[0])).convert("CMYK").save(cmyk, format="JPEG")
     for data in (image_bytes("PNG", 70, 50), image_bytes("WEBP", 40, 30), cmyk.getvalue()):
-        prepared = encoder.prepare(data, max_pixels=MAX_PIXELS)
+        prepared = image_inputs(encoder, data, max_pixels=MAX_PIXELS)
         pending: Any = prepared.pending
         assert pending.jpeg is None and pending.pixels is not None
         assert prepared.held_bytes == pending.pixels.numel()
         reference = np.asarray(decode_image(data, max_pixels=MAX_PIXELS)).transpose(2, 0, 1)
         assert np.array_equal(pending.pixels.numpy(), reference)
-    jpeg = encoder.prepare(photos(52, 1)[0], max_pixels=MAX_PIXELS)
+    jpeg = image_inputs(encoder, photos(52, 1)[0], max_pixels=MAX_PIXELS)
     assert jpeg.pending.pixels is None and jpeg.held_bytes == len(photos(52, 1)[0])
 
 

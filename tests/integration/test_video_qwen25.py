@@ -14,7 +14,7 @@ import pytest
 from blake3 import blake3
 
 from encode_server.encoders import load_encoder
-from encode_server.service import model_fingerprint
+from encode_server.fingerprints import model_fingerprint
 from tests.server import ServerProcess, start_server
 from tests.videos import make_video
 from tests.vllm.tiny_qwen import make_tiny_qwen2_5_vl

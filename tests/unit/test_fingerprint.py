@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from encode_server.encoders import load_encoder
-from encode_server.service import model_fingerprint
+from encode_server.fingerprints import model_fingerprint
 from tests.tiny_models import make_llava, make_qwen2_5_vl
 
 

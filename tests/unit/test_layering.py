@@ -45,15 +45,18 @@ def _within(module: str, packages: tuple[str, ...]) -> bool:
     return any(module == p or module.startswith(p + ".") for p in packages)
 
 
-# Imports point one way: the front doors -> the service -> (admission, tiers, batcher, encoders)
+# Imports point one way: the front doors -> the service -> (kinds, admission, tiers, batcher, encoders)
 # -> the pure core. Each layer, and what sits above it (it must never import).
 ABOVE = {
     "encode_server/service.py": ("encode_server.api", "encode_server.app"),
     "encode_server/admission.py": ("encode_server.service", "encode_server.api", "encode_server.app",
                                    "encode_server.cache", "encode_server.core.batcher"),
+    "encode_server/kinds": ("encode_server.service", "encode_server.api", "encode_server.app",
+                            "encode_server.cache", "encode_server.core.batcher"),
     "encode_server/cache": ("encode_server.service", "encode_server.admission", "encode_server.api",
                             "encode_server.app"),
-    "encode_server/encoders": ("encode_server.service", "encode_server.admission", "encode_server.api",
+    "encode_server/encoders": ("encode_server.service", "encode_server.admission", "encode_server.kinds",
+                               "encode_server.api",
                                "encode_server.app", "encode_server.cache"),
 }
 

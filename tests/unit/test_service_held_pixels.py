@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +18,7 @@ from encode_server.core.types import EncodedTensor, RequestItem
 from encode_server.encoders import load_encoder
 from encode_server.encoders.base import Encoder, PreparedItem
 from encode_server.imaging import read_header
+from encode_server.kinds import image_inputs
 from encode_server.metrics import Metrics
 from tests.images import image_bytes
 
@@ -46,11 +47,9 @@ class HoldingEncoder(Encoder):
     def count_tokens(self, width: int, height: int) -> tuple[int, dict[str, Any]]:
         return self.inner.count_tokens(width, height)
 
-    def prepare(
-        self, data: bytes, *, max_pixels: int, index: int | None = None, settings: Mapping[str, Any] | None = None
-    ) -> PreparedItem:
+    def defer(self, data: bytes, *, max_pixels: int, index: int | None = None) -> PreparedItem | None:
         header = read_header(data, max_pixels=max_pixels, index=index)
-        prepared = self.inner.prepare(data, max_pixels=max_pixels, index=index)
+        prepared = image_inputs(self.inner, data, max_pixels=max_pixels, index=index)
         prepared.pending = _Waiting(bytearray(3 * header.width * header.height))
         prepared.held_bytes = len(prepared.pending.pixels)
         prepared.meta = {**prepared.meta, "bad": data.endswith(b"BAD")}

@@ -68,7 +68,7 @@ def test_a_video_split_into_more_parts_than_the_queue_holds_is_one_item(encoder:
         service = make_service(encoder, SETTINGS, Metrics())
         await service.start()
         try:
-            assert len(service.encoder.split(*_prepared(service, video))) == PARTS > MAX_QUEUE
+            assert len(service.kinds[VIDEO].split(*_prepared(service, video))) == PARTS > MAX_QUEUE
             image = image_bytes("PNG", 24, 24, seed=5)
             [encoded], [other] = await asyncio.gather(
                 service.encode([RequestItem(0, data=video, modality=VIDEO)]),
@@ -121,4 +121,4 @@ def test_a_full_queue_refuses_a_video_before_any_part_is_queued(
 
 
 def _prepared(service: EncodeService, video: bytes) -> tuple[PreparedItem, int]:
-    return service._prepare(video, 0, VIDEO), SETTINGS.max_batch_tokens
+    return service.kinds[VIDEO].prepare(video, 0, None), SETTINGS.max_batch_tokens

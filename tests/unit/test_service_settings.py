@@ -63,7 +63,7 @@ def test_one_image_under_two_settings_is_two_entries_and_the_defaults_restated_a
     async def body(service: EncodeService) -> None:
         plain, restated, fewer = [
             (await service.encode([RequestItem(0, data=IMAGE, settings=s)]))[0]
-            for s in (None, {k: service.setting_defaults[k] for k in ("min_pixels", "max_pixels")}, FEWER)
+            for s in (None, {k: service.item_settings.defaults[k] for k in ("min_pixels", "max_pixels")}, FEWER)
         ]
         assert plain.key is not None and restated.key is not None and fewer.key is not None
         assert restated.key == plain.key and restated.status == "hit"
@@ -125,7 +125,7 @@ def _video(settings: dict[str, Any] | None = None, index: int = 0) -> RequestIte
 
 def test_a_videos_fps_samples_its_frames_keys_its_entry_and_tokens_count_its_rows(encoder: Encoder) -> None:
     async def body(service: EncodeService) -> None:
-        assert service.setting_defaults["fps"] == ON.video_fps
+        assert service.item_settings.defaults["fps"] == ON.video_fps
         results = {fps: (await service.encode([_video(None if fps is None else {"fps": fps})]))[0]
                    for fps in (None, 1.0, 4.0)}
         restated = (await service.encode([_video({"fps": ON.video_fps})]))[0]

@@ -17,7 +17,7 @@ from encode_server.core.errors import BadInput
 from encode_server.core.settings import resolve
 from encode_server.encoders import gemma3 as gemma3_module
 from encode_server.encoders import load_encoder
-from encode_server.service import model_fingerprint
+from encode_server.fingerprints import model_fingerprint
 from tests.tiny import copy_with_processor_settings as edited
 from tests.tiny import gemma3
 from tests.tiny_models import load_full_model, reference_gemma3_features

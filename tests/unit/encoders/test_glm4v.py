@@ -11,7 +11,7 @@ import torch
 from transformers import AutoImageProcessor
 
 from encode_server.encoders import load_encoder
-from encode_server.service import model_fingerprint
+from encode_server.fingerprints import model_fingerprint
 from tests.tiny import copy_with_processor_settings as edited
 from tests.tiny_models import load_full_model, reference_qwen_features
 from tests.unit.encoders.util import decode, noise_image, num_parameters

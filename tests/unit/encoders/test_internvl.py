@@ -13,7 +13,7 @@ import torch
 from transformers import AutoImageProcessor
 
 from encode_server.encoders import load_encoder
-from encode_server.service import model_fingerprint
+from encode_server.fingerprints import model_fingerprint
 from tests.tiny import copy_with_processor_settings as edited
 from tests.tiny import internvl
 from tests.tiny_models import load_full_model, reference_internvl_features

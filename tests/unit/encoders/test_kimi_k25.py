@@ -18,7 +18,7 @@ import torch
 
 from encode_server.encoders import load_encoder
 from encode_server.encoders.kimi_k25 import load_media_config, navit_size, patchify
-from encode_server.service import model_fingerprint
+from encode_server.fingerprints import model_fingerprint
 from tests.tiny import kimi_k25
 from tests.tiny_models import load_full_model, reference_kimi_k25_features
 from tests.unit.encoders.util import decode, noise_image, num_parameters

@@ -17,7 +17,7 @@ import torch
 
 from encode_server.encoders import load_encoder
 from encode_server.encoders.llama4 import best_fit, tile_image
-from encode_server.service import model_fingerprint
+from encode_server.fingerprints import model_fingerprint
 from tests.tiny import copy_with_processor_settings as edited
 from tests.tiny import llama4
 from tests.tiny_models import load_full_model, reference_llama4_features

@@ -14,7 +14,7 @@ from transformers import AutoImageProcessor
 
 from bench.tower_ops import count
 from encode_server.encoders import load_encoder
-from encode_server.service import model_fingerprint
+from encode_server.fingerprints import model_fingerprint
 from tests.tiny import copy_with_processor_settings as edited
 from tests.tiny import mistral3
 from tests.tiny_models import load_full_model, reference_mistral3_features

@@ -13,7 +13,7 @@ import torch
 from transformers import AutoImageProcessor
 
 from encode_server.encoders import load_encoder
-from encode_server.service import model_fingerprint
+from encode_server.fingerprints import model_fingerprint
 from tests.tiny_models import load_full_model, make_qwen3, reference_qwen3_features
 from tests.unit.encoders.util import decode, noise_image, num_parameters
 from tests.vllm.tiny_qwen3 import DEEPSTACK

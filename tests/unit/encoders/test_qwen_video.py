@@ -14,7 +14,7 @@ import torch
 
 from encode_server.core.types import VideoInfo
 from encode_server.encoders import load_encoder
-from encode_server.service import model_fingerprint
+from encode_server.fingerprints import model_fingerprint
 from tests.tiny_models import load_full_model
 from tests.unit.encoders.util import decode
 from tests.videos import frames

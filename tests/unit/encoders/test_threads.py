@@ -66,15 +66,15 @@ def test_an_image_the_timing_cannot_prepare_keeps_the_passes_and_says_why() -> N
     """The warm-up's image passes; the typical one is refused (as a family might refuse its size):
     the server still starts, with one pass per core and the reason."""
     encoder: Any = load_encoder("builtin:tiny", device="cpu")
-    prepare, calls = encoder.prepare, []
+    preprocess, calls = encoder.preprocess, []
 
-    def refusing_after_the_warm_up(data: bytes, **kwargs: Any) -> Any:
-        calls.append(len(data))
+    def refusing_after_the_warm_up(image: Any) -> Any:
+        calls.append(image.size)
         if len(calls) > 1:
             raise ValueError("this size is refused")
-        return prepare(data, **kwargs)
+        return preprocess(image)
 
-    encoder.prepare = refusing_after_the_warm_up
+    encoder.preprocess = refusing_after_the_warm_up
     passes, reason = _started(0, encoder)
     assert passes == min(torch.get_num_threads(), 4) and len(calls) == 2
     assert reason.endswith("(a typical image could not be timed: ValueError: this size is refused)"), reason

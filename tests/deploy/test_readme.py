@@ -27,6 +27,8 @@ def test_the_readme_is_a_short_tour() -> None:
 def test_each_topic_is_on_its_page() -> None:
     expected = {
         "api": ("grpcurl", "## Error types", "## Limits"),
+        "api-items": ("## Video items", "## Audio items", "## Per-request processor settings",
+                      "--trust-request-mm-kwargs"),
         "client": ("encode-client warm", "encode-client hash", "AsyncClient", "image_aware_ids"),
         "vllm": ("ec_consumer", "encode-epd-proxy", "--export-dir", "StoreReader", "## Families"),
         "epd-proxy": ("--trust-client-embeds", "pixel_free_alone", "per_modality", "ec_transfer_params", "SSRF"),

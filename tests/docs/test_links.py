@@ -44,8 +44,8 @@ def _broken(doc: Path, text: str | None = None) -> list[str]:
     return problems
 
 
-PAGES = ("api", "cache", "client", "metrics", "vllm", "epd-proxy", "epd-families", "models", "operations", "robustness",
-         "benchmarks", "benchmark-history", "development")
+PAGES = ("api", "api-items", "cache", "client", "metrics", "vllm", "epd-proxy", "epd-families", "models", "operations",
+         "robustness", "benchmarks", "benchmark-history", "development")
 
 
 def test_the_docs_exist() -> None:

@@ -22,16 +22,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from encode_client.epd_contract import EPD_MODES, PER_MODALITY  # the client reads what it defines
+from encode_client.epd_tensor import DTYPES as TENSOR_DTYPES  # what the proxy can write
+
 from encode_server.core.settings import Setting
 
 __all__ = ["EPD_MODES", "PER_MODALITY", "TENSOR_DTYPES", "Epd", "Family", "by_model_type"]
-
-EPD_MODES = ("pixel_free", "pixels_uuid")
-# What ``GET /v1/model`` publishes as ``epd.mode`` for a family whose modalities differ in mode: a
-# value no client older than per-modality modes knows, so such a client refuses the contract
-# (``EpdContractError``) instead of sending an item in the wrong mode.
-PER_MODALITY = "per_modality"
-TENSOR_DTYPES = ("float32", "float64", "int64")  # what encode_client.epd_tensor writes
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from encode_client._images import AUDIO, IMAGE, VIDEO, ImageInput, Media, WireIt
 from encode_client._retry import Limits, RetryPolicy
 from encode_client._types import LookupItem, Result, TokenCount, UploadStats, WarmItem
 
-__all__ = ["UPLOAD_MODES", "BaseClient", "Call", "Flow", "HitWindow", "Sleep", "rank_replicas"]
+__all__ = ["UPLOAD_MODES", "BaseClient", "Call", "Flow", "HitWindow", "Sleep", "gather", "rank_replicas"]
 
 T = TypeVar("T")
 
@@ -86,6 +86,48 @@ class Sleep:
 
 
 Flow = Generator[list[Call] | Sleep, list[Any], T]
+
+
+def gather(flows: Sequence[Flow[Any]], clock: Callable[[], float] = time.monotonic) -> Flow[list[Any]]:
+    """``flows`` at once, as one flow: each step sends every call the running flows ask for (the
+    async client concurrently), and a flow that asks to sleep waits out its own time while the others
+    go on. Gives one outcome per flow, in order: its value, or the exception it raised, so the caller
+    decides which error wins."""
+    outcomes: list[Any] = [None] * len(flows)
+    asking: dict[int, list[Call]] = {}  # a flow -> the calls it waits on
+    waking: dict[int, float] = {}  # a sleeping flow -> when it wakes (``clock``)
+
+    def advance(i: int, answers: list[Any] | None) -> None:
+        try:
+            step = next(flows[i]) if answers is None else flows[i].send(answers)
+        except StopIteration as stop:
+            outcomes[i] = stop.value
+        except Exception as exc:
+            outcomes[i] = exc
+        else:
+            if isinstance(step, Sleep):
+                waking[i] = clock() + step.seconds
+            else:
+                asking[i] = step
+
+    for i in range(len(flows)):
+        advance(i, None)
+    while asking or waking:
+        if asking:
+            now_asking = dict(asking)
+            asking.clear()
+            answers = yield [call for calls in now_asking.values() for call in calls]
+            start = 0
+            for i, calls in now_asking.items():
+                advance(i, answers[start : start + len(calls)])
+                start += len(calls)
+        elif (wait := min(waking.values()) - clock()) > 0:
+            yield Sleep(wait)
+        now = clock()
+        for i in [i for i, at in waking.items() if at <= now]:
+            del waking[i]
+            advance(i, [])
+    return outcomes
 
 
 def rank_replicas(key: str, replicas: Sequence[str]) -> list[str]:

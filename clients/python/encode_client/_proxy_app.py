@@ -21,10 +21,10 @@ from encode_client._callers import Caller, Callers
 from encode_client._client import AsyncClient
 from encode_client._lanes import AsyncLanes
 from encode_client._proxy_errors import REWRITE_ERRORS, Refused, error_body, openai_error, rewrite_refusal
-from encode_client._proxy_forward import HOP_BY_HOP, Forwarder, Prepare, Release
+from encode_client._proxy_forward import HOP_BY_HOP, Forwarder, Release
 from encode_client._proxy_head import head_bytes, head_refusal
 from encode_client._proxy_metrics import ProxyMetrics
-from encode_client._proxy_rewrite import CHAT, prepare_body
+from encode_client._proxy_rewrite import CHAT, Checked, check_body, prepare_body
 from encode_client._proxy_settings import ProxySettings
 from encode_client._upstreams import Upstream, Upstreams
 from encode_client.epd import EpdContract
@@ -72,9 +72,10 @@ class _Exchange:
 
 class ProxyApp:
     """The ASGI application (``encode_client.proxy``'s docstring): admission (routes, keys, drain,
-    ``--max-concurrency``, the body's bound), then the rewrite step (``_proxy_rewrite``) and the
-    forward (``_proxy_forward``); every refusal is a ``Refused`` (``_proxy_errors``), answered and
-    counted here. ``draining`` turns ``/health`` to 503."""
+    ``--max-concurrency``, the body's bound), then the rewrite step (``_proxy_rewrite``, handed the
+    contract this app reads once) and the forward (``_proxy_forward``), both again while vLLM fails
+    the request before answering and ``--retries`` are left; every refusal is a ``Refused``
+    (``_proxy_errors``), answered and counted here. ``draining`` turns ``/health`` to 503."""
 
     def __init__(self, settings: ProxySettings) -> None:
         self.settings = settings
@@ -100,7 +101,7 @@ class ProxyApp:
                             keepalive_expiry=_KEEPALIVE_S)
         timeout = httpx.Timeout(s.timeout, connect=s.connect_timeout, pool=s.connect_timeout)
         self._http = AsyncLanes(_LANES, timeout=timeout, limits=pool)
-        self._forwarder = Forwarder(self._http, self.upstreams, self.metrics, timeout=s.timeout, retries=s.retries)
+        self._forwarder = Forwarder(self._http, self.upstreams, self.metrics, timeout=s.timeout)
         keys = [c.key for c in self.callers] if self.callers is not None else [s.api_key]
         self._encoders = {
             k: AsyncClient(list(s.encoder_urls), api_key=k, response="json", timeout=s.encoder_timeout, pool=pool,
@@ -119,8 +120,9 @@ class ProxyApp:
         return self._encoders[caller.key if caller is not None else next(iter(self._encoders))]
 
     async def contract(self, caller: Caller | None) -> EpdContract:
-        """The served family's EPD contract (pixel-free or pixels + uuid, and its fields), read from
-        encode-server's ``GET /v1/model`` once; a failed read is retried by the next request."""
+        """The served family's EPD contract (its modes and fields), read from encode-server's
+        ``GET /v1/model`` by the first request with media and kept; a failed read is retried by the
+        next one. The rewrite is handed it, and never reads one of its own."""
         if self._contract is None:
             self._contract = EpdContract.from_model(await self.encoder_for(caller).model())
         return self._contract
@@ -269,14 +271,41 @@ class ProxyApp:
         self.metrics.inflight.inc()
         exchange.cleanup.append(self._left)
         body = await self._body(request)
-        prepare = self._preparer(request, body, caller, exchange)
-        prepared = await prepare()  # counts the request's images, videos and audio
-        retryable = exchange.images or exchange.videos or exchange.audios
-        assert self._forwarder is not None  # made at startup
         target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
-        response, release = await self._forwarder.forward(
-            request.method, target, self._upstream_headers(request), prepared, prepare if retryable else None
-        )
+        headers = self._upstream_headers(request)
+        checked = None
+        if request.method == "POST":
+            try:
+                checked = check_body(body, request.url.path, trust_client_embeds=self.settings.trust_client_embeds,
+                                     trust_request_mm_kwargs=self.settings.trust_request_mm_kwargs)
+            except REWRITE_ERRORS as exc:
+                raise rewrite_refusal(exc) from None
+            body = await self._prepare(checked, caller, exchange)
+        for attempt in range(1, self.settings.retries + 2):
+            retryable = checked is not None and checked.has_media and attempt <= self.settings.retries
+            response = await self._forward(request.method, target, headers, body, exchange, retryable=retryable)
+            if response is not None:
+                return response
+            # vLLM failed it before answering (its EC connector found the embedding nowhere): the
+            # media handed off again, under the contract this proxy holds, and sent once more
+            self.metrics.retries.labels("prefill_error").inc()
+            log.warning("%s %s: vLLM failed the request before answering; media handed off again, retry %d",
+                        request.method, request.url.path, attempt)
+            assert checked is not None  # only a chat with media is retryable
+            body = await self._prepare(checked, caller, exchange)
+        raise AssertionError("the last attempt is not retryable: it is answered")  # pragma: no cover
+
+    async def _forward(
+        self, method: str, target: str, headers: dict[str, str], body: bytes, exchange: _Exchange,
+        *, retryable: bool = False,
+    ) -> Response | None:
+        """vLLM's answer, its upstream released after it is relayed; None: vLLM failed the request
+        before answering (``retryable`` only)."""
+        assert self._forwarder is not None  # made at startup
+        forwarded = await self._forwarder.forward(method, target, headers, body, retryable=retryable)
+        if forwarded is None:
+            return None
+        response, release = forwarded
         exchange.cleanup.append(release)
         return response
 
@@ -302,30 +331,22 @@ class ProxyApp:
             raise Refused(400, "the client went away while sending the body", "invalid_request_error") from None
         return b"".join(chunks)
 
-    def _preparer(self, request: Request, body: bytes, caller: Caller | None, exchange: _Exchange) -> Prepare:
-        """The body to send vLLM, made afresh by each call (a retry hands the images and videos off again)."""
-
-        async def prepare() -> bytes:
-            if request.method != "POST":
-                return body
-            try:
-                prepared = await prepare_body(
-                    body, request.url.path, encoder=self.encoder_for(caller),
-                    contract=lambda: self.contract(caller),  # read after the checks, with images or videos
-                    tenant=caller.tenant if caller else None, trust_client_embeds=self.settings.trust_client_embeds,
-                    trust_request_mm_kwargs=self.settings.trust_request_mm_kwargs,
-                )
-            except REWRITE_ERRORS as exc:
-                raise rewrite_refusal(exc) from None
-            if prepared.handoff_seconds is not None:
-                self.metrics.handoff_seconds.observe(prepared.handoff_seconds)
-                self.metrics.handoff_images.inc(prepared.images)
-                self.metrics.handoff_videos.inc(prepared.videos)
-                self.metrics.handoff_audios.inc(prepared.audios)
-            exchange.images, exchange.videos, exchange.audios = prepared.images, prepared.videos, prepared.audios
-            return prepared.body
-
-        return prepare
+    async def _prepare(self, checked: Checked, caller: Caller | None, exchange: _Exchange) -> bytes:
+        """``checked`` as vLLM gets it, its media handed off (again, for a retry) under the family's
+        contract (``contract``), read only for a request with media and passed down."""
+        try:
+            contract = await self.contract(caller) if checked.has_media else None
+            prepared = await prepare_body(checked, encoder=self.encoder_for(caller), contract=contract,
+                                          tenant=caller.tenant if caller else None)
+        except REWRITE_ERRORS as exc:
+            raise rewrite_refusal(exc) from None
+        if prepared.handoff_seconds is not None:
+            self.metrics.handoff_seconds.observe(prepared.handoff_seconds)
+            self.metrics.handoff_images.inc(prepared.images)
+            self.metrics.handoff_videos.inc(prepared.videos)
+            self.metrics.handoff_audios.inc(prepared.audios)
+        exchange.images, exchange.videos, exchange.audios = prepared.images, prepared.videos, prepared.audios
+        return prepared.body
 
     def _upstream_headers(self, request: Request) -> dict[str, str]:
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}

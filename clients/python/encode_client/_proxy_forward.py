@@ -2,10 +2,10 @@
 
 Three parts, each on its own: ``Forwarder.send`` picks an upstream and fails over to the next when
 one refuses the connection (and sends once more, on a new connection, when one closes before any
-answer); ``read_head`` reads an answer only as far as telling whether vLLM
-failed the request before answering (the first SSE event, ``_vllm_failure.StreamGate``, or a 500's
-body); ``Forwarder.forward`` ties them together, sending the request again (after ``prepare`` has
-handed its media off again) while the head says it failed and retries are left.
+answer); ``read_head`` reads an answer only as far as telling whether vLLM failed the request
+before answering (the first SSE event, ``_vllm_failure.StreamGate``, or a 500's body);
+``Forwarder.forward`` ties them together and, where asked, says that vLLM failed the request
+instead of relaying the failure, so the app may hand its media off again and send it once more.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from encode_client._proxy_metrics import ProxyMetrics
 from encode_client._upstreams import Upstream, Upstreams
 from encode_client._vllm_failure import StreamGate, is_generation_error
 
-__all__ = ["HOP_BY_HOP", "Forwarder", "Head", "HeadBroken", "Prepare", "Release", "read_head"]
+__all__ = ["HOP_BY_HOP", "Forwarder", "Head", "HeadBroken", "Release", "read_head"]
 
 log = logging.getLogger("encode_client.proxy")
 
@@ -35,7 +35,6 @@ HOP_BY_HOP = frozenset(
 )
 _ERROR_BODY_LIMIT = 1 << 20  # a non-streamed 500 read to tell vLLM's generic failure
 Release = Callable[[], Awaitable[None]]
-Prepare = Callable[[], Awaitable[bytes]]  # the body made afresh: its media handed off again
 
 
 @dataclass(frozen=True)
@@ -86,41 +85,30 @@ class Forwarder:
     """Sends to the least busy vLLM upstream (``Upstreams``), keeping its outstanding count and the
     upstream metrics; ``timeout`` is only named in a 504's message (the pool enforces it)."""
 
-    def __init__(
-        self, http: AsyncLanes, upstreams: Upstreams, metrics: ProxyMetrics, *, timeout: float, retries: int
-    ) -> None:
-        self.http, self.upstreams, self.metrics = http, upstreams, metrics
-        self.timeout, self.retries = timeout, retries
+    def __init__(self, http: AsyncLanes, upstreams: Upstreams, metrics: ProxyMetrics, *, timeout: float) -> None:
+        self.http, self.upstreams, self.metrics, self.timeout = http, upstreams, metrics, timeout
 
     async def forward(
-        self, method: str, target: str, headers: dict[str, str], body: bytes, prepare: Prepare | None
-    ) -> tuple[StreamingResponse, Release]:
-        """The answer to relay, and what releases its upstream once relayed. A request vLLM failed
-        before answering is sent again, ``retries`` times, with ``prepare``'s body (None: a request
-        without media, never sent again)."""
+        self, method: str, target: str, headers: dict[str, str], body: bytes, *, retryable: bool = False
+    ) -> tuple[StreamingResponse, Release] | None:
+        """The answer to relay, and what releases its upstream once relayed. ``retryable``: the
+        answer's head is read first, and None is returned (the upstream given back) when vLLM failed
+        the request before answering, for the caller to send it again or not."""
         path = target.partition("?")[0]
-        attempt = 0
-        while True:
-            upstream, answer = await self.send(method, target, headers, body)
-            release = self._releaser(upstream, answer)
-            retry = prepare is not None and attempt < self.retries
-            try:
-                head = await read_head(answer) if retry else Head(b"", answer.aiter_raw())
-            except HeadBroken:
-                await release()
-                raise Refused(502, "vLLM's answer broke before it could be read (a stream's first event, a 500's body)",
-                              "upstream_unavailable") from None
-            if not head.failed:
-                response_headers = {k: v for k, v in answer.headers.items() if k.lower() not in HOP_BY_HOP}
-                relay = _relay(head.prefix, head.rest, path, self.metrics)
-                return StreamingResponse(relay, status_code=answer.status_code, headers=response_headers), release
+        upstream, answer = await self.send(method, target, headers, body)
+        release = self._releaser(upstream, answer)
+        try:
+            head = await read_head(answer) if retryable else Head(b"", answer.aiter_raw())
+        except HeadBroken:
             await release()
-            assert prepare is not None  # a head is read only with it
-            attempt += 1
-            self.metrics.retries.labels("prefill_error").inc()
-            log.warning("%s %s: vLLM failed the request before answering; media handed off again, retry %d",
-                        method, path, attempt)
-            body = await prepare()
+            raise Refused(502, "vLLM's answer broke before it could be read (a stream's first event, a 500's body)",
+                          "upstream_unavailable") from None
+        if head.failed:
+            await release()
+            return None
+        response_headers = {k: v for k, v in answer.headers.items() if k.lower() not in HOP_BY_HOP}
+        relay = _relay(head.prefix, head.rest, path, self.metrics)
+        return StreamingResponse(relay, status_code=answer.status_code, headers=response_headers), release
 
     async def send(
         self, method: str, target: str, headers: dict[str, str], body: bytes

@@ -1,17 +1,19 @@
-"""The proxy's rewrite step: a POST body as vLLM gets it. No HTTP of its own (encode-server is
-reached through the ``AsyncClient`` it is given) and no metrics: it says what it handed off, and the
-app records it. It raises what ``_proxy_errors.REWRITE_ERRORS`` lists."""
+"""The proxy's rewrite step, in two: a POST body checked (``check_body``, no I/O), then made into the
+body vLLM gets (``prepare_body``, again for a retry). No HTTP of its own (encode-server is reached
+through the ``AsyncClient`` it is given), no contract of its own (the app reads it and passes it in)
+and no metrics: it says what it handed off, and the app records it. It raises what
+``_proxy_errors.REWRITE_ERRORS`` lists."""
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from encode_client._client import AsyncClient
 from encode_client.epd import (
+    ChatPlan,
     EpdContract,
     EPDError,
     cache_salt,
@@ -20,11 +22,25 @@ from encode_client.epd import (
     rewrite_chat_plan_async,
 )
 
-__all__ = ["CHAT", "Prepared", "prepare_body"]
+__all__ = ["CHAT", "Checked", "Prepared", "check_body", "prepare_body"]
 
 CHAT = "/v1/chat/completions"
 _JSON_KINDS = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean",
                type(None): "null"}
+
+
+@dataclass(frozen=True)
+class Checked:
+    """A POST body parsed and checked, nothing handed off yet: what each rewrite of it starts from
+    (a retry's included). ``plan``: a chat's (None: a completion)."""
+
+    body: dict[str, Any]
+    plan: ChatPlan | None = None
+
+    @property
+    def has_media(self) -> bool:
+        """Whether the rewrite hands anything off (and so needs the family's contract)."""
+        return self.plan is not None and bool(self.plan.media)
 
 
 @dataclass(frozen=True)
@@ -38,36 +54,35 @@ class Prepared:
     audios: int = 0
 
 
-async def prepare_body(
-    raw: bytes,
-    path: str,
-    *,
-    encoder: AsyncClient,
-    contract: Callable[[], Awaitable[EpdContract]],
-    tenant: str | None,
-    trust_client_embeds: bool,
-    trust_request_mm_kwargs: bool = False,
-) -> Prepared:
-    """``raw``, a POST to ``path``, checked and rewritten: a chat's images, videos and audio handed off
-    (``epd``; ``contract`` is read after the checks, only for a request with media), the fields
-    that steer vLLM's caches refused (``mm_processor_kwargs`` taken when trusted), and ``cache_salt``
-    derived from ``tenant``."""
+def check_body(raw: bytes, path: str, *, trust_client_embeds: bool, trust_request_mm_kwargs: bool = False) -> Checked:
+    """``raw``, a POST to ``path``, as a JSON object checked before anything moves: a chat's parts
+    (``epd.check_chat_request``), a completion's fields that steer vLLM's caches
+    (``mm_processor_kwargs`` taken when trusted)."""
     parsed = _json_object(raw, "chat completion" if path == CHAT else "completion")
-    images = videos = audios = 0
-    seconds: float | None = None
-    if path == CHAT:
+    if path != CHAT:
+        check_request_fields(parsed, trust_request_mm_kwargs=trust_request_mm_kwargs)
+        return Checked(parsed)
+    return Checked(parsed, check_chat_request(parsed, trust_client_embeds=trust_client_embeds,
+                                              trust_request_mm_kwargs=trust_request_mm_kwargs))
+
+
+async def prepare_body(
+    checked: Checked, *, encoder: AsyncClient, contract: EpdContract | None, tenant: str | None
+) -> Prepared:
+    """``checked`` as vLLM gets it: a chat's images, videos and audio handed off and rewritten in
+    ``contract``'s modes (the proxy's, read before for a chat with media), and ``cache_salt``
+    derived from ``tenant``. Each call hands the media off again."""
+    rewritten, plan, seconds = dict(checked.body), checked.plan, None
+    if plan is not None:
         started = time.perf_counter()
-        plan = check_chat_request(parsed, trust_client_embeds=trust_client_embeds,
-                                  trust_request_mm_kwargs=trust_request_mm_kwargs)
-        rewritten, results = await rewrite_chat_plan_async(parsed, plan, encoder, contract=contract)
+        rewritten, results = await rewrite_chat_plan_async(checked.body, plan, encoder, contract=contract)
         if results:
             seconds = time.perf_counter() - started
-        images, videos, audios = len(plan.images), len(plan.videos), len(plan.audios) + len(plan.sounds)
-    else:
-        check_request_fields(parsed, trust_request_mm_kwargs=trust_request_mm_kwargs)
-        rewritten = dict(parsed)
-    rewritten["cache_salt"] = cache_salt(tenant, parsed.get("cache_salt"))
-    return Prepared(json.dumps(rewritten).encode(), images, videos, seconds, audios)
+    rewritten["cache_salt"] = cache_salt(tenant, checked.body.get("cache_salt"))
+    body = json.dumps(rewritten).encode()
+    if plan is None:
+        return Prepared(body)
+    return Prepared(body, len(plan.images), len(plan.videos), seconds, len(plan.audios) + len(plan.sounds))
 
 
 def _json_object(raw: bytes, what: str) -> dict[str, Any]:

@@ -1,6 +1,6 @@
-"""The EPD rewrite is one flow (``epd._rewrite_flow``) that the sync and async rewrites only drive:
-the same body, results and errors from both, with clients whose ``_send`` answers from a script
-instead of the network (issue 31)."""
+"""The EPD rewrite is one flow of the client's calls that ``Client`` and ``AsyncClient`` drive as they
+drive their own: the same body, results, errors and calls from both, with clients whose ``_send``
+answers from a script instead of the network."""
 
 from __future__ import annotations
 
@@ -50,17 +50,30 @@ def chat(*parts: dict[str, Any]) -> dict[str, Any]:
 
 class _Script:
     """encode-server as a function of each call: a hand-off item is encoded with its modality's
-    meta, unless ``refuse`` maps its hash to the error to answer instead."""
+    meta, unless ``refuse`` maps its hash to the error to answer instead, or ``busy`` to how many
+    times to answer 503 first. Records every call, and how many were in flight at once."""
 
-    def __init__(self, refuse: dict[str, ServerError] | None = None) -> None:
+    def __init__(
+        self,
+        refuse: dict[str, ServerError] | None = None,
+        *,
+        busy: dict[str, int] | None = None,
+        model: dict[str, Any] = MODEL,
+    ) -> None:
         self.refuse = refuse or {}
+        self.busy = dict(busy or {})
+        self.model = model
         self.calls: list[Call] = []
+        self.in_flight = self.most_in_flight = 0
 
     def answer(self, call: Call) -> Any:
         self.calls.append(call)
         if call.op == "model":
-            return [MODEL]
+            return [self.model]
         for item in call.payload:
+            if self.busy.get(item.hash):
+                self.busy[item.hash] -= 1
+                return ServerError(503, "overloaded", "queue full", retry_after=0.01)
             if item.hash in self.refuse:
                 return self.refuse[item.hash]
         return [Result(0, item.hash, "encoded", None, 8, (), None, meta=META[item.modality or "image"])
@@ -73,7 +86,12 @@ class _SyncScripted(Client):
         self.script = script
 
     def _send(self, call: Call) -> Any:
-        return self.script.answer(call)
+        self.script.in_flight += 1
+        self.script.most_in_flight = max(self.script.most_in_flight, self.script.in_flight)
+        try:
+            return self.script.answer(call)
+        finally:
+            self.script.in_flight -= 1
 
 
 class _AsyncScripted(AsyncClient):
@@ -82,7 +100,10 @@ class _AsyncScripted(AsyncClient):
         self.script = script
 
     async def _send(self, call: Call) -> Any:
+        self.script.in_flight += 1
+        self.script.most_in_flight = max(self.script.most_in_flight, self.script.in_flight)
         await asyncio.sleep(0)  # let the other hand-offs of the step start
+        self.script.in_flight -= 1
         return self.script.answer(call)
 
 
@@ -174,54 +195,53 @@ def test_of_several_failed_hand_offs_both_rewrites_raise_the_first_in_request_or
         assert isinstance(out, EPDError) and out.where == "messages[0].content[0]" and "second video" in str(out)
 
 
-def test_the_hand_offs_are_one_step_of_the_flow_the_images_together_and_each_video_alone() -> None:
-    from encode_client.epd import _rewrite_flow
-
+def test_the_images_go_in_one_hand_off_and_each_video_in_its_own_all_at_once_with_the_async_client() -> None:
+    """What encode-server sees: one request for the two images, one per video, nothing else (the
+    contract was given), the same from both clients; the async client has all three in flight at once."""
     body = chat(image(PNG_A), video(MP4_A), image(PNG_B), video(MP4_B))
-    with _SyncScripted(_Script()) as client:
-        flow = _rewrite_flow(body, check_chat_request(body), client, QWEN3)
-        step = next(flow)
-        assert len(step) == 3  # one hand-off for the images, one per video: all at once
-        outcomes = [client._run(job) for job in step]
-        with pytest.raises(StopIteration) as done:
-            flow.send(outcomes)
-    assert [len(o) for o in outcomes] == [2, 1, 1]
-    assert [r.hash for r in done.value.value[1]] == [mm_hash(d) for d in (PNG_A, PNG_B, MP4_A, MP4_B)]
+    scripts = {"sync": _Script(), "async": _Script()}
+    sync = _run_sync(body, scripts["sync"], contract=QWEN3)
+    assert _run_async(body, scripts["async"], contract=QWEN3) == sync
+    for script in scripts.values():
+        sent = sorted(([item.hash for item in call.payload], call.payload[0].modality) for call in script.calls)
+        assert [call.op for call in script.calls] == ["handoff"] * 3
+        assert sent == sorted([([mm_hash(PNG_A), mm_hash(PNG_B)], "image"), ([mm_hash(MP4_A)], "video"),
+                               ([mm_hash(MP4_B)], "video")])
+    assert scripts["async"].most_in_flight == 3 and scripts["sync"].most_in_flight == 1
+    assert [r.hash for r in sync[1]] == [mm_hash(d) for d in (PNG_A, PNG_B, MP4_A, MP4_B)]
 
 
-def test_the_contract_is_read_only_for_a_request_with_media_from_a_callable_or_the_model() -> None:
-    asked: list[str] = []
+def test_a_hand_off_encode_server_asks_to_retry_is_sent_again_while_the_others_go_on() -> None:
+    """A 503 on one video's hand-off is retried after its backoff; the other items' hand-offs are
+    not sent again, and both clients give the same body."""
+    for run in (_run_sync, _run_async):
+        script = _Script(busy={mm_hash(MP4_A): 1})
+        rewritten, results = run(chat(image(PNG_A), video(MP4_A), video(MP4_B)), script, contract=QWEN3)
+        sent = [item.hash for call in script.calls for item in call.payload]
+        assert sorted(sent) == sorted([mm_hash(PNG_A), mm_hash(MP4_A), mm_hash(MP4_A), mm_hash(MP4_B)])
+        assert [r.hash for r in results] == [mm_hash(d) for d in (PNG_A, MP4_A, MP4_B)]
+        assert rewritten["messages"][0]["content"][1]["video_embeds"] == META["video"]
 
-    def sync_contract() -> EpdContract:
-        asked.append("sync")
-        return QWEN3
 
-    async def async_contract() -> EpdContract:
-        asked.append("async")
-        return QWEN3
-
+def test_a_chat_without_media_asks_encode_server_nothing_and_one_without_a_contract_reads_it_first() -> None:
     text = chat({"type": "text", "text": "no media"})
     script = _Script()
-    _run_sync(text, script, contract=sync_contract)
-    _run_async(text, script, contract=async_contract)
-    assert asked == [] and script.calls == []  # no media: no contract, no call
-    _run_sync(chat(image(PNG_A)), _Script(), contract=sync_contract)
-    _run_async(chat(image(PNG_A)), _Script(), contract=async_contract)
-    assert asked == ["sync", "async"]
+    assert _run_sync(text, script) == _run_async(text, script)
+    assert script.calls == []  # no media: no contract read, no call
     script = _Script()
     sync, asynchronous = (run(chat(video(MP4_A)), script) for run in (_run_sync, _run_async))
     assert sync == asynchronous and [c.op for c in script.calls] == ["model", "handoff"] * 2
+    script = _Script()
+    _run_sync(chat(video(MP4_A)), script, contract=QWEN3)
+    assert [c.op for c in script.calls] == ["handoff"]  # a contract given is not read again
 
 
 def test_a_contract_that_cannot_be_read_is_raised_by_both_rewrites_before_any_hand_off() -> None:
-    def broken() -> EpdContract:
-        raise EpdContractError("no family")
-
-    script = _Script()
+    script = _Script(model={"id": "clip", "family": {"name": "clip"}})  # a family no vLLM prefill consumes
     for run in (_run_sync, _run_async):
-        with pytest.raises(EpdContractError, match="no family"):
-            run(chat(image(PNG_A)), script, contract=broken)
-    assert script.calls == []
+        with pytest.raises(EpdContractError, match="no vLLM prefill consumes"):
+            run(chat(image(PNG_A)), script)
+    assert [c.op for c in script.calls] == ["model", "model"]
 
 
 def test_the_plan_drivers_take_a_checked_plan() -> None:

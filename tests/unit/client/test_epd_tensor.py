@@ -62,15 +62,12 @@ def test_anything_else_is_refused(value: Any, dtype: str, words: str) -> None:
 
 
 def test_every_contract_a_family_publishes_is_one_the_client_can_write() -> None:
-    """The server's ``Epd`` checks tensor dtypes against its own copy of the list (the server does
-    not import the client): the two lists, and every family's contract, must agree with the client."""
+    """Every family's published tensor fields read back as the same contract, each in a dtype this
+    client writes."""
     from encode_client.epd import EpdContract
-    from encode_client.epd_tensor import DTYPES
 
     from encode_server.encoders import FAMILIES
-    from encode_server.encoders.family import TENSOR_DTYPES
 
-    assert tuple(TENSOR_DTYPES) == tuple(DTYPES)
     for family in FAMILIES:
         if family.epd is not None:
             contract = EpdContract.from_model({"family": family.describe()})

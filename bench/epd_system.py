@@ -108,9 +108,8 @@ class Plan:
     # (OMP_WAIT_POLICY=PASSIVE, as encode-server runs its own). "mp": the CPU build's default, a
     # model worker process beside the engine core; the two busy-poll their shared-memory queue
     # (sched_yield for 1 s after every message), and on 2 shared cores that polling took more CPU
-    # than a small model's tower (2026-12-05, tower79: aggregated vLLM 123 ms of CPU per unique
-    # request under "mp", 75 under "uni"; a tower-free consumer 136 and 50). "uni" without PASSIVE
-    # spun OpenMP's threads instead: two replicas at 3.0 req/s against 19.0 with it.
+    # than a small model's tower; "uni" without PASSIVE spun OpenMP's threads instead (the figures:
+    # docs/benchmark-history.md, "How vLLM runs its model").
     executor: str = "uni"
     # Every server's compute dtype, pinned alike (each one's `auto` may differ: vLLM's picked bfloat16
     # for these float32 checkpoints on this CPU). float32: this CPU has no native bfloat16.

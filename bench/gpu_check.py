@@ -442,7 +442,7 @@ def run(sizes: Sizes, device: str, rehearsal: bool, out_path: Path) -> dict[str,
     return result
 
 
-# (figure, goal) per tower; the goals on an H200.
+# (figure, goal) per tower; the goals on an H200 (docs/benchmarks.md#gpu).
 GOALS: dict[str, tuple[str, Callable[[float], bool]]] = {
     "s1_ratio": (">= 0.95", lambda v: v >= 0.95),
     "s1_overhead_ms.raw": ("<= 2", lambda v: v <= 2),

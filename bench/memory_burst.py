@@ -1,4 +1,4 @@
-"""The burst of issue 13: 64 concurrent 60 MiB uploads against one server, its memory read from /proc.
+"""64 concurrent 60 MiB uploads against one server, its memory read from /proc (docs/robustness.md).
 
 A real ``encode-server`` process (built-in model, default limits: --max-request-bytes 64 MiB) is
 started once per budget; 64 clients then upload at once, each a ~60 MiB body: raw, JSON base64

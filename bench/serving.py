@@ -304,7 +304,7 @@ def steady_tail(port: int, images: Sequence[bytes]) -> dict[str, float]:
     (its latency is the whole burst's work), the first after one pass: their p99 is bounded by the
     burst's work whatever the batcher does, and their p50 is lower the sooner the first answers go
     out. A server that held every answer to the end would score 1.0 with the same p99 and a worse
-    p50. Measured with a per-request timeline (docs/benchmarks.md, issue 35): on the built-in tower
+    p50. Measured with a per-request timeline (docs/benchmark-history.md, the c16 tails): on the built-in tower
     the 9th-16th of the 16 sent at once took 2.4x the 1st-8th (waiting behind them for the two
     decode threads); on the Qwen2.5-VL tower the first two rode alone, and the other 14 split 7 / 4 /
     3 as the passes freed, the 7 being the p99. And 64 or 128 samples put p99 at the largest or
@@ -762,7 +762,7 @@ KEYS = (
 )
 S1_MODELS = ("tiny", "vitb32", "clip_pooled", "qwen25vl")  # s1_tail_c16's and s1_burst_tail_c16's keys
 OVERHEAD_KEYS = ("s1_overhead_ms", "s1_overhead_ms_vitb32", "s1_overhead_ms_clip_pooled", "s1_overhead_ms_qwen25vl")
-# (figure, goal, met?) for the table; None where the issue sets no goal.
+# (figure, goal, met?) for the table; None where no goal is set (docs/benchmarks.md).
 GOALS: dict[str, tuple[str, Callable[[Any], bool]] | None] = {
     "s1_ratio": (">= 0.95", lambda v: v >= 0.95),
     "s1_ratio_tiny": (">= 0.9", lambda v: v >= 0.9),

@@ -61,7 +61,7 @@ from tests.server import ServerProcess, free_port, start_server
 
 ROOT = Path(__file__).resolve().parent.parent
 EXPORT_FILE = "encoder_cache.safetensors"
-# The tower of the measurement: 6 blocks, 256 wide (the language model stays tiny). Qwen's
+# The tower of the comparison (docs/benchmarks.md): 6 blocks, 256 wide (the language model stays tiny). Qwen's
 # own pixel limits, so a 640x480 image is 391 rows, as with the real checkpoints.
 TOWER = {"depth": 6, "hidden_size": 256, "intermediate_size": 512, "num_heads": 4, "fullatt_block_indexes": [2, 5]}
 MAX_PIXELS = 12_845_056

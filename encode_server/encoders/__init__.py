@@ -10,14 +10,11 @@ from __future__ import annotations
 import os
 
 # Before torch loads its OpenMP runtime (this package is where torch is first imported): idle
-# OpenMP threads sleep instead of spinning. Spinning workers burnt 4x the CPU of the work itself
-# (8.0 s against 2.1 s for 48 images on 2 cores, bench/serving.py's tiny tower) and took the
-# cores from the threads that decode and preprocess the next batch. It costs a lone small pass the
-# wake-ups (a tiny CLIP's forward pass 3.7 ms against 1.8 with libgomp's default), but every thread
-# that runs torch has its own OpenMP team, and with the default their spins fight over the cores:
-# one request at a time, server minus in-process pipeline, went from +0.6 to +10 ms (built-in
-# tower) and from +3 to +19 ms (ViT-B/32-sized), measured 2026-12-02. An operator's own
-# OMP_WAIT_POLICY wins.
+# OpenMP threads sleep instead of spinning. Spinning workers burn CPU the work does not need and
+# take the cores from the threads that decode and preprocess the next batch; and every thread that
+# runs torch has its own OpenMP team, so with libgomp's default their spins fight over the cores.
+# It costs a lone small pass its wake-ups. The figures: docs/benchmarks.md, "What each change
+# bought". An operator's own OMP_WAIT_POLICY wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import json

@@ -15,15 +15,13 @@ Images are resized and normalised with torch, as transformers' torchvision-backe
 the uint8 image, then the fused rescale and normalisation), whatever backend this venv's
 transformers picked. That is the processor vLLM runs (its environment has torchvision), so the
 rows equal vLLM's tower's for resized images too; the PIL backend's bicubic resize rounds
-differently (2e-2 absolute in the rows, docs/vllm.md) and took 1.8x the CPU (22.6 against 12.2 ms
-for a 1280x720 JPEG within 256 tokens, decode included, one thread). The fingerprint names the
-torchvision class.
+differently and costs more CPU (docs/benchmarks.md, "What each change bought"). The fingerprint
+names the torchvision class.
 
 The patch embedding is a Conv3d whose kernel equals its stride: one matrix product over each
 patch's 3 x t x p x p values. It is computed as that product (``PatchLinear``), as vLLM's own
-``Conv3dLayer`` does, rather than as a convolution: on a CPU a bfloat16 Conv3d took 55 of a
-6-block tower's 142 ms for a 640x480 image (measured, one thread), and the result differs from
-the convolution's only by float rounding (2e-5 of the largest value in float32).
+``Conv3dLayer`` does, rather than as a convolution, which is slow on a CPU in bfloat16
+(docs/benchmarks.md); the result differs from the convolution's only by float rounding.
 
 Videos: one item of ``t`` temporal groups (two frames each), sampled as vLLM's loader for
 ``Qwen2VLVideoProcessor`` samples them (``Qwen2VLVideoBackend``: the server's ``--video-fps``, 4 to
@@ -33,7 +31,7 @@ processor's pixel limits; ``meta`` carries ``video_grid_thw`` and, for Qwen2.5-V
 vLLM 0.32's parser does not declare ``second_per_grid_ts`` (only ``video_grid_thw``) and assumes
 1.0 s without it, but its Qwen2.5-VL processor takes it from a pixel-free item: with it, the
 tokens equal vLLM's on the file; without, only when the sampling gives exactly 1.0 s per group
-(docs/vllm.md, ``tests/vllm/test_qwen25_video.py``).
+(docs/epd-families.md, ``tests/vllm/test_qwen25_video.py``).
 """
 
 from __future__ import annotations

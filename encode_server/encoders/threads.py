@@ -4,21 +4,14 @@ On a CPU one forward pass split over every core leaves cores idle: a vision towe
 of small operators (a 640x480 image through a Qwen2.5-VL tower: 434 attention calls, most over 16
 patches), each too small to split, and between them torch's other threads wait. Passes side by
 side, each on its own share of the cores, keep every core on work of its own, as Triton's model
-instances and OpenVINO's throughput streams do. Measured (``bench/vllm_peer.py``'s tower, 640x480
-images, bfloat16, 2 cores, one image a pass): one pass over both cores, 4.8-5.6 images/s at
-264-301 ms of CPU an image; two single-threaded passes side by side, 8.0-9.2 images/s at 204-246
-ms; two passes of two threads each (oversubscribed), 8.0-8.3.
+instances and OpenVINO's throughput streams do (the figures: docs/benchmarks.md, "What each change
+bought").
 
 Passes side by side pay only where the tower is the work. Where decoding and preprocessing an image
 cost more than its forward pass (a small CLIP: the preprocessing threads already keep the cores
 busy), a second pass only halves the batches and takes cores from the preprocessing threads, so
 ``--forward-workers 0`` keeps one pass there, measured at start (``auto_passes``, ``warmup.py``'s
-``choose_passes``). Measured (``bench.serving``'s S1, 640x480 JPEGs, 2 cores, one pass against two,
-alternating, two rounds each, 2026-12-04): a tiny CLIP 224-228 images/s with one pass, 152-209
-with two, and 8.2-8.6 against 9.4-10.1 ms one request at a time; the built-in tower 65-78 against
-71-93 images/s with two; a ViT-B/32-sized CLIP 16.0-17.0 against 17.5. Timed at start as
-``choose_passes`` times them (a lone pass through the batcher, against its image's decode and
-preprocessing): 2.4 against 4.9 ms, 12.3 against 3.9, 80.7 against 4.7.
+``choose_passes``; the runs behind it: docs/benchmark-history.md, "Serving runs").
 
 A lone pass still gets every core, so one request's latency is what it was: torch's thread count
 is process-wide (``torch.set_num_threads``; measured: a pass running in one thread follows a count

@@ -1,10 +1,11 @@
 """Request bodies to ``RequestItem``s: JSON, multipart, or one raw image. Pure parsing, no I/O
 beyond reading the body under its size limit.
 
-Every copy of the request that parsing makes is charged to the request's budget hold
-(``api/budget.py``) before it is made: the parsed JSON text, decoded base64, multipart parts;
-once parsed, the hold is settled to the bytes the items still hold. A charge that does not fit
-raises ``OverBudget``, which the budget middleware answers with 503 ``overloaded``."""
+Every copy of the request that parsing makes is charged, before it is made, to the budget hold
+each parser is handed (the request's, which the door takes from ``api/budget.py``): the parsed
+JSON text, decoded base64, multipart parts; once parsed, the hold is settled to the bytes the
+items still hold. A charge that does not fit raises ``OverBudget``, which the budget middleware
+answers with 503 ``overloaded``."""
 
 from __future__ import annotations
 
@@ -25,7 +26,6 @@ from starlette.formparsers import MultiPartException
 from starlette.requests import Request
 from starlette.types import Message
 
-from encode_server.api.budget import body_hold
 from encode_server.api.frontdoor import check_count, item_settings, request_item
 from encode_server.api.schemas import EncodeItemIn, EncodeRequestIn, LookupRequestIn, TokensRequestIn
 from encode_server.core.budget import Hold
@@ -87,7 +87,7 @@ def _settle(hold: Hold | None, items: list[RequestItem]) -> None:
         hold.settle(min(held, hold.held))  # only gives back: every byte was charged before it was made
 
 
-async def read_body(request: Request, max_bytes: int) -> bytes:
+async def read_body(request: Request, max_bytes: int, hold: Hold | None = None) -> bytes:
     """The whole body, refusing (413) past ``max_bytes`` before reading it all.
 
     A body in one piece is returned as it came. One in many pieces is copied, as it arrives, into
@@ -118,7 +118,7 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
             raise TooLarge(f"request body is above the limit of {max_bytes} bytes (--max-request-bytes)")
         return first or b""
     del buffer[size:]
-    with _transient(body_hold(request.scope), size):  # the buffer and its bytes, for a moment
+    with _transient(hold, size):  # the buffer and its bytes, for a moment
         return bytes(buffer)
 
 
@@ -215,7 +215,7 @@ def _modality(content_type: str | None) -> str:
     return VIDEO if kind.startswith("video/") else AUDIO if kind.startswith("audio/") else IMAGE
 
 
-async def _multipart_items(request: Request, max_items: int, max_bytes: int) -> EncodeBody:
+async def _multipart_items(request: Request, max_items: int, max_bytes: int, hold: Hold | None) -> EncodeBody:
     try:
         form = await request.form(max_files=max_items, max_fields=max_items + 16, max_part_size=max_bytes)
     except (MultiPartException, HTTPException) as exc:  # Request.form() wraps the former in the latter
@@ -233,7 +233,6 @@ async def _multipart_items(request: Request, max_items: int, max_bytes: int) -> 
             raise TooLarge(f"more than {max_items} files in one request (--max-items)", type="too_many_items")
         if not files:
             raise InvalidRequest("multipart body has no file parts")
-        hold = body_hold(request.scope)
         items = []
         for i, f in enumerate(files):
             if hold is not None:
@@ -247,49 +246,51 @@ async def _multipart_items(request: Request, max_items: int, max_bytes: int) -> 
         await form.close()
 
 
-async def parse_encode_body(request: Request, *, max_items: int, max_bytes: int) -> EncodeBody:
-    """The items of an upload body; the request's budget hold then holds what they hold."""
-    parsed = await _parse_encode_body(request, max_items=max_items, max_bytes=max_bytes)
-    _settle(body_hold(request.scope), parsed.items)
+async def parse_encode_body(request: Request, *, max_items: int, max_bytes: int, hold: Hold | None = None
+                            ) -> EncodeBody:
+    """The items of an upload body; ``hold`` (the request's budget hold) then holds what they hold."""
+    parsed = await _parse_encode_body(request, max_items, max_bytes, hold)
+    _settle(hold, parsed.items)
     return parsed
 
 
-async def _parse_encode_body(request: Request, *, max_items: int, max_bytes: int) -> EncodeBody:
+async def _parse_encode_body(request: Request, max_items: int, max_bytes: int, hold: Hold | None) -> EncodeBody:
     kind = media_type(request)
     if kind == "multipart/form-data":
         # Read under the limit first, then let Starlette parse the bytes we hold: its own limits
         # bound fields, not files.
-        body = await read_body(request, max_bytes)
+        body = await read_body(request, max_bytes, hold)
 
         async def replay() -> Message:
             return {"type": "http.request", "body": body, "more_body": False}
 
         # The parser hands each part on as one slice of the body: a copy, while it is parsed.
-        with _transient(body_hold(request.scope), len(body)):
-            return await _multipart_items(Request(request.scope, replay), max_items, max_bytes)
+        with _transient(hold, len(body)):
+            return await _multipart_items(Request(request.scope, replay), max_items, max_bytes, hold)
     media = ("image/", "video/", "audio/")
     if kind not in ("application/json", "application/octet-stream") and not kind.startswith(media):
         raise UnsupportedMediaType(
             f"unsupported content type {kind!r}: use application/json, multipart/form-data, "
             "image/*, video/*, audio/* or application/octet-stream"
         )
-    body = await read_body(request, max_bytes)
+    body = await read_body(request, max_bytes, hold)
     if kind == "application/json":
         # Parsed on the loop whatever the size: orjson and SIMD base64 take well under 1 ms per MiB
         # holding the GIL, so a thread would only add a hop and a GIL hand-off, not overlap.
-        return _json_items(body, max_items, body_hold(request.scope))
+        return _json_items(body, max_items, hold)
     if not body:
         raise BadInput("empty body: expected the bytes of one image, video or audio file", type="invalid_image",
                        index=0)
     return EncodeBody([RequestItem(index=0, data=body, modality=_modality(kind))], Return.EMBEDDINGS)
 
 
-async def parse_lookup_body(request: Request, *, max_hashes: int, max_bytes: int) -> LookupBody:
+async def parse_lookup_body(request: Request, *, max_hashes: int, max_bytes: int, hold: Hold | None = None
+                            ) -> LookupBody:
     """``{"hashes": [...], "modality": "image"|"video", "mm_processor_kwargs": {...}}``: the hashes,
     what they are and under which settings."""
     if media_type(request) != "application/json":
         raise UnsupportedMediaType("/v1/lookup takes application/json")
-    obj = _load_json(await read_body(request, max_bytes))
+    obj = _load_json(await read_body(request, max_bytes, hold))
     _check_count(obj, "hashes", max_hashes)
     try:
         parsed = LookupRequestIn.model_validate(obj)
@@ -298,12 +299,13 @@ async def parse_lookup_body(request: Request, *, max_hashes: int, max_bytes: int
         raise _validation_error(exc) from None
 
 
-async def parse_tokens_body(request: Request, *, max_items: int, max_sizes: int, max_bytes: int) -> TokensBody:
+async def parse_tokens_body(request: Request, *, max_items: int, max_sizes: int, max_bytes: int,
+                            hold: Hold | None = None) -> TokensBody:
     """``{"sizes": [[w, h], ...]}``, ``{"items": [...]}``, or any upload body /v1/encode takes."""
     if media_type(request) != "application/json":
-        return TokensBody((await parse_encode_body(request, max_items=max_items, max_bytes=max_bytes)).items, [])
-    body = await read_body(request, max_bytes)
-    hold = body_hold(request.scope)
+        encoded = await parse_encode_body(request, max_items=max_items, max_bytes=max_bytes, hold=hold)
+        return TokensBody(encoded.items, [])
+    body = await read_body(request, max_bytes, hold)
     with _parsed_text(hold, body):
         obj = _load_json(body)
         _check_count(obj, "items", max_items)

@@ -23,7 +23,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from encode_server import __version__
 from encode_server.api.bodies import parse_encode_body, parse_lookup_body, parse_tokens_body
-from encode_server.api.budget import BodyBudgetMiddleware
+from encode_server.api.budget import BodyBudgetMiddleware, body_hold
 from encode_server.api.frontdoor import (
     RequestRecord,
     cancelled_by_stop,
@@ -121,7 +121,8 @@ class HttpApi:
         s = self.runtime.settings
         tenant = self._tenant(request)
         service = self.runtime.require_service()
-        body = await parse_encode_body(request, max_items=s.max_items, max_bytes=s.max_request_bytes)
+        body = await parse_encode_body(request, max_items=s.max_items, max_bytes=s.max_request_bytes,
+                                       hold=body_hold(request.scope))
         record = _record(request)
         record.items = len(body.items)
         results = await service.encode(body.items, return_kind=body.return_kind, tenant=tenant)
@@ -163,7 +164,8 @@ class HttpApi:
         s = self.runtime.settings
         tenant = self._tenant(request)
         service = self.runtime.require_service()
-        body = await parse_lookup_body(request, max_hashes=s.max_light_items, max_bytes=s.max_request_bytes)
+        body = await parse_lookup_body(request, max_hashes=s.max_light_items, max_bytes=s.max_request_bytes,
+                                       hold=body_hold(request.scope))
         found = await service.lookup(body.hashes, tenant=tenant, modality=body.modality, settings=body.settings)
         record = _record(request)
         record.items, record.hits = len(found), sum(f.cached for f in found)
@@ -175,7 +177,8 @@ class HttpApi:
         self._tenant(request)  # authenticates; token counts are not tenant data
         service = self.runtime.require_service()
         body = await parse_tokens_body(
-            request, max_items=s.max_items, max_sizes=s.max_light_items, max_bytes=s.max_request_bytes
+            request, max_items=s.max_items, max_sizes=s.max_light_items, max_bytes=s.max_request_bytes,
+            hold=body_hold(request.scope),
         )
         counts = await service.tokens(items=body.items, sizes=body.sizes, settings=body.settings)
         _record(request).items = len(counts)

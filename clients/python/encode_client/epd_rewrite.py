@@ -88,7 +88,13 @@ def apply_results(
 ) -> dict[str, Any]:
     """``body`` rewritten from the hand-off's ``results`` (one per ``plan.media``, in order) in the
     served family's EPD mode, and the trusted embeddings re-keyed by content. No I/O; ``body`` is
-    not changed."""
+    not changed.
+
+    A pixel-free item becomes a metadata-only ``{modality}_embeds`` part carrying exactly the
+    contract's fields (its ``tensors`` as tensor strings); a pixels + uuid item stays its file, with
+    its identifier. The body's settings leave it (the metadata carries their effect), unless an item
+    goes as pixels + uuid: vLLM's processor then takes them and hashes every uuid with them, so the
+    identifiers go in ``ec_transfer_params``, in vLLM's item order, for the connector to map."""
     out = copy.deepcopy(dict(body))
     modes = contract.modes_for({p.modality for p in plan.media}, plan.audio_in_video) if contract is not None else {}
     named: list[tuple[tuple[int, int, bool], str, str]] = []  # (where, sound), modality, identifier

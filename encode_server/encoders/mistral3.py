@@ -134,7 +134,7 @@ class Mistral3Encoder(HFEncoder):
         if not batch or (self.batched is not None and any(item.pending is not None for item in batch)):
             return super().forward(batch)
         pixels = [self._to_device([item.inputs["pixel_values"]]) for item in batch]
-        return self._run(batch, pixels)
+        return [*self._run(batch, pixels)]
 
     def _forward(self, batch: Sequence[PreparedItem], inputs: dict[str, torch.Tensor]) -> list[EncodedTensor]:
         return self._run(batch, list(inputs["pixel_values"].unsqueeze(1)))

@@ -39,7 +39,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import numpy as np
 import torch
@@ -191,7 +191,7 @@ class QwenVisionEncoder(HFEncoder):
             windows = (int(config.window_size), int(config.patch_size))
         interpolation = None
         if hasattr(module, "num_grid_per_side"):
-            interpolation = {"num_grid_per_side": int(module.num_grid_per_side),
+            interpolation = {"num_grid_per_side": int(cast(Any, module).num_grid_per_side),
                              "mode": getattr(module, "interpolation_mode", "bilinear"),
                              "align_corners": getattr(module, "interpolation_align_corners", True)}
         return GridPlan(self.merge_size, windows=windows, interpolation=interpolation)
@@ -325,7 +325,7 @@ class QwenVisionEncoder(HFEncoder):
         if (self.device.type != "cuda" or not kernel_takes(self.device, self.dtype, head_dim) or not sizes
                 or not self.graphs_allowed or not self.grid_plan.supported):
             return False
-        weight = self.module.get_submodule("patch_embed").proj.weight
+        weight = cast(Any, self.module.get_submodule("patch_embed")).proj.weight
         self.graphs = TowerGraphs(self.features, self.grid_plan, device=self.device, dtype=self.dtype,
                                   width=math.prod(weight.shape[1:]), sizes=sizes)
         return True

@@ -36,7 +36,7 @@ import inspect
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -153,7 +153,7 @@ def _varlen_kernel() -> tuple[Callable[..., torch.Tensor] | None, bool]:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None, False
-    return varlen_attn, "scale" in inspect.signature(varlen_attn).parameters
+    return cast(Callable[..., torch.Tensor], varlen_attn), "scale" in inspect.signature(varlen_attn).parameters
 
 
 def kernel_takes(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
@@ -184,7 +184,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.
     for gather, count, length in groups:
         picked = [t if gather is None else t.index_select(0, gather) for t in (q, k, v)]
         batch = [t.view(count, length, heads, head_dim).transpose(1, 2) for t in picked]
-        out = F.scaled_dot_product_attention(*batch, scale=scale)
+        out = F.scaled_dot_product_attention(batch[0], batch[1], batch[2], scale=scale)
         outs.append(out.transpose(1, 2).reshape(count * length, heads, head_dim))
     joined = outs[0] if len(outs) == 1 else torch.cat(outs)
     return joined if scatter is None else joined.index_select(0, scatter)
@@ -228,7 +228,7 @@ def use_varlen(module: torch.nn.Module) -> None:
     _register()
     configs = {id(m.config): m.config for m in module.modules() if getattr(m, "config", None) is not None}
     for config in configs.values():
-        config._attn_implementation_internal = ATTENTION
+        cast(Any, config)._attn_implementation_internal = ATTENTION
 
 
 def _host(t: torch.Tensor) -> np.ndarray:

@@ -61,7 +61,7 @@ tools:
 DURATIONS ?= --durations=30
 
 # The whole suite, in two lanes side by side: one lane alone left about 40% of the two cores idle
-# (most of a suite's time is processes starting). The server's lane: ruff, the server's suite, the
+# (most of a suite's time is processes starting). The server's lane: ruff, mypy, the server's suite, the
 # container. vLLM's lane: its environment (minutes on a fresh machine, mostly downloads), the vLLM
 # suite, the GPU check rehearsed. Each lane takes ports from a range of its own (tests/server.py), and
 # prints its output whole when it ends (make -O); `make test` fails when either lane does.
@@ -70,6 +70,7 @@ test: install tools
 
 test-lane-server: install tools
 	$(BIN)/ruff check .
+	$(BIN)/mypy encode_server clients/python/encode_client
 	ENCODE_SERVER_TEST_LANE=0 $(BIN)/python -m pytest -q $(DURATIONS) --ignore=tests/container
 	@ENCODE_SERVER_TEST_LANE=0 $(MAKE) --no-print-directory test-container
 

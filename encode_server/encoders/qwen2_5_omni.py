@@ -41,6 +41,7 @@ from dataclasses import replace
 from typing import Any
 
 import torch
+from encode_client.config_layout import towers_config
 from transformers import PretrainedConfig, WhisperFeatureExtractor
 from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
     Qwen2_5OmniAudioEncoder,
@@ -217,7 +218,7 @@ def load_qwen2_5_omni(files: CheckpointFiles, config: PretrainedConfig, processo
     ``qwen.py``'s), its image processor, feature extractor and video processor settings."""
     if spec.output not in OUTPUTS:
         raise ValueError(f"a Qwen2.5-Omni model's output is its towers' features ({OUTPUTS}), not {spec.output!r}")
-    towers = empty_module(lambda: OmniTowers(config.thinker_config, spec.dtype), spec.device, spec.dtype)
+    towers = empty_module(lambda: OmniTowers(towers_config(config), spec.dtype), spec.device, spec.dtype)
     digest = load_vision_weights(towers, files, LAYOUTS)
     as_patch_linear(towers.visual)
     extractor = WhisperFeatureExtractor.from_pretrained(files.directory)

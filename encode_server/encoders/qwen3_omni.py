@@ -4,7 +4,7 @@ audio through its chunked Whisper-style audio tower; each item's rows are what v
 
 - **Images**: as ``qwen.py`` makes them (the checkpoint's Qwen2-VL image processor, 16-pixel
   patches), through ``Qwen3OmniMoeVisionEncoder``: the merger's rows, then each DeepStack merger's
-  on the last dimension, ``out_hidden_size * (1 + len(deepstack_visual_indexes))`` wide, as
+  on the last dimension, ``out_hidden_size * (1 + DeepStack levels)`` wide, as
   vLLM's tower returns them and its encoder cache (and so an EC connector) holds them
   (``qwen3_vl.py``'s rule); ``meta`` is ``{"image_grid_thw": [t, h, w]}``.
 - **Videos**: sampled as vLLM's loader samples them for ``Qwen2VLVideoProcessor`` (the checkpoint's
@@ -38,6 +38,7 @@ from dataclasses import replace
 from typing import Any
 
 import numpy as np
+from encode_client.config_layout import towers_config
 from transformers import PretrainedConfig, WhisperFeatureExtractor
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
     Qwen3OmniMoeAudioEncoder,
@@ -52,7 +53,7 @@ from .hf import LoadSpec
 from .loading import CheckpointFiles, Layout, empty_module, load_vision_weights
 from .qwen import OUTPUTS, video_frame_size
 from .qwen2_5_omni import OmniTowers, Qwen2_5OmniEncoder, attach_call_video
-from .qwen3_vl import Qwen3VisionEncoder
+from .qwen3_vl import Qwen3VisionEncoder, deepstack_width
 from .qwen_video import video_grid
 from .resample import check_resamplable, resample
 
@@ -78,15 +79,16 @@ class Qwen3OmniEncoder(Qwen2_5OmniEncoder):
     """Qwen2.5-Omni's two-tower encoder (each kind's items in one pass of its tower) with Qwen3-VL's
     DeepStack-packed vision rows and Qwen3-Omni's chunked audio tower and count."""
 
-    output_width = staticmethod(Qwen3VisionEncoder.output_width)
     features = Qwen3VisionEncoder.features
     audio_rows = staticmethod(audio_rows)
 
     def __init__(self, towers: OmniTowers, processor: Any, extractor: WhisperFeatureExtractor, spec: LoadSpec,
                  *, digest: str) -> None:
-        super().__init__(towers, processor, extractor, spec, digest=digest, kind="qwen3_omni_moe")
+        kind = "qwen3_omni_moe"
+        super().__init__(towers, processor, extractor, spec, digest=digest, kind=kind)
         # audio rows are the language model's width; hidden_size is the vision rows' (DeepStack-packed)
-        self.info = replace(self.info, widths={"audio": int(towers.audio_tower.config.output_dim)})
+        self.info = replace(self.info, hidden_size=deepstack_width(towers.visual.config, kind),
+                            widths={"audio": int(towers.audio_tower.config.output_dim)})
 
     def plan_video(self, info: VideoInfo, fps: float) -> VideoPlan:
         assert self.video is not None
@@ -149,7 +151,7 @@ def load_qwen3_omni(files: CheckpointFiles, config: PretrainedConfig, processor:
     if spec.output not in OUTPUTS:
         raise ValueError(f"a Qwen3-Omni model's output is its towers' features ({OUTPUTS}), not {spec.output!r}")
     towers = empty_module(
-        lambda: OmniTowers(config.thinker_config, spec.dtype, Qwen3OmniMoeVisionEncoder, Qwen3OmniMoeAudioEncoder),
+        lambda: OmniTowers(towers_config(config), spec.dtype, Qwen3OmniMoeVisionEncoder, Qwen3OmniMoeAudioEncoder),
         spec.device, spec.dtype,
     )
     digest = load_vision_weights(towers, files, LAYOUTS)

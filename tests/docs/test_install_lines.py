@@ -49,7 +49,7 @@ def test_install_lines_name_the_clone_or_the_wheels_never_a_package_index() -> N
 
 
 def test_make_dist_builds_both_wheels_and_the_documented_lines_install_them(tmp_path: Path) -> None:
-    """``make dist``, then the README's and docs/vllm.md's install lines, from the wheels and from
+    """``make dist``, then the install lines of the README and docs/, from the wheels and from
     the clone (without dependencies: what is checked is that each resolves and builds)."""
     subprocess.run(["make", "-s", "dist"], cwd=ROOT, check=True, capture_output=True, timeout=300)
     wheels = sorted(p.name.split("-")[0] for p in (ROOT / "dist").glob("*.whl"))

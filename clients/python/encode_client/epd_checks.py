@@ -1,5 +1,5 @@
 """The chat's checks: what the EPD rewrite refuses before anything is handed off, and the plan of
-what it hands off (``ChatPlan``). No I/O; docs/vllm.md states the rules for operators."""
+what it hands off (``ChatPlan``). No I/O; docs/epd-proxy.md states the rules for operators."""
 
 from __future__ import annotations
 

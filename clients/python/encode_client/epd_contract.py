@@ -1,5 +1,5 @@
 """The EPD contract: how a vLLM prefill takes the served family's items, as encode-server publishes it
-in ``GET /v1/model``'s ``family.epd`` (docs/vllm.md). The modes are defined here once:
+in ``GET /v1/model``'s ``family.epd`` (docs/epd-proxy.md). The modes are defined here once:
 encode-server's families (``encode_server.encoders.family``) import them, as they do the wire format."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The rewrite: a checked chat (``epd_checks.ChatPlan``) and the hand-off's results made into the body
-vLLM gets, each item in its modality's EPD mode and named by its identifier (docs/vllm.md). No I/O."""
+vLLM gets, each item in its modality's EPD mode and named by its identifier (docs/epd-proxy.md). No I/O."""
 
 from __future__ import annotations
 

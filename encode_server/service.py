@@ -46,7 +46,7 @@ from encode_server.core.types import (
     Return,
 )
 from encode_server.encoders.base import EncoderInfo, PreparedItem
-from encode_server.kinds import KINDS, ImageKind, ItemKind, TokenCount
+from encode_server.kinds import KINDS, ItemKind, TokenCount
 from encode_server.metrics import Metrics
 from encode_server.warmup import PassChoice, WarmupReport, initial_passes
 
@@ -284,11 +284,11 @@ class EncodeService:
         if bool(items) == bool(sizes):
             raise InvalidRequest("give either image uploads or sizes, not both and not neither")
         if sizes:
-            image = self.kinds.get(IMAGE)
-            if not isinstance(image, ImageKind):
+            image = self.kinds.get(IMAGE)  # a size is an image's: nothing else has one to count
+            if image is None:
                 raise BadInput(f"{self._takes()}: an image size counts nothing for it", type="unsupported_modality",
                                index=0)
-            return [image.count_size(i, *image.size(i, raw), self.item_settings.effective(settings, IMAGE, i))
+            return [image.count_size(i, raw, self.item_settings.effective(settings, IMAGE, i))
                     for i, raw in enumerate(sizes)]
         for item in items:
             if item.data is None:

@@ -10,12 +10,13 @@ never branches on it, so a new input kind is one class (``kinds/__init__.py``'s 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from encode_server.admission import MemoryCharge
 from encode_server.config import Settings
+from encode_server.core.errors import InvalidRequest
 from encode_server.encoders.base import Encoder, PreparedItem
 
 __all__ = ["ItemKind", "TokenCount"]
@@ -57,6 +58,11 @@ class ItemKind(ABC):
     def count(self, data: bytes, index: int, settings: Mapping[str, Any] | None) -> TokenCount:
         """The item's rows and meta, as ``prepare`` would make them, without the encoder: from
         its header where that says enough."""
+
+    def count_size(self, index: int, size: Sequence[object], settings: Mapping[str, Any] | None) -> TokenCount:
+        """The rows of an item of ``size`` (``/v1/tokens``' ``[width, height]``), without its bytes:
+        an image's; a kind whose rows depend on more than a size has none to count."""
+        raise InvalidRequest(f"a size counts nothing for {self.plural}", index=index)
 
     def split(self, prepared: PreparedItem, max_cost: int) -> list[PreparedItem]:
         """``prepared`` as the parts the batcher takes, in order (``Encoder.split``): one, unless

@@ -55,10 +55,21 @@ class ImageKind(ItemKind):
         """From the header, with the EXIF orientation applied as ``prepare`` applies it (reading
         EXIF can decode a whole small-but-huge PNG: the caller runs this off the event loop)."""
         width, height = oriented_size(data, max_pixels=self.settings.max_image_pixels, index=index)
-        return self.count_size(index, width, height, settings)
+        return self._count(index, width, height, settings)
 
-    def count_size(self, index: int, width: int, height: int, settings: Mapping[str, Any] | None) -> TokenCount:
-        """The rows of an image of ``width`` x ``height`` (``/v1/tokens``' ``sizes``)."""
+    def count_size(self, index: int, size: Sequence[object], settings: Mapping[str, Any] | None) -> TokenCount:
+        """A ``[width, height]`` a request gave, checked as an upload's header is, and its rows."""
+        if not (len(size) == 2 and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in size)):
+            raise InvalidRequest(f"a size is [width, height] of two positive integers, got {list(size)!r}",
+                                 index=index)
+        width, height = (cast(int, v) for v in size)
+        limit = self.settings.max_image_pixels
+        if width * height > limit:
+            raise TooLarge(f"{width}x{height} = {width * height} pixels is above the limit of {limit} "
+                           "(--max-image-pixels)", type="image_too_large", index=index)
+        return self._count(index, width, height, settings)
+
+    def _count(self, index: int, width: int, height: int, settings: Mapping[str, Any] | None) -> TokenCount:
         try:
             if settings is None:
                 num_tokens, meta = self.encoder.count_tokens(width, height)
@@ -67,14 +78,3 @@ class ImageKind(ItemKind):
         except ValueError as exc:  # e.g. an aspect ratio the processor refuses, as in prepare
             raise BadInput(f"image cannot be preprocessed: {exc}", type="unsupported_image", index=index) from exc
         return TokenCount(index, width, height, num_tokens, meta)
-
-    def size(self, index: int, raw: Sequence[object]) -> tuple[int, int]:
-        """A ``[width, height]`` a request gave, checked as an upload's header is."""
-        if not (len(raw) == 2 and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in raw)):
-            raise InvalidRequest(f"a size is [width, height] of two positive integers, got {list(raw)!r}", index=index)
-        width, height = (cast(int, v) for v in raw)
-        limit = self.settings.max_image_pixels
-        if width * height > limit:
-            raise TooLarge(f"{width}x{height} = {width * height} pixels is above the limit of {limit} "
-                           "(--max-image-pixels)", type="image_too_large", index=index)
-        return width, height

@@ -150,8 +150,11 @@ QWEN2_5_OMNI_7B: dict[str, Any] = {
 
 
 def thinker_config(config: dict[str, Any]) -> dict[str, Any]:
-    """The multimodal model's fields: the config itself or (Qwen2.5-Omni) its ``thinker_config``."""
-    return config.get("thinker_config", config)
+    """The multimodal model's fields: the config itself or (Qwen2.5-Omni) its ``thinker_config``,
+    where the family table says its towers live (``encode_client.config_layout``)."""
+    from encode_client.config_layout import towers_config
+
+    return towers_config(config)
 
 
 def text_config(config: dict[str, Any]) -> dict[str, Any]:

@@ -6,9 +6,10 @@ image. The warm-up does the same with what this server's limits allow (``--warmu
 default):
 
 - **the worst image**: ``--max-image-pixels`` pixels, at the aspect ratio (of a few) the family
-  gives the most rows for (``count_tokens``, no model run), as a JPEG through the family's own
-  ``prepare``; then as many copies as one forward pass takes (``--max-batch-size``, within
-  ``--max-batch-tokens``), submitted together so that the batcher makes one full pass of them;
+  gives the most rows for (``count_tokens``, no model run), as a JPEG decoded and preprocessed
+  as a request's image is (``kinds.image_inputs``); then as many copies as one forward pass
+  takes (``--max-batch-size``, within ``--max-batch-tokens``), submitted together so that the
+  batcher makes one full pass of them;
 - **the longest video**, where the family takes video: ``--max-video-seconds`` (fewer where
   ``--max-video-frames`` or ``--max-video-decoded-frames`` allow less), at the largest frame size
   whose decoded frames fit the request-memory budget (``VideoPlan.nbytes``, the figure admission
@@ -26,7 +27,7 @@ line. ``--warmup quick`` runs one 64x64 JPEG instead (a quick start; the peak is
 traffic brings it).
 
 Then, where ``--forward-workers 0`` put more than one pass side by side on a CPU, ``choose_passes``
-times a typical image (a 640x480 photo-like JPEG: best of three ``prepare``, best of two lone
+times a typical image (a 640x480 photo-like JPEG: best of three decodes and preprocessings, best of two lone
 forward passes) and keeps one pass when the tower is not the work (``threads.auto_passes``).
 """
 
@@ -336,7 +337,7 @@ def _typical_image(max_pixels: int) -> tuple[bytes, tuple[int, int]]:
 async def choose_passes(encoder: Encoder, settings: Settings, submit: Submit, run: Run[Any],
                         passes: int) -> PassChoice:
     """``--forward-workers 0``'s count once measured (module docstring): ``passes`` or one. The
-    timings go through the real path: ``prepare`` on the preprocessing threads, the pass through
+    timings go through the real path: decoding and preprocessing on the preprocessing threads, the pass through
     the batcher, alone (nothing else is running before the server is ready)."""
     family = encoder.family
     if family is not None and IMAGE not in family.modalities:  # an audio family: its longest item

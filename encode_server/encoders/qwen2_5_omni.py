@@ -126,7 +126,7 @@ class Qwen2_5OmniEncoder(QwenVisionEncoder):
 
     def plan_audio(self, info: AudioInfo) -> AudioPlan:
         """The whole file (no window: ``--max-audio-seconds`` bounds it), costed from its header's
-        length (an estimated one's bound: ``admission.plan_audio``)."""
+        length (an estimated one's bound: ``kinds.plan_audio``)."""
         check_resamplable(info.sample_rate, self.sample_rate)
         heard = info.num_samples
         resampled = math.ceil(heard * self.sample_rate / info.sample_rate)

@@ -39,7 +39,11 @@ def _opt(default: Any, help: str, *, repr: bool = True, **extra: Any) -> Any:
 
 @dataclass(frozen=True)
 class Settings:
-    model: str = _opt("builtin:tiny", "model id on the Hugging Face hub, a local directory, or builtin:tiny")
+    model: str = _opt(
+        "builtin:tiny",
+        "model id on the Hugging Face hub, a local directory, builtin:tiny, or a zero-cost tower "
+        "(builtin:zero, builtin:zero-qwen7b)",
+    )
     revision: str | None = _opt(None, "hub revision (branch, tag or commit) of --model")
     output: str = _opt(
         "hidden", "CLIP/SigLIP only: last hidden state or pooled embedding", choices=("hidden", "pooled")

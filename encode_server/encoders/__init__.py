@@ -47,6 +47,7 @@ from .builtin import BUILTIN_MODELS, load_builtin
 from .family import Epd, Family, by_model_type
 from .hf import DTYPES, HFEncoder, LoadSpec, checkpoint_dtype, resolve_device, resolve_dtype
 from .loading import CheckpointFiles, check_local_model
+from .zero import ZERO_MODELS, load_zero
 
 __all__ = [
     "BUILTIN_MODELS",
@@ -128,6 +129,11 @@ def load_encoder(
 
 
 def _load(model: str, revision: str | None, dtype: str, torch_device: Any, output: str) -> Encoder:
+    if model in ZERO_MODELS:  # its rows' dtype is the towers' it stands for, unless asked otherwise
+        zero = load_zero(model, torch_device, "bfloat16" if dtype == "auto" else dtype)
+        zero.dtype_reason = ("the rows of the bfloat16 towers it stands for" if dtype == "auto"
+                             else f"--dtype {dtype}")
+        return zero
     if model.startswith("builtin:"):
         choice = resolve_dtype(dtype, torch_device)
         encoder = load_builtin(LoadSpec(model, revision, torch_device, DTYPES[choice.dtype], output))

@@ -178,8 +178,9 @@ openapi: install
 	$(BIN)/python scripts/export_openapi.py
 
 # Each tower's warm forward counted (bench/tower_ops.py: aten ops, attention calls, host syncs per
-# family, CPU images/s), then the side-by-side figures of issue 9 (bench/results/latest.json and
-# PNGs; S4 reuses bench/tiers.py), then encode-server against vLLM's own encoder instance (its keys
+# family, CPU images/s), then the serving path's own ceiling (bench/ceiling.py: builtin:zero through
+# each door, CPU and GIL ms per request, beside the bare pipeline), then the side-by-side figures
+# (bench/results/latest.json and PNGs; S4 reuses bench/tiers.py), then encode-server against vLLM's own encoder instance (its keys
 # merged into latest.json; builds the vLLM environment first when missing), then the request-memory burst, then the latency
 # encode-epd-proxy adds against vLLM directly (64 concurrent streaming chats), then what a video
 # costs (bench/video.py: seconds of encode per second of video, its stages), then what an audio file
@@ -188,6 +189,7 @@ openapi: install
 # first; make gpu-rehearsal here).
 bench: install tools
 	$(BIN)/python -m bench.tower_ops
+	$(BIN)/python -m bench.ceiling
 	$(BIN)/python -m bench.serving
 	$(BIN)/python -m bench.vllm_peer
 	$(BIN)/python -m bench.memory_burst

@@ -1,0 +1,223 @@
+"""The serving path's own ceiling: a tower that costs nothing (``builtin:zero``), served through each
+door at concurrency 16, beside the same tower run in this process, in one run.
+
+With the tower free, what a server serves per second, and the CPU and the GIL it spends per
+request, is the serving path alone: the door's parsing, hashing, the tiers, decoding (Pillow) and
+the resize to the tower's input, the batcher, the answer's bytes. Unique photo-like 640x480 JPEGs
+(``bench/workload.py``), every request one image, answered with 729 x 1,152 bfloat16 rows
+(SigLIP so400m/384's; ``--model builtin:zero-qwen7b`` for Qwen2.5-VL-7B's 391 x 3,584).
+
+Doors: ``raw`` (the JPEG as the body, a safetensors answer), ``multipart`` (one file part, a
+safetensors answer), ``json`` (base64 in, base64 out), ``grpc`` (``Encode``, the rows as bytes).
+The bare pipeline: this process decodes, resizes and "encodes" the same images in batches of 16
+(``kinds.image_inputs`` + ``forward``), one thread, as ``bench/serving.py``'s.
+
+Per door, rounds interleaved with the bare pipeline's (a shared machine's load falls on both):
+
+- ``ceiling_images_per_s_<door>``: images per second, 16 requests in flight;
+- ``ceiling_cpu_ms_<door>``: the server process's CPU time (user + system, every thread) per request;
+- ``ceiling_gil_ms_<door>``: the time per request a server thread held the GIL, from py-spy
+  sampling the server (``--gil``: only samples in which a thread holds it, at ``GIL_RATE`` Hz);
+- ``ceiling_ratio_<door>``: the door's images per second over the bare pipeline's;
+- ``ceiling_bare_images_per_s``, ``ceiling_bare_cpu_ms``: the bare pipeline's.
+
+Run: ``python -m bench.ceiling`` (a step of ``make bench``; ``--quick`` for the test's few requests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import encode_server.encoders  # noqa: F401  (first: the process state the server runs in)
+from bench.latest import RESULTS, merge_into
+from bench.rawhttp import Request, post_many
+from bench.workload import photos
+from encode_server.kinds import image_inputs
+from tests.server import ServerProcess, start_server
+
+__all__ = ["DOORS", "GIL_RATE", "KEYS", "run"]
+
+DOORS = ("raw", "multipart", "json", "grpc")
+CONCURRENCY = 16
+GIL_RATE = 500  # py-spy samples per second
+MAX_PIXELS = 40_000_000
+MAX_REQUEST_BYTES = 8 << 20  # a photo's JPEG, base64 in JSON, with room
+KEYS = (
+    *(f"ceiling_{what}_{door}" for door in DOORS for what in ("images_per_s", "cpu_ms", "gil_ms", "ratio")),
+    "ceiling_bare_images_per_s", "ceiling_bare_cpu_ms",
+)
+
+
+def _multipart(data: bytes) -> tuple[bytes, str]:
+    boundary = uuid.uuid4().hex
+    head = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"image.jpg\"\r\n"
+            "Content-Type: image/jpeg\r\n\r\n").encode()
+    return head + data + f"\r\n--{boundary}--\r\n".encode(), f"multipart/form-data; boundary={boundary}"
+
+
+def _request(door: str, data: bytes) -> Request:
+    if door == "raw":
+        return Request("/v1/encode", data, "image/jpeg")
+    if door == "multipart":
+        body, content_type = _multipart(data)
+        return Request("/v1/encode", body, content_type)
+    body = json.dumps({"items": [{"data": base64.b64encode(data).decode("ascii")}]}).encode()
+    return Request("/v1/encode", body, "application/json", accept="application/json")
+
+
+def _grpc_many(port: int, images: Sequence[bytes], concurrency: int) -> float:
+    """Every image as one ``Encode`` call, ``concurrency`` in flight on one channel; wall seconds."""
+    import grpc
+
+    from encode_server.api.proto.encode_server.v1 import encoder_pb2 as pb
+    from encode_server.api.proto.encode_server.v1 import encoder_pb2_grpc as pb_grpc
+
+    async def main() -> float:
+        options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=options) as channel:
+            stub = pb_grpc.EncoderStub(channel)
+            pending = list(images)
+            started = time.perf_counter()
+
+            async def worker() -> None:
+                while pending:
+                    answer = await stub.Encode(pb.EncodeRequest(items=[pb.Item(data=pending.pop())]), timeout=120)
+                    if answer.items[0].status != "encoded":
+                        raise RuntimeError(f"gRPC Encode answered {answer.items[0].status}")
+
+            await asyncio.gather(*(worker() for _ in range(concurrency)))
+            return time.perf_counter() - started
+
+    return asyncio.run(main())
+
+
+def _send(door: str, server: ServerProcess, images: Sequence[bytes]) -> float:
+    if door == "grpc":
+        assert server.grpc_port
+        return _grpc_many(server.grpc_port, images, CONCURRENCY)
+    wall, _ = post_many(int(server.url.rsplit(":", 1)[1]), [_request(door, d) for d in images], CONCURRENCY)
+    return wall
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of every thread of ``pid`` so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@contextmanager
+def gil_samples(pid: int, into: dict[str, float]) -> Iterator[None]:
+    """``into["samples"]``: py-spy's samples of ``pid`` in which one of its threads held the GIL,
+    over the block (``into["seconds"]``: how long it sampled). Sampled without stopping the
+    process (``--nonblocking``)."""
+    spy = str(Path(sys.executable).parent / "py-spy")
+    with tempfile.NamedTemporaryFile(suffix=".txt") as out:
+        cmd = [spy, "record", "-p", str(pid), "-r", str(GIL_RATE), "-f", "raw", "-o", out.name, "--gil",
+               "--nonblocking"]
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        time.sleep(1.0)  # attached
+        if proc.poll() is not None:
+            raise RuntimeError(f"py-spy could not sample the server: {proc.stderr.read().decode()[-500:]}"
+                               " (it needs ptrace rights: root, or kernel.yama.ptrace_scope=0)")
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            into["seconds"] = time.perf_counter() - started
+            proc.send_signal(2)
+            proc.wait(60)
+            text = Path(out.name).read_text()
+    # raw format: one "frame;frame;... count" line per distinct stack
+    into["samples"] = float(sum(int(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.strip()))
+
+
+def _bare(encoder: Any, images: Sequence[bytes]) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of this process) for the bare pipeline over ``images``."""
+    cpu, started = time.process_time(), time.perf_counter()
+    for i in range(0, len(images), CONCURRENCY):
+        encoder.forward([image_inputs(encoder, d, max_pixels=MAX_PIXELS) for d in images[i : i + CONCURRENCY]])
+    return time.perf_counter() - started, time.process_time() - cpu
+
+
+def run(model: str, n_images: int, rounds: int, log_dir: Path) -> dict[str, float]:
+    """Every ``ceiling_*`` key (module docstring): ``rounds`` of (bare, each door) over
+    ``n_images`` fresh images each, the median of the rounds' figures."""
+    from encode_server.encoders import load_encoder
+
+    encoder = load_encoder(model, device="cpu")
+    _bare(encoder, photos(900_000, CONCURRENCY))  # warm
+    figures: dict[str, list[float]] = {key: [] for key in KEYS}
+    # A gRPC call reserves what receiving the largest message takes (four copies of
+    # --max-request-bytes) before its message arrives: at the default 64 MiB, the 2 GiB request
+    # budget holds 7 calls and the rest of 16 are refused (503); a photo's limit holds them all.
+    server = start_server("--model", model, "--max-request-bytes", str(MAX_REQUEST_BYTES), log_dir=log_dir,
+                          timeout=300)
+    try:
+        pid = server.proc.pid
+        for door in DOORS:  # warm each door: connections, first-call paths
+            _send(door, server, photos(910_000 + 100 * DOORS.index(door), CONCURRENCY))
+        for r in range(rounds):
+            wall, cpu = _bare(encoder, photos(1_000_000 * (r + 1), n_images))
+            bare_rate = n_images / wall
+            figures["ceiling_bare_images_per_s"].append(bare_rate)
+            figures["ceiling_bare_cpu_ms"].append(1000 * cpu / n_images)
+            for d, door in enumerate(DOORS):
+                images = photos(1_000_000 * (r + 1) + 10_000 * (d + 1), n_images)
+                gil: dict[str, float] = {}
+                cpu0 = process_cpu_seconds(pid)
+                with gil_samples(pid, gil):
+                    wall = _send(door, server, images)
+                cpu = process_cpu_seconds(pid) - cpu0
+                figures[f"ceiling_images_per_s_{door}"].append(n_images / wall)
+                figures[f"ceiling_cpu_ms_{door}"].append(1000 * cpu / n_images)
+                figures[f"ceiling_gil_ms_{door}"].append(1000 * gil["samples"] / GIL_RATE / n_images)
+                figures[f"ceiling_ratio_{door}"].append(n_images / wall / bare_rate)
+    finally:
+        server.stop()
+    return {key: statistics.median(values) for key, values in figures.items()}
+
+
+def table(result: dict[str, float]) -> str:
+    lines = ["| door | images/s | CPU ms / request | GIL ms / request | of bare |", "|---|---|---|---|---|"]
+    for door in DOORS:
+        lines.append(f"| {door} | {result[f'ceiling_images_per_s_{door}']:.0f} | "
+                     f"{result[f'ceiling_cpu_ms_{door}']:.2f} | {result[f'ceiling_gil_ms_{door}']:.2f} | "
+                     f"{result[f'ceiling_ratio_{door}']:.2f} |")
+    lines.append(f"| bare (in-process) | {result['ceiling_bare_images_per_s']:.0f} | "
+                 f"{result['ceiling_bare_cpu_ms']:.2f} | - | 1 |")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=RESULTS / "latest.json")
+    parser.add_argument("--model", default="builtin:zero", choices=("builtin:zero", "builtin:zero-qwen7b"))
+    parser.add_argument("--images", type=int, default=192, help="images per door per round")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="a few requests: the harness, not the figures")
+    args = parser.parse_args(argv)
+    n_images, rounds = (32, 1) if args.quick else (args.images, args.rounds)
+    with tempfile.TemporaryDirectory(prefix="ceiling_") as logs:
+        result = run(args.model, n_images, rounds, Path(logs))
+    merge_into(args.out, result)
+    print(table(result))
+    print(f"{args.out}: {len(result)} ceiling_* keys merged ({args.model}, {n_images} images x {rounds} rounds)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,6 +1,6 @@
 """The EPD request path: an OpenAI chat-completions request with images, videos and audio rewritten
 for a prefill worker that takes their embeddings from encode-server (an EC consumer,
-``encode_client.vllm_connector``). docs/vllm.md says what each part becomes and what is refused.
+``encode_client.vllm_connector``). docs/epd-proxy.md says what each part becomes and what is refused.
 
 Three pieces, each of its own module and without I/O: the family's contract (``epd_contract``), the
 chat's checks (``epd_checks``) and the rewrite of a checked chat from the hand-off's results

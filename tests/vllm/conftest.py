@@ -2,12 +2,17 @@
 encode-server process (the project's .venv, ``ENCODE_SERVER_PYTHON``) serving the same tiny
 Qwen2.5-VL checkpoint with ``--model DIR``, and a real Redis.
 
-Run by ``make test-vllm`` in the cached vLLM venv; one engine per test module.
+Run by ``make test-vllm`` in the cached vLLM venv. What several modules need alike is started once
+a session: the Qwen2.5-VL encode-server (``epd_server``) and vLLM OpenAI servers, and each family's
+encode-server, EPD stack and in-process engine (``family_server``, ``family_stack``,
+``family_engine``: one family at a time); a module starts its own only where it needs other flags
+(a Redis of its own for faults, an export directory, a cluster, tenants, a batch bound, a dtype).
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import gc
 import io
@@ -24,7 +29,7 @@ import numpy as np
 import pytest
 
 if TYPE_CHECKING:
-    from tests.vllm.epd_stack import FamilyStack
+    from tests.vllm.epd_stack import FamilyServer, FamilyStack
 
 # Before vLLM is imported: the engine in this process, on the CPU, with a small KV cache.
 os.environ.update(
@@ -140,9 +145,13 @@ def engine(
     model: Path, ec_transfer_config: dict[str, Any] | None = None, *, tower: bool = False, dtype: str = "float32",
     **overrides: Any,
 ) -> Iterator[Any]:
-    """A vLLM ``LLM`` in this process, shut down (worker, EC connector) on exit."""
+    """A vLLM ``LLM`` in this process, shut down (worker, EC connector) on exit. One at a time: the
+    engines in a process share its distributed state and EC transfer (the last one's shutdown tears
+    them down), so a family's shared engine (``family_engine``) is stopped first, and started again
+    if a later test takes it."""
     from vllm import LLM
 
+    SharedEngine.stop_running()
     started = time.perf_counter()
     llm = LLM(**engine_args(model, ec_transfer_config, tower=tower, dtype=dtype, **overrides))
     llm.startup_seconds = time.perf_counter() - started  # type: ignore[attr-defined]
@@ -257,7 +266,7 @@ def metric(text: str, name: str, **labels: str) -> float:
     return total
 
 
-# -- the EPD stack over HTTP (test_proxy.py, test_security.py): one vLLM OpenAI server for both --
+# -- the EPD stack over HTTP (test_proxy.py, test_security.py; epd_server for test_connector_with_tower.py too) --
 
 REDIS_URL = os.environ.get("ENCODE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 EPD_PREFIX = f"test-vllm-epd-{os.getpid()}"
@@ -327,58 +336,148 @@ def running_proxy(upstream: str, encoders: Sequence[str], **options: Any) -> Ite
         proxy.server_close()
 
 
-# -- each family's EPD stack over HTTP: one at a time, shared by every module that proves the family --
+# -- each family's encode-server, EPD stack over HTTP and in-process engine: one family at a time,
+# -- shared by every module that proves the family
 
 EPD_FAMILIES = {family.name: family for family in FAMILIES if family.epd is not None}
 FAMILY_PREFIX = f"test-vllm-family-{os.getpid()}"
-_OPEN_STACKS: dict[str, ExitStack] = {}
+_OPEN: dict[tuple[str, str], ExitStack] = {}  # (fixture, family) -> what stops it
 
 
 def on_family_stacks(*names: str) -> pytest.MarkDecorator:
-    """The mark of a test (or a module, as ``pytestmark``) that runs on these families' stacks only
-    (``family_stack``, indirectly parametrized); without it a test runs on every family's."""
-    return pytest.mark.parametrize("family_stack", names, indirect=True)
+    """The mark of a test (or a module, as ``pytestmark``) that runs on these families' shared
+    fixtures only (``family``, indirectly parametrized: ``family_server``, ``family_stack``,
+    ``family_engine``); without it a test that takes one runs on every family's."""
+    return pytest.mark.parametrize("family", names, indirect=True)
 
 
 @pytest.fixture(scope="session", params=sorted(EPD_FAMILIES))
+def family(request: pytest.FixtureRequest) -> str:
+    """The family (the param) whose shared fixtures a test takes. Session-scoped, so pytest runs the
+    tests of every module that take the same family one after another (at the first one's place),
+    and each of its shared processes starts once, not once a module. One family's run at a time:
+    the previous family's stop when the next one's start, and each stops after the last test that
+    takes it (``pytest_runtest_teardown``), not at the session's end."""
+    from tests.vllm.families import PROXY_CASES
+
+    name = str(request.param)
+    if name not in PROXY_CASES:
+        pytest.fail(f"{name} has an EPD contract but no record in tests/vllm/families.py's PROXY_CASES")
+    return name
+
+
+@contextmanager
+def _held(fixture: str, name: str, manager: Any) -> Iterator[Any]:
+    """``manager`` entered, stoppable by ``pytest_runtest_teardown`` once no later test takes
+    ``fixture`` for the family ``name``."""
+    with ExitStack() as running:
+        _OPEN[(fixture, name)] = running
+        try:
+            yield running.enter_context(manager)
+        finally:
+            _OPEN.pop((fixture, name), None)
+
+
+@pytest.fixture(scope="session")
+def family_server(family: str, tmp_path_factory: pytest.TempPathFactory, logs: Path) -> Iterator[FamilyServer]:
+    """The family's tiny checkpoint and encode-server (``epd_stack.family_server``: the shared Redis,
+    the family's own prefix, ``--trust-request-mm-kwargs``), shared by its stack, its engine and
+    every module that proves the family against it. Tests on one server keep apart by their items
+    (each module its own seeds), not by a server each; a test that needs the store's entries
+    replaced (zeros) puts the server's own back after."""
+    from tests.vllm.epd_stack import family_server as open_server
+    from tests.vllm.families import PROXY_CASES
+
+    opened = open_server(PROXY_CASES[family], tmp_path_factory, logs, REDIS_URL, f"{FAMILY_PREFIX}-{family}")
+    with _held("family_server", family, opened) as held:
+        yield held
+
+
+@pytest.fixture(scope="session")
 def family_stack(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, logs: Path
+    family: str, family_server: FamilyServer, tmp_path_factory: pytest.TempPathFactory, logs: Path
 ) -> Iterator[FamilyStack]:
-    """The family's (the param's) EPD stack (``epd_stack.family_stack``), shared by every module that
-    proves the family through vLLM's OpenAI server: session-scoped, so pytest runs the tests of
-    every module that take the same family's stack one after another (at the first one's place),
-    and its vLLM server starts once, not once a module. One runs at a time: the previous family's
-    stops when the next one's starts, and each stops after the last test that takes it
-    (``pytest_runtest_teardown``), not at the session's end."""
+    """The family's EPD stack on its ``family_server`` (``epd_stack.family_stack``: vLLM's OpenAI
+    server, an EC consumer that keeps its tower, a relay, two proxies), shared by every module that
+    proves the family through vLLM's OpenAI server: its vLLM server starts once, not once a module."""
     from tests.vllm.epd_stack import family_stack as open_stack
     from tests.vllm.families import PROXY_CASES
 
-    name = request.param
-    if name not in PROXY_CASES:
-        pytest.fail(f"{name} has an EPD contract but no record in tests/vllm/families.py's PROXY_CASES")
-    with ExitStack() as running:
-        _OPEN_STACKS[name] = running
-        try:
-            yield running.enter_context(open_stack(EPD_FAMILIES[name], PROXY_CASES[name], tmp_path_factory, logs,
-                                                   REDIS_URL, f"{FAMILY_PREFIX}-{name}"))
-        finally:
-            _OPEN_STACKS.pop(name, None)
+    opened = open_stack(EPD_FAMILIES[family], PROXY_CASES[family], family_server.model, family_server.server,
+                        tmp_path_factory, logs, REDIS_URL, family_server.prefix)
+    with _held("family_stack", family, opened) as held:
+        yield held
 
 
-def _stack_of(item: pytest.Item) -> str | None:
+class SharedEngine:
+    """An engine several modules take (``family_engine``), started on first use (``llm``) and stopped
+    when another engine starts (``engine``: one at a time in a process) or after its last test; a
+    later use starts it again. Tests that take it one after another share one start: a module that
+    also starts engines of its own takes the shared one first (its tests in that order)."""
+
+    _running: SharedEngine | None = None
+
+    def __init__(self, name: str, start: Callable[[], Any]) -> None:
+        self.name, self._start = name, start
+        self._open: ExitStack | None = None
+        self._llm: Any = None
+
+    @property
+    def llm(self) -> Any:
+        if self._llm is None:
+            SharedEngine.stop_running()
+            opened = ExitStack()
+            self._llm = opened.enter_context(self._start())
+            self._open, SharedEngine._running = opened, self
+            print(f"\n{self.name}: vLLM engine (EC consumer with its towers) started in "
+                  f"{self._llm.startup_seconds:.1f} s")
+        return self._llm
+
+    def close(self) -> None:
+        if SharedEngine._running is self:
+            SharedEngine._running = None
+        opened, self._open, self._llm = self._open, None, None
+        if opened is not None:
+            opened.close()
+
+    @classmethod
+    def stop_running(cls) -> None:
+        if cls._running is not None:
+            cls._running.close()
+
+
+@pytest.fixture(scope="session")
+def family_engine(family: str, family_server: FamilyServer) -> Iterator[SharedEngine]:
+    """The family's vLLM engine in this process (``.llm``), an EC consumer of ``family_server`` that
+    keeps its towers (``families.engine_args``): the engine of the modules that compare encode-server
+    with vLLM's own towers and placeholders, and the pixels + uuid (or file + uuid) path. It is also
+    plain vLLM, the oracle: an item under a uuid the store never holds (or none: vLLM's own hash) is
+    encoded by its own tower. Tests on it reset its encoder cache where they read it."""
+    from tests.vllm.families import engine_args as family_args
+
+    config = connector_config(REDIS_URL, family_server.server.url, family_server.prefix, timeout_ms=1000)
+    shared = SharedEngine(family, functools.partial(engine, family_server.model, config, **family_args(family)))
+    with _held("family_engine", family, contextlib.closing(shared)) as held:
+        yield held
+
+
+def _family_of(item: pytest.Item) -> str | None:
     callspec = getattr(item, "callspec", None)
-    return None if callspec is None else callspec.params.get("family_stack")
+    return None if callspec is None else callspec.params.get("family")
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, None, None]:
-    """After the test's own teardown, stop its family's stack if no later test takes it (a
-    session-scoped fixture would hold its two servers, 1-2 GB, to the session's end)."""
+    """After the test's own teardown (and its module's, where it was the module's last), stop each
+    of its family's shared fixtures that no later test takes (a session-scoped fixture would hold
+    its processes, 1-2 GB a family, to the session's end): the last opened first."""
     try:
         yield
     finally:
-        name = _stack_of(item)
-        if name in _OPEN_STACKS:
+        name = _family_of(item)
+        if name is not None:
             items = item.session.items
-            if all(_stack_of(later) != name for later in items[items.index(item) + 1:]):
-                _OPEN_STACKS.pop(name).close()
+            later = [i for i in items[items.index(item) + 1:] if _family_of(i) == name]
+            for fixture, family in reversed(list(_OPEN)):
+                if family == name and not any(fixture in i.fixturenames for i in later):
+                    _OPEN.pop((fixture, family)).close()

@@ -37,8 +37,8 @@ if TYPE_CHECKING:
     from tests.vllm.families import ProxyCase
 
 __all__ = [
-    "FamilyStack", "Relay", "answer_text", "chat", "chat_text", "data_url", "entered_together", "family_stack",
-    "post_chat", "video_file", "video_files", "video_url_part", "vllm_openai_server",
+    "FamilyServer", "FamilyStack", "Relay", "answer_text", "chat", "chat_text", "data_url", "entered_together",
+    "family_server", "family_stack", "post_chat", "video_file", "video_files", "video_url_part", "vllm_openai_server",
 ]
 
 _UUID = re.compile(rb'"uuid": ?"([^"]+)"')
@@ -306,6 +306,15 @@ def entered_together(*managers: AbstractContextManager[Any]) -> Iterator[list[An
 
 
 @dataclass(frozen=True)
+class FamilyServer:
+    """One family's encode-server (``family_server``)."""
+
+    model: Path  # its tiny checkpoint
+    server: ServerProcess
+    prefix: str  # its Redis prefix, deleted after
+
+
+@dataclass(frozen=True)
 class FamilyStack:
     """One family's EPD stack over HTTP (``family_stack``)."""
 
@@ -332,26 +341,44 @@ class FamilyStack:
 
 
 @contextlib.contextmanager
-def family_stack(
-    family: Family, case: ProxyCase, tmp_path_factory: pytest.TempPathFactory, logs: Path, redis_url: str, prefix: str
-) -> Iterator[FamilyStack]:
-    """``family``'s stack on its ``PROXY_CASES`` record (``case``): its tiny checkpoint, encode-server
-    under ``prefix``, vLLM's OpenAI server as an EC consumer that keeps its tower (so it is also plain
-    vLLM, the oracle: a chat sent to it straight, with its pixels or files and no ``uuid``, is named
-    by vLLM's own hash, which the store never holds, so vLLM runs its own loader and tower), a
-    recording relay in front of it, and two proxies in this process. encode-server and vLLM take
-    per-request settings (``--trust-request-mm-kwargs``), for ``trusted_proxy``, which does;
-    ``proxy`` refuses a chat's ``mm_processor_kwargs`` itself, before either sees them, except where
-    the family's contract declares ``audio_in_video`` (a key of theirs). The prefix's entries are
-    deleted after."""
+def family_server(
+    case: ProxyCase, tmp_path_factory: pytest.TempPathFactory, logs: Path, redis_url: str, prefix: str
+) -> Iterator[FamilyServer]:
+    """The family's tiny checkpoint (its ``PROXY_CASES`` record, ``case``) and encode-server on it,
+    under ``prefix`` on ``redis_url``, with ``--trust-request-mm-kwargs`` (the defaults are unchanged
+    by it). The prefix's entries are deleted after."""
     import redis
 
     from tests.redis_procs import delete_prefix
     from tests.server import start_server
-    from tests.vllm.conftest import running_proxy, tiny_checkpoint
+    from tests.vllm.conftest import tiny_checkpoint
+
+    model = tiny_checkpoint(tmp_path_factory, case.build)
+    server = start_server("--model", str(model), "--redis-url", redis_url, "--cache-prefix", prefix,
+                          "--grpc-port", "0", "--dtype", "float32", "--trust-request-mm-kwargs", log_dir=logs)
+    try:
+        yield FamilyServer(model, server, prefix)
+    finally:
+        server.stop()
+        delete_prefix(redis.Redis.from_url(redis_url), prefix)
+
+
+@contextlib.contextmanager
+def family_stack(
+    family: Family, case: ProxyCase, model: Path, server: ServerProcess, tmp_path_factory: pytest.TempPathFactory,
+    logs: Path, redis_url: str, prefix: str
+) -> Iterator[FamilyStack]:
+    """``family``'s stack on its ``PROXY_CASES`` record (``case``) and its ``family_server`` (``model``,
+    ``server``, under ``prefix``): vLLM's OpenAI server as an EC consumer that keeps its tower (so it
+    is also plain vLLM, the oracle: a chat sent to it straight, with its pixels or files and no
+    ``uuid``, is named by vLLM's own hash, which the store never holds, so vLLM runs its own loader
+    and tower), a recording relay in front of it, and two proxies in this process. encode-server and
+    vLLM take per-request settings (``--trust-request-mm-kwargs``), for ``trusted_proxy``, which
+    does; ``proxy`` refuses a chat's ``mm_processor_kwargs`` itself, before either sees them, except
+    where the family's contract declares ``audio_in_video`` (a key of theirs)."""
+    from tests.vllm.conftest import running_proxy
 
     name = family.name
-    model = tiny_checkpoint(tmp_path_factory, case.build)
     clips: dict[str, bytes] = {}
     if case.clip is not None:
         frames, fps, width, height = case.clip
@@ -359,22 +386,16 @@ def family_stack(
         chat_clip, fresh = video_files(tmp, [case.clip, (frames + 1, fps, width, height)])
         clips = {"chat": chat_clip, "fresh": fresh}
     trust = "--trust-request-mm-kwargs"
-    server = start_server("--model", str(model), "--redis-url", redis_url, "--cache-prefix", prefix,
-                          "--grpc-port", "0", "--dtype", "float32", trust, log_dir=logs)
-    try:
-        extra = {"redis_url": redis_url, "encoder_url": server.url, "prefix": prefix}
-        limits = {"image": len(case.sizes), "video": 1 if clips else 0}
-        if case.audio:
-            limits = {"audio": len(case.audio)} | ({k: v for k, v in limits.items() if v} if case.sizes else {})
-        sound = family.epd is not None and family.epd.audio_in_video  # use_audio_in_video: taken only trusted
-        with (
-            vllm_openai_server(model, extra, logs, [*case.vllm_args, trust], tower=True, limits=limits) as consumer,
-            Relay(consumer["port"]) as relay,
-            running_proxy(relay.url, [server.url], trust_request_mm_kwargs=sound) as proxy,
-            running_proxy(relay.url, [server.url], trust_request_mm_kwargs=True) as trusted_proxy,
-        ):
-            print(f"\n{name}: EPD stack ready (vLLM OpenAI server in {consumer['startup_s']:.1f} s)")
-            yield FamilyStack(family, case, model, server, consumer, relay, proxy, trusted_proxy, prefix, clips)
-    finally:
-        server.stop()
-        delete_prefix(redis.Redis.from_url(redis_url), prefix)
+    extra = {"redis_url": redis_url, "encoder_url": server.url, "prefix": prefix}
+    limits = {"image": len(case.sizes), "video": 1 if clips else 0}
+    if case.audio:
+        limits = {"audio": len(case.audio)} | ({k: v for k, v in limits.items() if v} if case.sizes else {})
+    sound = family.epd is not None and family.epd.audio_in_video  # use_audio_in_video: taken only trusted
+    with (
+        vllm_openai_server(model, extra, logs, [*case.vllm_args, trust], tower=True, limits=limits) as consumer,
+        Relay(consumer["port"]) as relay,
+        running_proxy(relay.url, [server.url], trust_request_mm_kwargs=sound) as proxy,
+        running_proxy(relay.url, [server.url], trust_request_mm_kwargs=True) as trusted_proxy,
+    ):
+        print(f"\n{name}: EPD stack ready (vLLM OpenAI server in {consumer['startup_s']:.1f} s)")
+        yield FamilyStack(family, case, model, server, consumer, relay, proxy, trusted_proxy, prefix, clips)

@@ -263,3 +263,24 @@ PROXY_CASES: dict[str, ProxyCase] = {
     "qwen3_omni": ProxyCase("qwen3_omni", qwen3_omni.make_tiny_qwen3_omni, [(64, 64), (150, 100)],
                             clip=(4, 2.0, 64, 64), audio=[(1.5, 16_000, 1, "wav"), (2.2, 44_100, 2, "flac")]),
 }
+
+
+# The in-process engine conftest's ``family_engine`` starts for a family (an EC consumer that keeps
+# its towers), where a ``CASES`` record's (its processor kwargs, its ``engine_args``) is not all: the
+# Omni thinkers' modules chat with an audio file, an image and a video at once, and Qwen3-Omni's
+# longest audio (35 s: 455 rows) and videos need 2048 positions.
+_OMNI_LIMITS = {"audio": 1, "image": 1, "video": 1}
+ENGINES: dict[str, dict[str, Any]] = {
+    "qwen3_omni": {"limit_mm_per_prompt": _OMNI_LIMITS, "max_model_len": 2048},
+    "qwen2_5_omni": {"limit_mm_per_prompt": _OMNI_LIMITS},
+}
+
+
+def engine_args(name: str) -> dict[str, Any]:
+    """``conftest.engine``'s arguments for the family's shared engine: its towers, the case's
+    ``mm_processor_kwargs`` and ``engine_args``, then ``ENGINES``'."""
+    case = next((case for case in CASES if case.name == name), None)
+    args: dict[str, Any] = {"tower": True}
+    if case is not None:
+        args |= {"mm_processor_kwargs": case.engine_processor_kwargs, **case.engine_args}
+    return args | ENGINES.get(name, {})

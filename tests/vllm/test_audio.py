@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import base64
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,9 +22,13 @@ import numpy as np
 import pytest
 
 from tests.audios import make_audio
-from tests.server import ServerProcess, start_server
-from tests.tiny.qwen2_audio import SPECIAL, make_tiny_qwen2_audio
-from tests.vllm.conftest import REDIS_URL, connector_config, engine, model_runner, tiny_checkpoint
+from tests.server import ServerProcess
+from tests.tiny.qwen2_audio import SPECIAL
+from tests.vllm.conftest import REDIS_URL, connector_config, engine, model_runner, on_family_stacks
+from tests.vllm.epd_stack import FamilyServer
+
+# encode-server is the family's (conftest's ``family_server``), shared with the proxy modules.
+pytestmark = on_family_stacks("qwen2_audio")
 
 TOLERANCE = 1e-5  # of max(1, the largest magnitude), as for the image families
 
@@ -55,15 +58,13 @@ CLIPS = [
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_checkpoint(tmp_path_factory, make_tiny_qwen2_audio)
+def checkpoint(family_server: FamilyServer) -> Path:
+    return family_server.model
 
 
 @pytest.fixture(scope="module")
-def server(checkpoint: Path, logs: Path) -> Iterator[ServerProcess]:
-    proc = start_server("--model", str(checkpoint), "--grpc-port", "0", "--dtype", "float32", log_dir=logs)
-    yield proc
-    proc.stop()
+def server(family_server: FamilyServer) -> ServerProcess:
+    return family_server.server
 
 
 def _audio_tower_parameters(llm: Any) -> int:

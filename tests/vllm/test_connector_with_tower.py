@@ -17,12 +17,11 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-import redis
 from encode_client import Client, mm_hash
 
-from tests.redis_procs import delete_prefix
 from tests.server import ServerProcess, start_server
 from tests.vllm.conftest import (
+    EPD_PREFIX,
     REDIS_URL,
     connector_config,
     engine,
@@ -36,7 +35,6 @@ from tests.vllm.conftest import (
 )
 from tests.vllm.tiny_qwen import MAX_PIXELS, MIN_PIXELS
 
-PREFIX = f"test-vllm-tower-{__import__('os').getpid()}"
 # width x height. The first three are multiples of 28 within [min_pixels, max_pixels]: the
 # processor does not resize them. The others are resized (down to max_pixels, or to a multiple of 28).
 SIZES = [(56, 56), (112, 84), (224, 168), (150, 100), (300, 260), (400, 60)]
@@ -45,14 +43,10 @@ IMAGES = [png(w, h, seed=i) for i, (w, h) in enumerate(SIZES)]
 
 
 @pytest.fixture(scope="module")
-def server(model_dir: Path, logs: Path) -> Iterator[ServerProcess]:
-    proc = start_server(
-        "--model", str(model_dir), "--redis-url", REDIS_URL, "--cache-prefix", PREFIX, "--grpc-port", "0",
-        "--dtype", "float32", log_dir=logs,
-    )
-    yield proc
-    proc.stop()
-    delete_prefix(redis.Redis.from_url(REDIS_URL), PREFIX)
+def server(epd_server: ServerProcess) -> ServerProcess:
+    """The session's encode-server (conftest's ``epd_server``, the proxy and security modules' too):
+    these images (seeds 0-5, 77, 100 on) are this module's own."""
+    return epd_server
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +57,7 @@ def client(server: ServerProcess) -> Iterator[Client]:
 
 @pytest.fixture(scope="module")
 def llm(model_dir: Path, server: ServerProcess) -> Iterator[Any]:
-    with engine(model_dir, connector_config(REDIS_URL, server.url, PREFIX), tower=True) as llm:
+    with engine(model_dir, connector_config(REDIS_URL, server.url, EPD_PREFIX), tower=True) as llm:
         print(f"\nvLLM engine (EC consumer with its tower) started in {llm.startup_seconds:.1f} s")
         yield llm
 

@@ -1,14 +1,14 @@
 """The image families vLLM takes as pixels + uuid (InternVL, Gemma 3, ...) through ``EncodeServerECConnector``.
 
 For each case of ``families.py``, one vLLM engine (an EC consumer), one encode-server on the same
-tiny checkpoint directory, one Redis: the request to the prefill carries the image (vLLM's processor
+tiny checkpoint directory, the shared Redis (the family's ``family_engine`` and ``family_server``,
+shared with the modules that prove the family again): the request to the prefill carries the image (vLLM's processor
 sizes the placeholder from it) and ``uuid`` = the image's mm_hash; the connector supplies the
 embedding from encode-server's store, so vLLM's tower does not run for it.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,49 +18,43 @@ import numpy as np
 import pytest
 from encode_client import Client
 from encode_client.keys import store_key
+from redis import Redis
 
-from tests.redis_procs import RedisProcess, start_redis
 from tests.server import ServerProcess, start_server
 from tests.tiny import copy_with_processor_settings
 from tests.vllm.conftest import (
-    connector_config,
-    engine,
+    REDIS_URL,
+    SharedEngine,
     greedy,
+    on_family_stacks,
     pil,
     png,
     scheduler_connector,
     stored_value,
-    tiny_checkpoint,
 )
+from tests.vllm.epd_stack import FamilyServer
 from tests.vllm.families import CASES, FamilyCase
 
-PREFIX = f"test-vllm-families-{os.getpid()}"
+# Each case on its family's shared encode-server and engine (conftest's ``family_server`` and
+# ``family_engine``, which the proxy modules and the Omni modules use too): its tests run with the
+# family's other tests. Their images (seeds 0-4; 100 on for the placeholder counts) are their own.
+pytestmark = on_family_stacks(*(case.name for case in CASES))
+CASE = {case.name: case for case in CASES}
 
 
 @pytest.fixture(scope="module")
-def redis_proc() -> Iterator[RedisProcess]:
-    with start_redis() as proc:
-        yield proc
-
-
-@pytest.fixture(scope="module", params=CASES, ids=str)
-def case(request: pytest.FixtureRequest) -> FamilyCase:
-    return request.param
+def case(family: str) -> FamilyCase:
+    return CASE[family]
 
 
 @pytest.fixture(scope="module")
-def checkpoint(case: FamilyCase, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_checkpoint(tmp_path_factory, case.build)
+def checkpoint(family_server: FamilyServer) -> Path:
+    return family_server.model
 
 
 @pytest.fixture(scope="module")
-def server(case: FamilyCase, checkpoint: Path, redis_proc: RedisProcess, logs: Path) -> Iterator[ServerProcess]:
-    proc = start_server(
-        "--model", str(checkpoint), "--redis-url", redis_proc.url, "--cache-prefix", f"{PREFIX}-{case.name}",
-        "--grpc-port", "0", "--dtype", "float32", "--trust-request-mm-kwargs", log_dir=logs,
-    )
-    yield proc
-    proc.stop()
+def server(family_server: FamilyServer) -> ServerProcess:
+    return family_server.server
 
 
 @pytest.fixture(scope="module")
@@ -70,13 +64,9 @@ def client(server: ServerProcess) -> Iterator[Client]:
 
 
 @pytest.fixture(scope="module")
-def llm(case: FamilyCase, checkpoint: Path, redis_proc: RedisProcess, server: ServerProcess) -> Iterator[Any]:
-    config = connector_config(redis_proc.url, server.url, f"{PREFIX}-{case.name}", timeout_ms=1000)
-    # pixels + uuid: the prefill sees the image, so its engine keeps its tower (never run for it)
-    with engine(checkpoint, config, tower=True, mm_processor_kwargs=case.engine_processor_kwargs,
-                **case.engine_args) as llm:
-        print(f"\n{case.name}: vLLM engine (EC consumer) started in {llm.startup_seconds:.1f} s")
-        yield llm
+def llm(family_engine: SharedEngine) -> Any:
+    """An EC consumer that keeps its tower: pixels + uuid, the prefill sees the image (never run for it)."""
+    return family_engine.llm
 
 
 def _images(case: FamilyCase) -> list[bytes]:
@@ -153,7 +143,7 @@ def test_embedding_equals_vllms_own_tower(case: FamilyCase, baseline: dict[str, 
 
 
 def test_zeros_in_the_store_change_the_answer(
-    case: FamilyCase, llm: Any, client: Client, baseline: dict[str, Any], redis_proc: RedisProcess
+    case: FamilyCase, llm: Any, client: Client, baseline: dict[str, Any], family_server: FamilyServer
 ) -> None:
     """The negative control: each stored embedding replaced by zeros of its shape; the EPD request's
     tokens change (the prefill used the store's value, not its own tower on the pixels it has);
@@ -161,8 +151,8 @@ def test_zeros_in_the_store_change_the_answer(
     import torch
 
     fingerprint = str(client.model()["fingerprint"])
-    redis = redis_proc.client()
-    prefix = f"{PREFIX}-{case.name}"
+    redis = Redis.from_url(REDIS_URL)
+    prefix = family_server.prefix
     requests, direct = [], []
     for data, result, emb in zip(baseline["images"], baseline["results"], baseline["embeddings"], strict=True):
         zeros = np.zeros_like(emb)

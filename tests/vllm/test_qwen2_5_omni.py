@@ -22,8 +22,6 @@ sends the video as its file + uuid and names both items in ``ec_transfer_params`
 from __future__ import annotations
 
 import base64
-import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,22 +30,25 @@ import numpy as np
 import pytest
 import redis
 
-from tests.redis_procs import delete_prefix
-from tests.server import ServerProcess, start_server
-from tests.tiny.qwen2_5_omni import make_tiny_qwen2_5_omni
+from tests.server import ServerProcess
 from tests.videos import make_video
 from tests.vllm.conftest import (
     REDIS_URL,
+    SharedEngine,
     connector_config,
     engine,
     model_runner,
+    on_family_stacks,
     scheduler_connector,
     stored_value,
-    tiny_checkpoint,
 )
-from tests.vllm.epd_stack import greedy_chat, media_items
+from tests.vllm.epd_stack import FamilyServer, greedy_chat, media_items
 
-PREFIX = f"test-vllm-qwen2-5-omni-{os.getpid()}"
+# encode-server and the engine with both towers (every limit 1) are the family's (conftest's
+# ``family_server`` and ``family_engine``), encode-server shared with the proxy modules; the
+# tower-free consumer is this module's own, and its test comes after those on the shared engine (one
+# engine at a time in a process: it stops the shared one).
+pytestmark = on_family_stacks("qwen2_5_omni")
 TOLERANCE = 1e-5  # of max(1, the largest magnitude), as for the other families
 LIMITS = {"audio": 1, "image": 1, "video": 1}
 PART = {"audio": "audio_url", "image": "image_url", "video": "video_url"}
@@ -63,8 +64,18 @@ VIDEOS = [(4, 2.0, 56, 56), (21, 6.0, 84, 56)]
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_checkpoint(tmp_path_factory, make_tiny_qwen2_5_omni)
+def checkpoint(family_server: FamilyServer) -> Path:
+    return family_server.model
+
+
+@pytest.fixture(scope="module")
+def server(family_server: FamilyServer) -> ServerProcess:
+    return family_server.server
+
+
+@pytest.fixture(scope="module")
+def prefix(family_server: FamilyServer) -> str:
+    return family_server.prefix
 
 
 @pytest.fixture(scope="module")
@@ -112,38 +123,30 @@ def sound_clips() -> dict[str, tuple[bytes, str]]:
 
 
 @pytest.fixture(scope="module")
-def vllm_side(checkpoint: Path, items: dict[str, tuple[str, bytes, str]],
+def vllm_side(family_engine: SharedEngine, items: dict[str, tuple[str, bytes, str]],
               sound_clips: dict[str, tuple[bytes, str]]) -> dict[str, Any]:
-    """vLLM's rows and placeholder count for every item (a chat each, under a uuid), its tower
-    parameters, and its greedy tokens for the mixed chats; for each video with its sound, the
-    sound's rows and count (the file as an ``audio_url``: vLLM's loader reads a video's sound so for
-    ``use_audio_in_video`` too) and the greedy tokens of its chat with ``use_audio_in_video``."""
+    """vLLM's rows and placeholder count for every item (a chat each, under a uuid the store never
+    holds, so its own towers encode it), its tower parameters, and its greedy tokens for the mixed
+    chats (no uuid: vLLM's own hash, which the store never holds); for each video with its sound,
+    the sound's rows and count (the file as an ``audio_url``: vLLM's loader reads a video's sound so
+    for ``use_audio_in_video`` too) and the greedy tokens of its chat with ``use_audio_in_video``."""
     from vllm import SamplingParams
 
+    llm = family_engine.llm
     rows, counts, sound_greedy = {}, {}, {}
-    with engine(checkpoint, tower=True, limit_mm_per_prompt=LIMITS) as llm:
-        tokenizer = llm.get_tokenizer()
-        sounds = {f"{name}-audio": ("audio", data, url) for name, (data, url) in sound_clips.items()}
-        for name, (kind, _, url) in {**items, **sounds}.items():
-            out = llm.chat(_chat([(kind, url, f"own-{name}")]), SamplingParams(max_tokens=1, temperature=0.0),
-                           use_tqdm=False)
-            counts[name] = out[0].prompt_token_ids.count(tokenizer.convert_tokens_to_ids(TOKEN[kind]))
-            rows[name] = model_runner(llm).encoder_cache[f"own-{name}"].float().cpu().numpy()
-        greedy = [greedy_chat(llm, _mixed(items, *names)) for names in MIXED]
-        for name, (_, url) in sound_clips.items():
-            sound_greedy[name] = greedy_chat(llm, _chat([("video", url, None)]), AUDIO_IN_VIDEO)
-        towers = _tower_parameters(llm)
+    tokenizer = llm.get_tokenizer()
+    sounds = {f"{name}-audio": ("audio", data, url) for name, (data, url) in sound_clips.items()}
+    for name, (kind, _, url) in {**items, **sounds}.items():
+        out = llm.chat(_chat([(kind, url, f"own-{name}")]), SamplingParams(max_tokens=1, temperature=0.0),
+                       use_tqdm=False)
+        counts[name] = out[0].prompt_token_ids.count(tokenizer.convert_tokens_to_ids(TOKEN[kind]))
+        rows[name] = model_runner(llm).encoder_cache[f"own-{name}"].float().cpu().numpy()
+    greedy = [greedy_chat(llm, _mixed(items, *names)) for names in MIXED]
+    for name, (_, url) in sound_clips.items():
+        sound_greedy[name] = greedy_chat(llm, _chat([("video", url, None)]), AUDIO_IN_VIDEO)
+    towers = _tower_parameters(llm)
     return {"rows": rows, "counts": counts, "greedy": greedy, "tower_parameters": towers,
             "sound_greedy": sound_greedy}
-
-
-@pytest.fixture(scope="module")
-def server(checkpoint: Path, logs: Path) -> Iterator[ServerProcess]:
-    proc = start_server("--model", str(checkpoint), "--redis-url", REDIS_URL, "--cache-prefix", PREFIX,
-                        "--grpc-port", "0", "--dtype", "float32", log_dir=logs)
-    yield proc
-    proc.stop()
-    delete_prefix(redis.Redis.from_url(REDIS_URL), PREFIX)
 
 
 def _post(server: ServerProcess, path: str, kind: str, data: bytes, **extra: Any) -> httpx.Response:
@@ -173,32 +176,84 @@ def test_rows_equal_vllms_towers_and_counts_its_placeholders(
     assert vllm_side["counts"]["audio-35s-16000Hz-1ch-wav"] == 875  # not cut at 30 s (Qwen2-Audio: 750)
 
 
-def test_a_tower_free_consumer_answers_a_mixed_chat_as_plain_vllm_and_zeros_change_it(
-    checkpoint: Path, server: ServerProcess, items: dict[str, tuple[str, bytes, str]], vllm_side: dict[str, Any]
+def test_use_audio_in_video_through_the_rewrite_answers_as_plain_vllm_from_the_store(
+    family_engine: SharedEngine, server: ServerProcess, sound_clips: dict[str, tuple[bytes, str]],
+    vllm_side: dict[str, Any]
 ) -> None:
-    """Every limit 0: vLLM builds neither tower. The first mixed chat (audio, image, video), as the
-    proxy rewrites it (metadata + uuid, no sample or pixel), answers as plain vLLM did on the files;
-    the second, its stored rows replaced by zeros first, answers otherwise."""
+    """The chat ``encode-epd-proxy`` sends for a video with ``use_audio_in_video``: its file + uuid,
+    the key, ``ec_transfer_params`` naming the video and its sound. vLLM hashes both uuids with the
+    key; the connector maps its identifiers to the listed ones and serves both items from Redis (its
+    towers, built, never run for them; the family's engine), and the answer is plain vLLM's on the
+    file. Zeros under the second clip's keys change its answer (then the server's own rows are put
+    back)."""
     from encode_client import Client
     from encode_client.epd import rewrite_chat_request
 
-    config = connector_config(REDIS_URL, server.url, PREFIX)
+    store = redis.Redis.from_url(REDIS_URL)
+    llm = family_engine.llm
+    with Client(server.url, response="json", timeout=120) as client:
+        fingerprint = str(client.model()["fingerprint"])
+        connector, answers = scheduler_connector(llm), {}
+        try:
+            for i, (name, (_, url)) in enumerate(sound_clips.items()):
+                body = {"model": "tiny", "messages": _chat([("video", url, None)]),
+                        "mm_processor_kwargs": AUDIO_IN_VIDEO}
+                rewritten, results = rewrite_chat_request(body, client, trust_request_mm_kwargs=True)
+                assert [r.key.rsplit(":", 2)[-2] for r in results] == ["video", "audio"]
+                assert rewritten["messages"][0]["content"][0]["video_url"]["url"] == url
+                assert rewritten["mm_processor_kwargs"] == AUDIO_IN_VIDEO
+                if i == 1:  # the negative control
+                    for result in results:
+                        store.set(result.key, stored_value(np.zeros(result.shape, dtype=np.float32), fingerprint,
+                                                           result.hash, result.meta))
+                before = dict(connector.counts)
+                answers[name] = greedy_chat(llm, rewritten["messages"], rewritten["mm_processor_kwargs"],
+                                            rewritten["ec_transfer_params"])
+                served = {k: connector.counts[k] - before.get(k, 0) for k in ("from_redis", "local_fallback")}
+                assert served == {"from_redis": 2, "local_fallback": 0}, (name, dict(connector.counts))
+        finally:  # the server writes its own rows back over the zeros (its local tier's)
+            url = sound_clips["sound-webm"][1]
+            body = {"model": "tiny", "messages": _chat([("video", url, None)]), "mm_processor_kwargs": AUDIO_IN_VIDEO}
+            rewrite_chat_request(body, client, trust_request_mm_kwargs=True)
+    (first, plain), (second, plain_second) = [(answers[n], vllm_side["sound_greedy"][n]) for n in SOUND_CLIPS]
+    print(f"\nuse_audio_in_video: through the rewrite {first}, plain vLLM {plain}; under zeros {second}, "
+          f"plain vLLM {plain_second}")
+    assert first == plain
+    assert second != plain_second, "zeros under the keys did not change the answer"
+
+
+def test_a_tower_free_consumer_answers_a_mixed_chat_as_plain_vllm_and_zeros_change_it(
+    checkpoint: Path, server: ServerProcess, prefix: str, items: dict[str, tuple[str, bytes, str]],
+    vllm_side: dict[str, Any]
+) -> None:
+    """Every limit 0: vLLM builds neither tower. The first mixed chat (audio, image, video), as the
+    proxy rewrites it (metadata + uuid, no sample or pixel), answers as plain vLLM did on the files;
+    the second, its stored rows replaced by zeros first, answers otherwise (then the server's own
+    rows are put back)."""
+    from encode_client import Client
+    from encode_client.epd import rewrite_chat_request
+
+    config = connector_config(REDIS_URL, server.url, prefix)
     store = redis.Redis.from_url(REDIS_URL)
     with (engine(checkpoint, config, limit_mm_per_prompt={"audio": 0, "image": 0, "video": 0}) as llm,
           Client(server.url, response="json", timeout=120) as client):
         assert _tower_parameters(llm) == 0 < vllm_side["tower_parameters"]
         fingerprint = str(client.model()["fingerprint"])
         answers = []
-        for i, names in enumerate(MIXED):
-            rewritten, results = rewrite_chat_request({"model": "tiny", "messages": _mixed(items, *names)}, client)
-            text = str(rewritten["messages"])
-            assert all(base64.b64encode(items[n][1])[-64:].decode() not in text for n in names)
-            assert [r.meta for r in results] and len(results) == 3
-            if i == 1:  # the negative control
-                for result in results:
-                    store.set(result.key, stored_value(np.zeros(result.shape, dtype=np.float32), fingerprint,
-                                                       result.hash, result.meta))
-            answers.append(greedy_chat(llm, rewritten["messages"]))
+        try:
+            for i, names in enumerate(MIXED):
+                rewritten, results = rewrite_chat_request({"model": "tiny", "messages": _mixed(items, *names)},
+                                                          client)
+                text = str(rewritten["messages"])
+                assert all(base64.b64encode(items[n][1])[-64:].decode() not in text for n in names)
+                assert [r.meta for r in results] and len(results) == 3
+                if i == 1:  # the negative control
+                    for result in results:
+                        store.set(result.key, stored_value(np.zeros(result.shape, dtype=np.float32), fingerprint,
+                                                           result.hash, result.meta))
+                answers.append(greedy_chat(llm, rewritten["messages"]))
+        finally:  # the server writes its own rows back over the zeros (its local tier's)
+            rewrite_chat_request({"model": "tiny", "messages": _mixed(items, *MIXED[1])}, client)
     print(f"\nmixed chat: tower-free {answers[0]}, plain vLLM {vllm_side['greedy'][0]}; "
           f"under zeros {answers[1]}, plain vLLM {vllm_side['greedy'][1]}")
     assert answers[0] == vllm_side["greedy"][0]
@@ -223,45 +278,6 @@ def test_a_videos_sound_is_an_audio_item_of_its_bytes_equal_to_vllms(
         assert diff <= TOLERANCE * max(1.0, scale), name
         counted = _post(server, "/v1/tokens", "audio", data).json()["items"][0]
         assert counted["num_tokens"] == item["num_tokens"] == vllm_side["counts"][f"{name}-audio"], name
-
-
-def test_use_audio_in_video_through_the_rewrite_answers_as_plain_vllm_from_the_store(
-    checkpoint: Path, server: ServerProcess, sound_clips: dict[str, tuple[bytes, str]], vllm_side: dict[str, Any]
-) -> None:
-    """The chat ``encode-epd-proxy`` sends for a video with ``use_audio_in_video``: its file + uuid,
-    the key, ``ec_transfer_params`` naming the video and its sound. vLLM hashes both uuids with the
-    key; the connector maps its identifiers to the listed ones and serves both items from Redis (its
-    towers, built, never run for them), and the answer is plain vLLM's on the file. Zeros under the
-    second clip's keys change its answer."""
-    from encode_client import Client
-    from encode_client.epd import rewrite_chat_request
-
-    config = connector_config(REDIS_URL, server.url, PREFIX)
-    store = redis.Redis.from_url(REDIS_URL)
-    with (engine(checkpoint, config, tower=True, limit_mm_per_prompt=LIMITS) as llm,
-          Client(server.url, response="json", timeout=120) as client):
-        fingerprint = str(client.model()["fingerprint"])
-        connector, answers = scheduler_connector(llm), {}
-        for i, (name, (_, url)) in enumerate(sound_clips.items()):
-            body = {"model": "tiny", "messages": _chat([("video", url, None)]), "mm_processor_kwargs": AUDIO_IN_VIDEO}
-            rewritten, results = rewrite_chat_request(body, client, trust_request_mm_kwargs=True)
-            assert [r.key.rsplit(":", 2)[-2] for r in results] == ["video", "audio"]
-            assert rewritten["messages"][0]["content"][0]["video_url"]["url"] == url
-            assert rewritten["mm_processor_kwargs"] == AUDIO_IN_VIDEO
-            if i == 1:  # the negative control
-                for result in results:
-                    store.set(result.key, stored_value(np.zeros(result.shape, dtype=np.float32), fingerprint,
-                                                       result.hash, result.meta))
-            before = dict(connector.counts)
-            answers[name] = greedy_chat(llm, rewritten["messages"], rewritten["mm_processor_kwargs"],
-                                    rewritten["ec_transfer_params"])
-            served = {k: connector.counts[k] - before.get(k, 0) for k in ("from_redis", "local_fallback")}
-            assert served == {"from_redis": 2, "local_fallback": 0}, (name, dict(connector.counts))
-    (first, plain), (second, plain_second) = [(answers[n], vllm_side["sound_greedy"][n]) for n in SOUND_CLIPS]
-    print(f"\nuse_audio_in_video: through the rewrite {first}, plain vLLM {plain}; under zeros {second}, "
-          f"plain vLLM {plain_second}")
-    assert first == plain
-    assert second != plain_second, "zeros under the keys did not change the answer"
 
 
 def test_use_audio_in_video_on_an_item_or_for_a_silent_video_is_refused_naming_it(

@@ -27,8 +27,6 @@ vLLM start an audio-only consumer (every limit 0: neither tower), which it refus
 from __future__ import annotations
 
 import base64
-import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,21 +35,24 @@ import numpy as np
 import pytest
 import redis
 
-from tests.redis_procs import delete_prefix
-from tests.server import ServerProcess, start_server
-from tests.tiny.qwen3_omni import make_tiny_qwen3_omni
+from tests.server import ServerProcess
 from tests.vllm.conftest import (
     REDIS_URL,
+    SharedEngine,
     connector_config,
     engine,
     model_runner,
+    on_family_stacks,
     scheduler_connector,
     stored_value,
-    tiny_checkpoint,
 )
-from tests.vllm.epd_stack import greedy_chat, media_items
+from tests.vllm.epd_stack import FamilyServer, greedy_chat, media_items
 
-PREFIX = f"test-vllm-qwen3-omni-{os.getpid()}"
+# encode-server and the engine with both towers are the family's (conftest's ``family_server`` and
+# ``family_engine``: every limit 1, 2048 positions), shared with test_image_families.py,
+# test_qwen3_omni_epd_modes.py and the proxy modules. Its tests on that engine come before the one that
+# starts an engine of its own (one engine at a time in a process: that one stops the shared one).
+pytestmark = on_family_stacks("qwen3_omni")
 TOLERANCE = 1e-5  # of max(1, the largest magnitude), as for the other families
 LIMITS = {"audio": 1, "image": 1, "video": 1}
 PART = {"audio": "audio_url", "image": "image_url", "video": "video_url"}
@@ -70,8 +71,18 @@ MIXED = [("audio-1s-16000Hz-1ch-wav", "image-150x100", "video-4f-2fps-64x64"),
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_checkpoint(tmp_path_factory, make_tiny_qwen3_omni)
+def checkpoint(family_server: FamilyServer) -> Path:
+    return family_server.model
+
+
+@pytest.fixture(scope="module")
+def server(family_server: FamilyServer) -> ServerProcess:
+    return family_server.server
+
+
+@pytest.fixture(scope="module")
+def prefix(family_server: FamilyServer) -> str:
+    return family_server.prefix
 
 
 @pytest.fixture(scope="module")
@@ -99,33 +110,28 @@ def _tower_parameters(llm: Any) -> dict[str, int]:
 
 
 @pytest.fixture(scope="module")
-def vllm_side(checkpoint: Path, items: dict[str, tuple[str, bytes, str]]) -> dict[str, Any]:
-    """vLLM's rows and placeholder count for every item (a chat each, under a uuid), its towers'
-    parameters, and its greedy tokens for the mixed chats."""
+def vllm_side(family_engine: SharedEngine, items: dict[str, tuple[str, bytes, str]]) -> dict[str, Any]:
+    """vLLM's rows and placeholder count for every item (a chat each, under a uuid the store never
+    holds, so its own towers encode it), its towers' parameters, and its greedy tokens for the
+    mixed chats (no uuid: vLLM's own hash, which the store never holds)."""
     from vllm import SamplingParams
 
+    llm = family_engine.llm
     rows, counts = {}, {}
-    with engine(checkpoint, tower=True, limit_mm_per_prompt=LIMITS, max_model_len=2048) as llm:
-        tokenizer = llm.get_tokenizer()
-        for name, (kind, _, url) in items.items():
-            out = llm.chat(_chat([_part(kind, url, f"own-{name}")]), SamplingParams(max_tokens=1, temperature=0.0),
-                           use_tqdm=False)
-            counts[name] = out[0].prompt_token_ids.count(tokenizer.convert_tokens_to_ids(TOKEN[kind]))
-            rows[name] = model_runner(llm).encoder_cache[f"own-{name}"].float().cpu().numpy()
-        greedy = [greedy_chat(llm, _mixed(items, names)) for names in MIXED]
-        alone = {"audio": greedy_chat(llm, _mixed(items, MIXED[0][:1])),
-                 "vision": greedy_chat(llm, _mixed(items, MIXED[0][1:]))}
-        towers = _tower_parameters(llm)
+    tokenizer = llm.get_tokenizer()
+    connector = scheduler_connector(llm)
+    before = connector.counts["local_fallback"]
+    for name, (kind, _, url) in items.items():
+        out = llm.chat(_chat([_part(kind, url, f"own-{name}")]), SamplingParams(max_tokens=1, temperature=0.0),
+                       use_tqdm=False)
+        counts[name] = out[0].prompt_token_ids.count(tokenizer.convert_tokens_to_ids(TOKEN[kind]))
+        rows[name] = model_runner(llm).encoder_cache[f"own-{name}"].float().cpu().numpy()
+    assert connector.counts["local_fallback"] - before >= len(items), dict(connector.counts)  # its own towers
+    greedy = [greedy_chat(llm, _mixed(items, names)) for names in MIXED]
+    alone = {"audio": greedy_chat(llm, _mixed(items, MIXED[0][:1])),
+             "vision": greedy_chat(llm, _mixed(items, MIXED[0][1:]))}
+    towers = _tower_parameters(llm)
     return {"rows": rows, "counts": counts, "greedy": greedy, "alone": alone, "towers": towers}
-
-
-@pytest.fixture(scope="module")
-def server(checkpoint: Path, logs: Path) -> Iterator[ServerProcess]:
-    proc = start_server("--model", str(checkpoint), "--redis-url", REDIS_URL, "--cache-prefix", PREFIX,
-                        "--grpc-port", "0", "--dtype", "float32", log_dir=logs)
-    yield proc
-    proc.stop()
-    delete_prefix(redis.Redis.from_url(REDIS_URL), PREFIX)
 
 
 def _post(server: ServerProcess, path: str, kind: str, data: bytes) -> httpx.Response:
@@ -156,8 +162,48 @@ def test_rows_equal_vllms_towers_and_counts_its_placeholders(
     assert vllm_side["counts"]["audio-35s-16000Hz-1ch-wav"] == 455  # 3500 frames: not cut at 30 s
 
 
+def test_a_mixed_chat_answers_as_plain_vllm_with_its_audio_as_a_file_and_zeros_change_it(
+    family_engine: SharedEngine, server: ServerProcess, items: dict[str, tuple[str, bytes, str]],
+    vllm_side: dict[str, Any]
+) -> None:
+    """Every limit 1 (both towers kept, neither run for these items; the family's engine): the first
+    mixed chat, as the proxy rewrites it (audio, image and video each its data URL + identifier),
+    answers as plain vLLM did on the files, every item from the store; the second, its stored rows
+    replaced by zeros first, answers otherwise (then the server's own rows are put back)."""
+    from encode_client import Client
+    from encode_client.epd import rewrite_chat_request
+
+    store = redis.Redis.from_url(REDIS_URL)
+    llm = family_engine.llm
+    with Client(server.url, response="json", timeout=120) as client:
+        fingerprint = str(client.model()["fingerprint"])
+        connector = scheduler_connector(llm)
+        answers = []
+        try:
+            for i, names in enumerate(MIXED):
+                rewritten, results = rewrite_chat_request({"model": "tiny", "messages": _mixed(items, names)}, client)
+                content = rewritten["messages"][0]["content"]
+                assert [part["type"] for part in content[:3]] == ["audio_url", "image_url", "video_url"]
+                assert [part[part["type"]]["url"] for part in content[:3]] == [items[name][2] for name in names]
+                assert len(results) == 3 and all(part["uuid"] for part in content[:3])
+                if i == 1:  # the negative control
+                    for result in results:
+                        store.set(result.key, stored_value(np.zeros(result.shape, dtype=np.float32), fingerprint,
+                                                           result.hash, result.meta))
+                hits = connector.counts["hit"]
+                answers.append(greedy_chat(llm, rewritten["messages"]))
+                assert connector.counts["hit"] - hits == 3, dict(connector.counts)
+        finally:  # the server writes its own rows back over the zeros (its local tier's)
+            rewrite_chat_request({"model": "tiny", "messages": _mixed(items, MIXED[1])}, client)
+    print(f"\nmixed chat: {answers[0]}, plain vLLM {vllm_side['greedy'][0]}; "
+          f"under zeros {answers[1]}, plain vLLM {vllm_side['greedy'][1]}")
+    assert answers[0] == vllm_side["greedy"][0]
+    assert answers[1] != vllm_side["greedy"][1], "zeros under the keys did not change the answer"
+
+
 def test_a_consumer_without_its_audio_tower_answers_audio_and_vision_chats_as_plain_vllm(
-    checkpoint: Path, server: ServerProcess, items: dict[str, tuple[str, bytes, str]], vllm_side: dict[str, Any]
+    checkpoint: Path, server: ServerProcess, prefix: str, items: dict[str, tuple[str, bytes, str]],
+    vllm_side: dict[str, Any]
 ) -> None:
     """Audio limit 0 (no audio tower), image and video 1 (the vision tower kept, never run for
     them): an audio chat as the proxy rewrites it (a metadata-only item) and an image + video chat
@@ -167,7 +213,7 @@ def test_a_consumer_without_its_audio_tower_answers_audio_and_vision_chats_as_pl
     from encode_client.epd import rewrite_chat_request
     from vllm.exceptions import VLLMValidationError
 
-    config = connector_config(REDIS_URL, server.url, PREFIX)
+    config = connector_config(REDIS_URL, server.url, prefix)
     with (engine(checkpoint, config, limit_mm_per_prompt={"audio": 0, "image": 1, "video": 1},
                  max_model_len=2048) as llm,
           Client(server.url, response="json", timeout=120) as client):
@@ -191,42 +237,6 @@ def test_a_consumer_without_its_audio_tower_answers_audio_and_vision_chats_as_pl
     print(f"\nwithout the audio tower: audio {answers['audio']}, plain vLLM {vllm_side['alone']['audio']}; "
           f"image + video {answers['vision']}, plain vLLM {vllm_side['alone']['vision']}")
     assert answers == vllm_side["alone"]
-
-
-def test_a_mixed_chat_answers_as_plain_vllm_with_its_audio_as_a_file_and_zeros_change_it(
-    checkpoint: Path, server: ServerProcess, items: dict[str, tuple[str, bytes, str]], vllm_side: dict[str, Any]
-) -> None:
-    """Every limit 1 (both towers kept, neither run for these items): the first mixed chat, as the
-    proxy rewrites it (audio, image and video each its data URL + identifier), answers as plain vLLM
-    did on the files, every item from the store; the second, its stored rows replaced by zeros
-    first, answers otherwise."""
-    from encode_client import Client
-    from encode_client.epd import rewrite_chat_request
-
-    config = connector_config(REDIS_URL, server.url, PREFIX)
-    store = redis.Redis.from_url(REDIS_URL)
-    with (engine(checkpoint, config, limit_mm_per_prompt=LIMITS, max_model_len=2048) as llm,
-          Client(server.url, response="json", timeout=120) as client):
-        fingerprint = str(client.model()["fingerprint"])
-        connector = scheduler_connector(llm)
-        answers = []
-        for i, names in enumerate(MIXED):
-            rewritten, results = rewrite_chat_request({"model": "tiny", "messages": _mixed(items, names)}, client)
-            content = rewritten["messages"][0]["content"]
-            assert [part["type"] for part in content[:3]] == ["audio_url", "image_url", "video_url"]
-            assert [part[part["type"]]["url"] for part in content[:3]] == [items[name][2] for name in names]
-            assert len(results) == 3 and all(part["uuid"] for part in content[:3])
-            if i == 1:  # the negative control
-                for result in results:
-                    store.set(result.key, stored_value(np.zeros(result.shape, dtype=np.float32), fingerprint,
-                                                       result.hash, result.meta))
-            hits = connector.counts["hit"]
-            answers.append(greedy_chat(llm, rewritten["messages"]))
-            assert connector.counts["hit"] - hits == 3, dict(connector.counts)
-    print(f"\nmixed chat: {answers[0]}, plain vLLM {vllm_side['greedy'][0]}; "
-          f"under zeros {answers[1]}, plain vLLM {vllm_side['greedy'][1]}")
-    assert answers[0] == vllm_side["greedy"][0]
-    assert answers[1] != vllm_side["greedy"][1], "zeros under the keys did not change the answer"
 
 
 def test_the_connector_lets_vllm_drop_the_towers_qwen3_omni_can_run_without(checkpoint: Path) -> None:

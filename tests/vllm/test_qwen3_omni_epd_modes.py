@@ -32,8 +32,14 @@ import pytest
 
 from tests.audios import make_audio
 from tests.tiny.qwen3_omni import make_tiny_qwen3_omni
-from tests.vllm.conftest import engine, model_runner, png, tiny_checkpoint
+from tests.vllm.conftest import SharedEngine, engine, model_runner, on_family_stacks, png, tiny_checkpoint
 
+# Plain vLLM is the family's engine (conftest's ``family_engine``: both towers, every limit 1, 2048
+# positions; an EC consumer of encode-server's store, which never holds these uuids, so its own
+# towers encode every item), shared with test_qwen3_omni.py and test_image_families.py; the
+# consumers here, on the example connector, are this module's own.
+pytestmark = on_family_stacks("qwen3_omni")
+MAX_MODEL_LEN = 2048  # the family engine's, so the consumers answer on the same positions
 AUDIO = [(2.0, 16_000), (12.34, 16_000), (2.5, 44_100), (1.23, 8_000)]
 IMAGE = (150, 100)
 TOKEN = {"audio": "<|audio_pad|>", "image": "<|image_pad|>"}
@@ -78,29 +84,30 @@ def _heard_frames(data: bytes, rate: int, extractor: Any) -> int:
 
 
 @pytest.fixture(scope="module")
-def plain(checkpoint: Path) -> dict[str, Any]:
+def plain(checkpoint: Path, family_engine: SharedEngine) -> dict[str, Any]:
     """vLLM with both towers on the files: each item's rows (under its uuid), placeholder count and
     greedy tokens."""
     from transformers import WhisperFeatureExtractor
 
     extractor = WhisperFeatureExtractor.from_pretrained(checkpoint)
     out: dict[str, Any] = {}
-    with engine(checkpoint, tower=True, limit_mm_per_prompt={"audio": 1, "image": 1, "video": 0}) as llm:
-        tokenizer = llm.get_tokenizer()
-        for i, (seconds, rate) in enumerate(AUDIO):
-            data = make_audio(seconds, rate, 1, "wav", seed=i)
-            part = {"type": "audio_url", "audio_url": {"url": _url("audio/wav", data)}, "uuid": f"audio-{i}"}
-            greedy, prompt = _greedy(llm, part)
-            out[f"audio-{i}"] = {
-                "rows": model_runner(llm).encoder_cache[f"audio-{i}"].float().cpu().clone(),
-                "count": prompt.count(tokenizer.convert_tokens_to_ids(TOKEN["audio"])),
-                "frames": _heard_frames(data, rate, extractor), "greedy": greedy,
-            }
-        data = png(*IMAGE, seed=0)
-        part = {"type": "image_url", "image_url": {"url": _url("image/png", data)}, "uuid": "image-0"}
+    llm = family_engine.llm
+    llm.llm_engine.reset_encoder_cache()  # these uuids are this module's: vLLM's towers encode them here
+    tokenizer = llm.get_tokenizer()
+    for i, (seconds, rate) in enumerate(AUDIO):
+        data = make_audio(seconds, rate, 1, "wav", seed=i)
+        part = {"type": "audio_url", "audio_url": {"url": _url("audio/wav", data)}, "uuid": f"audio-{i}"}
         greedy, prompt = _greedy(llm, part)
-        out["image-0"] = {"rows": model_runner(llm).encoder_cache["image-0"].float().cpu().clone(), "data": data,
-                          "count": prompt.count(tokenizer.convert_tokens_to_ids(TOKEN["image"])), "greedy": greedy}
+        out[f"audio-{i}"] = {
+            "rows": model_runner(llm).encoder_cache[f"audio-{i}"].float().cpu().clone(),
+            "count": prompt.count(tokenizer.convert_tokens_to_ids(TOKEN["audio"])),
+            "frames": _heard_frames(data, rate, extractor), "greedy": greedy,
+        }
+    data = png(*IMAGE, seed=0)
+    part = {"type": "image_url", "image_url": {"url": _url("image/png", data)}, "uuid": "image-0"}
+    greedy, prompt = _greedy(llm, part)
+    out["image-0"] = {"rows": model_runner(llm).encoder_cache["image-0"].float().cpu().clone(), "data": data,
+                      "count": prompt.count(tokenizer.convert_tokens_to_ids(TOKEN["image"])), "greedy": greedy}
     return out
 
 
@@ -123,7 +130,8 @@ def consumer_config(plain: dict[str, Any], tmp_path_factory: pytest.TempPathFact
 @pytest.fixture(scope="module")
 def consumer(checkpoint: Path, consumer_config: dict[str, Any]) -> Iterator[Any]:
     """The EC consumer a Qwen3-Omni deployment can run: audio limit 0, image limit 1."""
-    with engine(checkpoint, consumer_config, limit_mm_per_prompt={"audio": 0, "image": 1, "video": 0}) as llm:
+    with engine(checkpoint, consumer_config, limit_mm_per_prompt={"audio": 0, "image": 1, "video": 0},
+                max_model_len=MAX_MODEL_LEN) as llm:
         yield llm
 
 
@@ -193,7 +201,8 @@ def test_an_audio_only_consumer_runs_without_either_tower(
 
     meta = {"audio_feature_lengths": [plain["audio-0"]["frames"]]}
     url = _url("image/png", plain["image-0"]["data"])
-    with engine(checkpoint, consumer_config, limit_mm_per_prompt={"audio": 0, "image": 0, "video": 0}) as llm:
+    with engine(checkpoint, consumer_config, limit_mm_per_prompt={"audio": 0, "image": 0, "video": 0},
+                max_model_len=MAX_MODEL_LEN) as llm:
         assert _tower_parameters(llm) == {"visual": 0, "audio_tower": 0}
         greedy, _ = _greedy(llm, {"type": "audio_embeds", "audio_embeds": meta, "uuid": "audio-0"})
         assert greedy == plain["audio-0"]["greedy"]

@@ -69,7 +69,6 @@ MIXED = [("audio-1s-16000Hz-1ch-wav", "image-150x100", "video-4f-2fps-64x64"),
          ("audio-2.5s-44100Hz-1ch-wav", "image-64x64", "video-21f-6fps-96x64")]
 
 
-
 @pytest.fixture(scope="module")
 def checkpoint(family_server: FamilyServer) -> Path:
     return family_server.model

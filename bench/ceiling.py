@@ -30,7 +30,6 @@ import argparse
 import asyncio
 import base64
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -45,6 +44,7 @@ from typing import Any
 import encode_server.encoders  # noqa: F401  (first: the process state the server runs in)
 from bench.latest import RESULTS, merge_into
 from bench.rawhttp import Request, post_many
+from bench.serving import process_cpu_seconds
 from bench.workload import photos
 from encode_server.kinds import image_inputs
 from tests.server import ServerProcess, start_server
@@ -111,12 +111,6 @@ def _send(door: str, server: ServerProcess, images: Sequence[bytes]) -> float:
         return _grpc_many(server.grpc_port, images, CONCURRENCY)
     wall, _ = post_many(int(server.url.rsplit(":", 1)[1]), [_request(door, d) for d in images], CONCURRENCY)
     return wall
-
-
-def process_cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of every thread of ``pid`` so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 @contextmanager

@@ -17,6 +17,7 @@ MODULES = [
     "encode_server.core.stored",
     "encode_server.core.budget",
     "encode_server.core.sniff",
+    "encode_server.core.sglang_wire",
 ]
 FORBIDDEN = ["torch", "transformers", "fastapi", "starlette", "redis", "PIL", "safetensors", "grpc"]
 

@@ -132,11 +132,13 @@ CURRENT = RELEASES["0.5.23"]
 @dataclass(frozen=True)
 class Extra:
     """A family extra SGLang's receiver reads (``attr``), from the item's ``meta`` key ``meta_key``:
-    ``float32`` (one number per item, sent as ``torch.FloatTensor``) or ``list`` (a list per item)."""
+    ``float32`` (one number per item, sent as ``torch.FloatTensor``) or ``list`` (a list per item).
+    ``default``: the value SGLang's own encoder computes where the item's meta has none."""
 
     attr: str
     meta_key: str
     kind: Literal["float32", "list"]
+    default: float | None = None
 
 
 @dataclass(frozen=True)

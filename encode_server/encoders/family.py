@@ -26,6 +26,7 @@ from encode_client.epd_contract import EPD_MODES, PER_MODALITY  # the client rea
 from encode_client.epd_tensor import DTYPES as TENSOR_DTYPES  # what the proxy can write
 
 from encode_server.core.settings import Setting
+from encode_server.core.sglang_wire import SglangContract
 
 __all__ = ["EPD_MODES", "PER_MODALITY", "TENSOR_DTYPES", "Epd", "Family", "by_model_type"]
 
@@ -128,6 +129,8 @@ class Family:
     applies (its ``setting_defaults``, ``preprocess_with`` and ``count_tokens_with``), in vLLM's
     names; a request naming any other key is refused, never silently preprocessed the default way.
     ``modalities``: what its items may be (``image``, ``video``, ``audio``); any other is refused.
+    ``sglang``: how SGLang's language-only prefill takes its embeddings (``--sglang``); None for a
+    family SGLang's encoder disaggregation does not take.
     """
 
     name: str
@@ -139,6 +142,7 @@ class Family:
     # How the checkpoint's preprocessor loads from its directory; None: its image processor
     # (``AutoImageProcessor``). An audio family loads its feature extractor.
     processor: Callable[[Any], Any] | None = None
+    sglang: SglangContract | None = None
 
     def describe(self) -> dict[str, Any]:
         settings = {s.name: {"type": s.kind, "modalities": list(s.modalities), "meaning": s.meaning}

@@ -53,6 +53,8 @@ import torch.nn.functional as F
 from PIL import Image
 from torch import nn
 
+from encode_server.core.sglang_wire import SglangContract
+
 from .base import EncodedTensor, PreparedItem
 from .family import Epd, Family
 from .hf import HFEncoder, LoadSpec, to_encoded
@@ -404,4 +406,5 @@ FAMILY = Family(
     load=load_kimi_k25,
     epd=Epd("pixels_uuid", vllm_model="kimi_k25.py"),
     processor=load_media_config,
+    sglang=SglangContract({"image": "grid_thws"}, architectures=("KimiK25ForConditionalGeneration",)),
 )

@@ -50,6 +50,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_res
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
 
 from encode_server.core.settings import Setting
+from encode_server.core.sglang_wire import Extra, SglangContract
 from encode_server.core.types import VideoInfo
 
 from .base import EncodedTensor, PreparedItem, VideoPlan
@@ -434,4 +435,10 @@ FAMILY = Family(
         tensors={"video": {"second_per_grid_ts": "float32"}},
     ),
     settings=PIXEL_SETTINGS + VIDEO_SETTINGS,
+    # SGLang's qwen_vl processor reads Qwen2.5-VL's seconds per temporal group (Qwen2-VL's meta has none).
+    sglang=SglangContract(
+        {"image": "image_grid_thw", "video": "video_grid_thw"},
+        {"video": (Extra("second_per_grid_ts", "second_per_grid_ts", "float32"),)},
+        ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"),
+    ),
 )

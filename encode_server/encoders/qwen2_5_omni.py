@@ -49,6 +49,7 @@ from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
 )
 
 from encode_server.core.errors import EncodeServerError
+from encode_server.core.sglang_wire import Extra, SglangContract
 from encode_server.core.types import AudioInfo, VideoInfo
 
 from .audio_chunks import ChunkPlan
@@ -247,5 +248,10 @@ FAMILY = Family(
         vllm_model="qwen2_5_omni_thinker.py",
         tensors={"video": {"second_per_grid_ts": "float32"}},
         audio_in_video=True,
+    ),
+    sglang=SglangContract(
+        {"image": "image_grid_thw", "video": "video_grid_thw", "audio": "audio_feature_lengths"},
+        {"video": (Extra("second_per_grid_ts", "second_per_grid_ts", "float32"),)},
+        ("Qwen2_5OmniForConditionalGeneration",),
     ),
 )

@@ -45,6 +45,7 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
     Qwen3OmniMoeVisionEncoder,
 )
 
+from encode_server.core.sglang_wire import Extra, SglangContract
 from encode_server.core.types import AudioInfo, VideoInfo
 
 from .base import AudioPlan, PreparedItem, VideoPlan
@@ -177,5 +178,12 @@ FAMILY = Family(
         # vLLM 0.32 fails a request with metadata-only audio beside an image or a video (Epd.alone)
         alone=("audio",),
         audio_in_video=True,
+    ),
+    # SGLang's Omni M-RoPE needs a video's seconds per temporal group; its encoder computes
+    # temporal_patch_size (2) / 2 fps, which this family's meta does not carry.
+    sglang=SglangContract(
+        {"image": "image_grid_thw", "video": "video_grid_thw", "audio": "audio_feature_lengths"},
+        {"video": (Extra("second_per_grid_ts", "second_per_grid_ts", "float32", default=1.0),)},
+        ("Qwen3OmniMoeForConditionalGeneration",),
     ),
 )

@@ -30,6 +30,7 @@ from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeVisio
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
 from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeVisionModel
 
+from encode_server.core.sglang_wire import Extra, SglangContract
 from encode_server.core.types import VideoInfo
 
 from .base import VideoPlan
@@ -168,4 +169,11 @@ FAMILY = Family(
     ),
     # Qwen2-VL's processing info's (vLLM's Qwen3VLProcessingInfo inherits it); a video's fps as its loader's
     settings=PIXEL_SETTINGS + VIDEO_SETTINGS,
+    # SGLang's qwen_vl processor puts each frame group's "<t seconds>" in the prompt from video_timestamps.
+    sglang=SglangContract(
+        {"image": "image_grid_thw", "video": "video_grid_thw"},
+        {"video": (Extra("video_timestamps", "timestamps", "list"),)},
+        ("Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration", "Qwen3_5ForConditionalGeneration",
+         "Qwen3_5MoeForConditionalGeneration"),
+    ),
 )

@@ -1,11 +1,14 @@
 """tests/vllm need vLLM, which lives in its own environment: `make test-vllm` (part of `make test`)
-runs them there; the server's venv, which has no vLLM, leaves them out. tests/gpu need torchvision
+runs them there; the server's venv, which has no vLLM, leaves them out. tests/sglang need SGLang's
+wheel, likewise (`make test-sglang`, its own environment). tests/gpu need torchvision
 (the batched preprocessing path): `make gpu-rehearsal` (part of `make test`) runs them in the GPU
 rehearsal environment."""
 
 import importlib.util
 
 collect_ignore = [] if importlib.util.find_spec("vllm") is not None else ["vllm"]
+if importlib.util.find_spec("sglang") is None:
+    collect_ignore.append("sglang")
 if importlib.util.find_spec("torchvision") is None:
     collect_ignore.append("gpu")
 

@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from functools import partial
 from types import FrameType
+from typing import TYPE_CHECKING
 
 import grpc
 import uvicorn
@@ -42,9 +43,10 @@ from encode_server.core.batcher import Batcher
 from encode_server.core.budget import ByteBudget
 from encode_server.core.errors import EncodeServerError
 from encode_server.core.settings import RequestSettings
+from encode_server.core.sglang_wire import SglangContract
 from encode_server.core.stored import ValueSpec
 from encode_server.core.types import EncodedTensor
-from encode_server.encoders import check_local_model, load_encoder, resolve_device
+from encode_server.encoders import FAMILIES, check_local_model, load_encoder, resolve_device
 from encode_server.encoders.base import Encoder, PreparedItem
 from encode_server.encoders.threads import MAX_AUTO_WORKERS, CoreShare, forward_workers
 from encode_server.fingerprints import serving_fingerprint
@@ -54,6 +56,9 @@ from encode_server.malloc import release_free_memory
 from encode_server.metrics import Metrics
 from encode_server.service import EncodeService, Served
 from encode_server.warmup import WarmupFailed, prepare_to_serve
+
+if TYPE_CHECKING:  # pyzmq is an optional extra: imported only when --sglang builds the door
+    from encode_server.api.sglang import SglangDoor
 
 __all__ = [
     "DrainingServer", "EncodeServer", "EncoderLoader", "StartFailed", "build_service", "check_device", "file_exporter",
@@ -95,7 +100,9 @@ class EncodeServer:
         self.load_encoder = load_encoder or encoder_loader(settings)
         self.metrics = Metrics()
         self.runtime = Runtime(settings, self.metrics)
-        self.http = DrainingServer(_uvicorn_config(settings, self.runtime), self.runtime, settings.drain_seconds)
+        self.sglang = sglang_door(self.runtime)
+        self.http = DrainingServer(_uvicorn_config(settings, self.runtime, self.sglang), self.runtime,
+                                   settings.drain_seconds)
         self.exit_code = 0
 
     async def serve(self) -> int:
@@ -134,6 +141,8 @@ class EncodeServer:
             if grpc_server is not None:
                 # Its calls were drained with HTTP's (or, stopping at once, answered 503).
                 await grpc_server.stop(grace=0 if self.runtime.stopping else 3)
+            if self.sglang is not None:
+                await self.sglang.close()  # unregistered from SGLang's bootstraps, its ZMQ sockets closed
             if service is not None:
                 await service.close()  # the batcher, the shared tier's writer, the pools
             forward.shutdown(wait=False, cancel_futures=True)
@@ -192,6 +201,7 @@ class EncodeServer:
         s, metrics = self.settings, self.metrics
         started = time.perf_counter()
         encoder = await asyncio.to_thread(self.load_encoder)
+        contract = sglang_contract(encoder) if self.sglang is not None else None
         service = build_service(
             encoder, s, metrics, forward, shared=await shared_tier(s, metrics, encoder), budget=self.runtime.budget,
             exporter=file_exporter(s, encoder),
@@ -203,6 +213,8 @@ class EncodeServer:
         # What loading and the warm-up left alive is out of the collector's walks from now (heap.py).
         frozen = freeze_startup_heap()
         metrics.gc_frozen_objects.set(frozen)
+        if self.sglang is not None and contract is not None:
+            self.sglang.serve(contract)
         log.info("%d objects alive after the warm-up frozen out of the garbage collector's walks", frozen)
         info = encoder.info
         log.info(
@@ -347,12 +359,35 @@ def file_exporter(settings: Settings, encoder: Encoder) -> FileExporter | None:
     return exporter
 
 
-def _uvicorn_config(settings: Settings, runtime: Runtime) -> uvicorn.Config:
+def sglang_door(runtime: Runtime) -> SglangDoor | None:
+    """SGLang's front door when ``--sglang`` asks for it; pyzmq (the ``sglang`` extra) is imported only then."""
+    if not runtime.settings.sglang:
+        return None
+    try:
+        from encode_server.api.sglang import SglangDoor
+    except ImportError as exc:
+        raise SystemExit(f"--sglang needs pyzmq: pip install 'encode-server[sglang]' ({exc})") from None
+    return SglangDoor(runtime)
+
+
+def sglang_contract(encoder: Encoder) -> SglangContract:
+    """How SGLang takes this encoder's embeddings; a family SGLang's language-only mode does not take
+    stops the start (``ValueError``: the load's one-line reason)."""
+    family = encoder.family
+    if family is None or family.sglang is None:
+        taking = ", ".join(f.name for f in FAMILIES if f.sglang is not None)
+        raise ValueError(f"--sglang: {encoder.info.model_id} ({family.name if family else 'no family'}) is not a "
+                         f"family SGLang's language-only prefill takes from an encoder; these are: {taking}")
+    return family.sglang
+
+
+def _uvicorn_config(settings: Settings, runtime: Runtime, sglang: SglangDoor | None = None) -> uvicorn.Config:
     return uvicorn.Config(
-        create_app(runtime),
+        create_app(runtime, sglang),
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
+        loop=__import__("os").environ.get("X_LOOP", "auto"),
         log_config=None,  # ours (configure_logging), text or JSON
         access_log=False,  # the front doors write the one access line per request
         # The drain already waited for requests; this only bounds closing idle connections.

@@ -194,6 +194,28 @@ class Settings:
     export_max_mb: float = _opt(
         10240.0, "disk budget of --export-dir in MiB; the least recently written or re-used files go first"
     )
+    sglang: bool = _opt(
+        False, "also serve SGLang's encoder protocol, so a --language-only SGLang prefill can name this server in "
+        "--encoder-urls: POST /encode and POST /scheduler_receive_url, embeddings pushed to the prefill over ZMQ "
+        "(zmq_to_scheduler, zmq_to_tokenizer), the gRPC SglangEncoder service on --grpc-port; needs pyzmq "
+        "(pip install encode-server[sglang]) and a family SGLang takes from an encoder"
+    )
+    sglang_fetch_private: bool = _opt(
+        False, "--sglang: fetch mm_items URLs that resolve to private, loopback, link-local or reserved addresses "
+        "(refused by default, so a request cannot make the server reach into its own network)"
+    )
+    sglang_file_dir: str | None = _opt(
+        None, "--sglang: read mm_items that are local paths or file:// URLs, from inside this directory only; "
+        "unset, every path is refused"
+    )
+    sglang_register_urls: str | None = _opt(
+        None, "--sglang: comma-separated SGLang encoder bootstrap URLs (a prefill's http://HOST:8997) this server "
+        "registers with once ready and unregisters from on shutdown, as SGLang's --encoder-register-urls does"
+    )
+    sglang_url: str | None = _opt(
+        None, "--sglang: the URL this server registers as (default http://HOST:PORT, HOST the address that reaches "
+        "the bootstrap when --host is 0.0.0.0 or ::)"
+    )
 
     @property
     def redis_max_value_bytes(self) -> int:
@@ -226,6 +248,11 @@ class Settings:
             return self.preprocess_workers
         usable = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
         return max(1, len(usable))
+
+    @property
+    def sglang_register_list(self) -> list[str]:
+        """``--sglang-register-urls`` as a list, trailing slashes dropped."""
+        return [u.strip().rstrip("/") for u in (self.sglang_register_urls or "").split(",") if u.strip()]
 
     @property
     def cache_bytes(self) -> int:
@@ -363,6 +390,13 @@ def _validate(s: Settings) -> None:
         raise SystemExit(f"--redis-replay-mb must be >= 0, got {shown(s.redis_replay_mb)}")
     if s.export_dir is not None and s.tenant_isolation:
         raise SystemExit("--export-dir cannot be used with --tenant-isolation: vLLM's file layout has no tenant")
+    if not s.sglang:
+        for name in ("sglang_fetch_private", "sglang_file_dir", "sglang_register_urls", "sglang_url"):
+            if getattr(s, name):
+                raise SystemExit(f"{_flag(name)} needs --sglang")
+    for url in [*s.sglang_register_list, *([s.sglang_url] if s.sglang_url else [])]:
+        if not url.startswith(("http://", "https://")) or not urlsplit(url).hostname:
+            raise SystemExit(f"--sglang-register-urls and --sglang-url take http(s)://HOST:PORT URLs, got {url!r}")
     if s.export_max_mb <= 0:
         raise SystemExit(f"--export-max-mb must be positive, got {shown(s.export_max_mb)}")
     if s.max_inflight_mb < 0:

@@ -10,7 +10,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 import pybase64
@@ -50,6 +50,9 @@ from encode_server.core.types import ItemResult, Return
 from encode_server.core.wire import WireTensor, safetensors_parts
 from encode_server.metrics import CONTENT_TYPE_LATEST
 from encode_server.service import EncodeService
+
+if TYPE_CHECKING:  # pyzmq is an optional extra: the door is imported only where --sglang builds it
+    from encode_server.api.sglang import SglangDoor
 
 __all__ = ["HotRoutes", "HttpApi", "create_app", "response_for"]
 
@@ -263,12 +266,14 @@ class MetricsMiddleware:
                     await error_response(shutting_down())(scope, receive, send_wrapper)
 
 
-def create_app(runtime: Runtime) -> FastAPI:
+def create_app(runtime: Runtime, sglang: SglangDoor | None = None) -> FastAPI:
     """The HTTP front door over ``runtime``: it serves whatever service the composition root
-    (``encode_server.app``) hands the runtime, and says 503 ``not_ready`` until then."""
+    (``encode_server.app``) hands the runtime, and says 503 ``not_ready`` until then. With
+    ``sglang`` (``--sglang``), SGLang's encoder routes too (``api/sglang.py``)."""
     api = HttpApi(runtime)
     app = FastAPI(title="encode-server", version=__version__)
-    routes = frozenset({"/v1/encode", "/v1/lookup", "/v1/tokens", "/v1/model", "/health", "/ready", "/metrics"})
+    routes = frozenset({"/v1/encode", "/v1/lookup", "/v1/tokens", "/v1/model", "/health", "/ready", "/metrics",
+                        *(("/encode", "/scheduler_receive_url") if sglang is not None else ())})
     app.add_middleware(HotRoutes, handlers={"/v1/encode": api.encode, "/v1/lookup": api.lookup})
     app.add_middleware(BodyBudgetMiddleware, runtime=runtime)  # inside MetricsMiddleware: its 503s are counted
     app.add_middleware(MetricsMiddleware, runtime=runtime, routes=routes)
@@ -305,6 +310,8 @@ def create_app(runtime: Runtime) -> FastAPI:
     app.add_api_route("/health", api.health, methods=["GET"])
     app.add_api_route("/ready", api.ready, methods=["GET"], responses=common)
     app.add_api_route("/metrics", api.metrics, methods=["GET"], include_in_schema=False)
+    if sglang is not None:
+        sglang.install(app)
     _install_error_handlers(app)
     return app
 

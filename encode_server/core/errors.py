@@ -9,7 +9,9 @@ HTTP.
     │                                 invalid_image, unsupported_image, invalid_video, invalid_audio,
     │                                 unsupported_modality (a video for a model that takes images only),
     │                                 invalid_setting (an mm_processor_kwargs key, type or value refused),
-    │                                 settings_disabled (mm_processor_kwargs without --trust-request-mm-kwargs)
+    │                                 settings_disabled (mm_processor_kwargs without --trust-request-mm-kwargs),
+    │                                 url_refused, fetch_failed (--sglang: an mm_items URL or path refused, or
+    │                                 not fetched)
     ├── InvalidRequest           422  invalid_request (body does not match the schema)
     ├── TooLarge                 413  payload_too_large, image_too_large, video_too_large, audio_too_large,
     │                                 too_many_items,
@@ -71,7 +73,7 @@ class BadInput(EncodeServerError):
     types = (
         "invalid_image", "invalid_json", "invalid_base64", "invalid_hash",
         "hash_mismatch", "unsupported_image", "invalid_video", "invalid_audio", "unsupported_modality",
-        "invalid_setting", "settings_disabled",
+        "invalid_setting", "settings_disabled", "url_refused", "fetch_failed",
     )
 
 

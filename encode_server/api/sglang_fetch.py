@@ -1,0 +1,218 @@
+"""An SGLang ``mm_items`` entry to its bytes: what SGLang's prefill may send an encoder, under our limits.
+
+SGLang's tokenizer hands its encoder each media item as the client gave it: an ``http(s)://`` URL, a
+``data:`` URI, raw base64, a ``file://`` URL or a local path, alone or as ``{"url": ..., "content_hash":
+"sha256:<hex>", ...}``. SGLang's own encoder fetches and opens anything; this server does not:
+
+- a URL is fetched only from a public address: every address the name resolves to, and the peer
+  the connection really reached (a DNS answer that changes between the two is caught there), must
+  not be private, loopback, link-local, multicast, reserved or unspecified, unless
+  ``--sglang-fetch-private`` allows them (a test's loopback server; a cluster's internal media
+  store). Redirects are followed (at most :data:`MAX_REDIRECTS`), each one checked again. The body
+  is bounded as an upload is: at most ``--max-request-bytes``, charged to the request-memory budget
+  as it arrives; the whole fetch within ``--request-timeout``.
+- a local file is read only inside ``--sglang-file-dir`` (its real path, links resolved); without
+  that flag every path is refused.
+- ``content_hash`` (SGLang's ``sha256:<64 hex>`` of the bytes) is checked against the bytes:
+  a mismatch is 400 ``hash_mismatch``, as SGLang's own encoder refuses it.
+
+The bytes then go through the service like any upload: hashed (BLAKE3) for the cache, decoded with
+the upload limits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import http.client
+import ipaddress
+import socket
+import ssl
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote, urljoin, urlsplit
+
+from encode_server.api.bodies import decode_base64
+from encode_server.core.budget import Hold
+from encode_server.core.errors import BadInput, InvalidRequest, TooLarge
+
+__all__ = ["MAX_REDIRECTS", "FetchPolicy", "check_content_hash", "resolve_item"]
+
+MAX_REDIRECTS = 3
+CONTENT_HASH_PREFIX = "sha256:"
+# Per-item keys SGLang forwards that would change preprocessing: refused, never silently ignored.
+_PREPROCESSING_KEYS = ("max_dynamic_patch", "preprocess_kwargs", "max_long_side_pixel")
+_CHUNK = 1 << 16
+
+
+@dataclass(frozen=True)
+class FetchPolicy:
+    """What this server may read for an SGLang item: the upload limit, private addresses, a file root."""
+
+    max_bytes: int
+    timeout: float
+    allow_private: bool = False
+    file_dir: str | None = None
+
+
+def check_content_hash(expected: object, data: bytes, index: int) -> None:
+    """SGLang's ``content_hash`` (``sha256:<hex>``) against the bytes: 400 when malformed or different."""
+    if expected is None:
+        return
+    if not isinstance(expected, str) or not expected.startswith(CONTENT_HASH_PREFIX):
+        raise BadInput("content_hash must use the form 'sha256:<64 hex digits>'", type="invalid_hash", index=index)
+    digest = expected[len(CONTENT_HASH_PREFIX):].lower()
+    if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+        raise BadInput("content_hash must contain exactly 64 SHA-256 hex digits", type="invalid_hash", index=index)
+    actual = hashlib.sha256(data).hexdigest()
+    if actual != digest:
+        raise BadInput(f"Encoder media content hash mismatch: expected sha256:{digest}, got sha256:{actual}",
+                       type="hash_mismatch", index=index)
+
+
+async def resolve_item(entry: object, index: int, policy: FetchPolicy, hold: Hold | None) -> bytes:
+    """One ``mm_items`` entry's bytes (fetched, decoded or read), its ``content_hash`` checked."""
+    content_hash: object = None
+    if isinstance(entry, Mapping):
+        if "url" not in entry:
+            raise InvalidRequest("an mm_items entry is a URL string or an object with a 'url'", index=index)
+        _refuse_preprocessing(entry, index)
+        content_hash, entry = entry.get("content_hash"), entry["url"]
+    if not isinstance(entry, str) or not entry:
+        raise InvalidRequest("an mm_items entry's url must be a non-empty string", index=index)
+    head = entry[:8].lower()
+    if head.startswith(("http://", "https://")):
+        data = await asyncio.to_thread(_fetch, entry, index, policy, hold)
+    elif head.startswith("data:"):
+        data = decode_base64(entry, index, hold)
+    elif head.startswith("file://") or entry.startswith(("/", "./", "../", "~")):
+        data = await asyncio.to_thread(_read_file, entry, index, policy, hold)
+    else:  # SGLang's last resort: the string is the base64 of the file
+        data = decode_base64(entry, index, hold)
+    check_content_hash(content_hash, data, index)
+    return data
+
+
+def _refuse_preprocessing(entry: Mapping[str, Any], index: int) -> None:
+    asked = [key for key in _PREPROCESSING_KEYS if entry.get(key) not in (None, {}, [])]
+    if asked:
+        raise BadInput(f"per-item preprocessing {asked} is not applied by encode-server's SGLang door; send the item "
+                       "without it", type="invalid_setting", index=index)
+
+
+def _read_file(entry: str, index: int, policy: FetchPolicy, hold: Hold | None) -> bytes:
+    if policy.file_dir is None:
+        raise BadInput("local paths are refused: start the server with --sglang-file-dir to serve files from a "
+                       "directory", type="url_refused", index=index)
+    raw = unquote(urlsplit(entry).path) if entry[:7].lower() == "file://" else entry
+    root = Path(policy.file_dir).resolve()
+    path = Path(raw).expanduser().resolve()
+    if not path.is_relative_to(root):
+        raise BadInput(f"{raw} is outside --sglang-file-dir", type="url_refused", index=index)
+    try:
+        size = path.stat().st_size
+        if size > policy.max_bytes:
+            raise TooLarge(f"{raw} is {size} bytes, above the limit of {policy.max_bytes} (--max-request-bytes)",
+                           index=index)
+        if hold is not None:
+            hold.grow_or_raise(size)
+        return path.read_bytes()
+    except OSError as exc:
+        raise BadInput(f"cannot read {raw}: {exc.strerror}", type="fetch_failed", index=index) from None
+
+
+def _public(address: str) -> bool:
+    ip = ipaddress.ip_address(address.split("%", 1)[0])
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return not (ip.is_private or ip.is_loopback or ip.is_link_local or ip.is_multicast or ip.is_reserved
+                or ip.is_unspecified)
+
+
+class _Guarded:
+    """A connection that refuses a peer outside the policy once connected (the address it really reached)."""
+
+    allow_private: bool
+    sock: socket.socket | None
+
+    def connect(self) -> None:
+        super().connect()  # type: ignore[misc]
+        assert self.sock is not None
+        peer = self.sock.getpeername()[0]
+        if not self.allow_private and not _public(peer):
+            self.sock.close()
+            raise _Refused(f"it resolves to {peer}, a private address (--sglang-fetch-private allows it)")
+
+
+class _Refused(Exception):
+    pass
+
+
+class _HTTP(_Guarded, http.client.HTTPConnection):
+    pass
+
+
+class _HTTPS(_Guarded, http.client.HTTPSConnection):
+    pass
+
+
+def _fetch(url: str, index: int, policy: FetchPolicy, hold: Hold | None) -> bytes:
+    deadline = time.monotonic() + policy.timeout
+    for _ in range(MAX_REDIRECTS + 1):
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise BadInput(f"cannot fetch {url!r}: only http(s) URLs with a host", type="url_refused", index=index)
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        if not policy.allow_private:
+            try:
+                found = {info[4][0] for info in socket.getaddrinfo(parts.hostname, port, type=socket.SOCK_STREAM)}
+            except OSError as exc:
+                raise BadInput(f"cannot fetch {url}: {exc}", type="fetch_failed", index=index) from None
+            if private := sorted(a for a in found if not _public(str(a))):
+                raise BadInput(f"cannot fetch {url}: {parts.hostname} resolves to {private[0]}, a private address "
+                               "(--sglang-fetch-private allows it)", type="url_refused", index=index)
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise BadInput(f"cannot fetch {url}: no time left (--request-timeout)", type="fetch_failed", index=index)
+        conn: http.client.HTTPConnection
+        if parts.scheme == "https":
+            conn = _HTTPS(parts.hostname, port, timeout=remaining, context=ssl.create_default_context())
+        else:
+            conn = _HTTP(parts.hostname, port, timeout=remaining)
+        conn.allow_private = policy.allow_private  # type: ignore[attr-defined]
+        path = parts.path or "/"
+        if parts.query:
+            path += "?" + parts.query
+        try:
+            conn.request("GET", path, headers={"User-Agent": "encode-server", "Accept-Encoding": "identity"})
+            response = conn.getresponse()
+            if response.status in (301, 302, 303, 307, 308) and response.getheader("location"):
+                url = urljoin(url, response.getheader("location") or "")
+                continue
+            if response.status != 200:
+                raise BadInput(f"cannot fetch {url}: HTTP {response.status}", type="fetch_failed", index=index)
+            return _read_bounded(response, url, index, policy.max_bytes, hold)
+        except _Refused as exc:
+            raise BadInput(f"cannot fetch {url}: {exc}", type="url_refused", index=index) from None
+        except (OSError, http.client.HTTPException) as exc:
+            raise BadInput(f"cannot fetch {url}: {exc}", type="fetch_failed", index=index) from None
+        finally:
+            conn.close()
+    raise BadInput(f"cannot fetch {url}: more than {MAX_REDIRECTS} redirects", type="fetch_failed", index=index)
+
+
+def _read_bounded(response: http.client.HTTPResponse, url: str, index: int, limit: int, hold: Hold | None) -> bytes:
+    declared = response.getheader("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise TooLarge(f"{url} is {declared} bytes, above the limit of {limit} (--max-request-bytes)", index=index)
+    body = bytearray()
+    while chunk := response.read(_CHUNK):
+        if len(body) + len(chunk) > limit:
+            raise TooLarge(f"{url} is above the limit of {limit} bytes (--max-request-bytes)", index=index)
+        if hold is not None:
+            hold.grow_or_raise(len(chunk))
+        body += chunk
+    return bytes(body)

@@ -11,7 +11,7 @@ TORCH_REQ := deploy/torch.txt
 PORT ?= $(or $(ENCODE_SERVER_PORT),8000)
 GRPC_PORT ?= $(or $(ENCODE_SERVER_GRPC_PORT),50051)
 
-.PHONY: install tools serve test test-quick test-container test-vllm vllm-env lint bench bench-epd bench-tower-memory soak clean proto openapi \
+.PHONY: install tools serve test test-quick test-container test-vllm vllm-env test-sglang sglang-env lint bench bench-epd bench-tower-memory soak clean proto openapi \
 	docs test-docs gpu-wheels gpu-rehearsal test-lane-server test-lane-vllm demo-epd checkpoint dist
 
 $(BIN)/python:
@@ -76,6 +76,7 @@ test-lane-server: install tools
 
 test-lane-vllm: install tools gpu-wheels
 	@ENCODE_SERVER_TEST_LANE=1 $(MAKE) --no-print-directory test-vllm
+	@ENCODE_SERVER_TEST_LANE=1 $(MAKE) --no-print-directory test-sglang
 	@ENCODE_SERVER_TEST_LANE=1 $(MAKE) --no-print-directory gpu-rehearsal
 
 # The quick tier, for working between full runs (about 2 minutes on the 2-core machine): ruff, the
@@ -132,6 +133,18 @@ test-vllm: install tools
 	@env=$$(scripts/vllm_env.sh) && \
 	ENCODE_SERVER_PYTHON=$(abspath $(BIN))/python PYTHONPATH=$(CURDIR)/clients/python:$(CURDIR) \
 	"$$env/bin/python" -m pytest -q -p no:cacheprovider $(DURATIONS) tests/vllm
+
+# SGLang 0.5.23's receiving side (its language-only prefill's MMReceiverHTTP, allow-list unpickler and
+# processors; no model) in its own venv, cached outside the repo under ~/.cache/encode-server and keyed
+# by a hash of tests/sglang/env (built once, in about 2 minutes; see scripts/sglang_env.sh); its path on
+# stdout. The tests drive it against real encode-servers (from .venv) over HTTP and ZMQ, and a real Redis.
+sglang-env:
+	@scripts/sglang_env.sh
+
+test-sglang: install tools
+	@env=$$(scripts/sglang_env.sh) && \
+	ENCODE_SERVER_PYTHON=$(abspath $(BIN))/python PYTHONPATH=$(CURDIR)/clients/python:$(CURDIR) \
+	"$$env/bin/python" -m pytest -q -p no:cacheprovider $(DURATIONS) tests/sglang
 
 # The GPU check's luggage (bench/gpu_check.sh on the lent GPU machine, which reaches no registry):
 # the wheels its python3 (3.12) lacks, derived from the pyproject files against

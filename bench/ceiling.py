@@ -22,6 +22,8 @@ Per door, rounds interleaved with the bare pipeline's (a shared machine's load f
 - ``ceiling_bare_images_per_s``, ``ceiling_bare_cpu_ms``: the bare pipeline's.
 
 Run: ``python -m bench.ceiling`` (a step of ``make bench``; ``--quick`` for the test's few requests).
+``bench/gpu_check.py`` runs it too, on the lent machine's cores; where py-spy is not there (or may
+not attach), the GIL keys are left out and the rest is measured.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import argparse
 import asyncio
 import base64
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -37,7 +40,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +52,7 @@ from bench.workload import photos
 from encode_server.kinds import image_inputs
 from tests.server import ServerProcess, start_server
 
-__all__ = ["DOORS", "GIL_RATE", "KEYS", "run"]
+__all__ = ["DOORS", "GIL_RATE", "KEYS", "py_spy", "run", "table"]
 
 DOORS = ("raw", "multipart", "json", "grpc")
 CONCURRENCY = 16
@@ -118,7 +121,9 @@ def gil_samples(pid: int, into: dict[str, float]) -> Iterator[None]:
     """``into["samples"]``: py-spy's samples of ``pid`` in which one of its threads held the GIL,
     over the block (``into["seconds"]``: how long it sampled). Sampled without stopping the
     process (``--nonblocking``)."""
-    spy = str(Path(sys.executable).parent / "py-spy")
+    spy = py_spy()
+    if spy is None:
+        raise RuntimeError("no py-spy beside this Python nor on PATH (pip install py-spy)")
     with tempfile.NamedTemporaryFile(suffix=".txt") as out:
         cmd = [spy, "record", "-p", str(pid), "-r", str(GIL_RATE), "-f", "raw", "-o", out.name, "--gil",
                "--nonblocking"]
@@ -139,6 +144,12 @@ def gil_samples(pid: int, into: dict[str, float]) -> Iterator[None]:
     into["samples"] = float(sum(int(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.strip()))
 
 
+def py_spy() -> str | None:
+    """py-spy's executable: beside this Python (a venv's), else on PATH (a ``--target`` install's bin)."""
+    beside = Path(sys.executable).parent / "py-spy"
+    return str(beside) if beside.exists() else shutil.which("py-spy")
+
+
 def _bare(encoder: Any, images: Sequence[bytes]) -> tuple[float, float]:
     """(wall seconds, CPU seconds of this process) for the bare pipeline over ``images``."""
     cpu, started = time.process_time(), time.perf_counter()
@@ -147,38 +158,45 @@ def _bare(encoder: Any, images: Sequence[bytes]) -> tuple[float, float]:
     return time.perf_counter() - started, time.process_time() - cpu
 
 
-def run(model: str, n_images: int, rounds: int, log_dir: Path) -> dict[str, float]:
+def run(model: str, n_images: int, rounds: int, log_dir: Path, doors: Sequence[str] = DOORS,
+        server_args: Sequence[str] = (), gil: bool = True) -> dict[str, float]:
     """Every ``ceiling_*`` key (module docstring): ``rounds`` of (bare, each door) over
-    ``n_images`` fresh images each, the median of the rounds' figures."""
+    ``n_images`` fresh images each, the median of the rounds' figures. ``doors`` and
+    ``server_args`` (more flags for the server) are for trying a change: ``make bench`` runs all.
+    ``gil`` False: no py-spy, no ``ceiling_gil_ms_*`` keys."""
     from encode_server.encoders import load_encoder
 
     encoder = load_encoder(model, device="cpu")
     _bare(encoder, photos(900_000, CONCURRENCY))  # warm
-    figures: dict[str, list[float]] = {key: [] for key in KEYS}
+    figures: dict[str, list[float]] = {
+        key: [] for key in KEYS
+        if key.startswith("ceiling_bare_") or (key.rsplit("_", 1)[1] in doors and (gil or "_gil_" not in key))
+    }
     # A gRPC call reserves what receiving the largest message takes (four copies of
     # --max-request-bytes) before its message arrives: at the default 64 MiB, the 2 GiB request
     # budget holds 7 calls and the rest of 16 are refused (503); a photo's limit holds them all.
-    server = start_server("--model", model, "--max-request-bytes", str(MAX_REQUEST_BYTES), log_dir=log_dir,
-                          timeout=300)
+    server = start_server("--model", model, "--max-request-bytes", str(MAX_REQUEST_BYTES), *server_args,
+                          log_dir=log_dir, timeout=300)
     try:
         pid = server.proc.pid
-        for door in DOORS:  # warm each door: connections, first-call paths
+        for door in doors:  # warm each door: connections, first-call paths
             _send(door, server, photos(910_000 + 100 * DOORS.index(door), CONCURRENCY))
         for r in range(rounds):
             wall, cpu = _bare(encoder, photos(1_000_000 * (r + 1), n_images))
             bare_rate = n_images / wall
             figures["ceiling_bare_images_per_s"].append(bare_rate)
             figures["ceiling_bare_cpu_ms"].append(1000 * cpu / n_images)
-            for d, door in enumerate(DOORS):
+            for d, door in enumerate(doors):
                 images = photos(1_000_000 * (r + 1) + 10_000 * (d + 1), n_images)
-                gil: dict[str, float] = {}
+                held: dict[str, float] = {}
                 cpu0 = process_cpu_seconds(pid)
-                with gil_samples(pid, gil):
+                with gil_samples(pid, held) if gil else nullcontext():
                     wall = _send(door, server, images)
                 cpu = process_cpu_seconds(pid) - cpu0
                 figures[f"ceiling_images_per_s_{door}"].append(n_images / wall)
                 figures[f"ceiling_cpu_ms_{door}"].append(1000 * cpu / n_images)
-                figures[f"ceiling_gil_ms_{door}"].append(1000 * gil["samples"] / GIL_RATE / n_images)
+                if gil:
+                    figures[f"ceiling_gil_ms_{door}"].append(1000 * held["samples"] / GIL_RATE / n_images)
                 figures[f"ceiling_ratio_{door}"].append(n_images / wall / bare_rate)
     finally:
         server.stop()
@@ -187,9 +205,10 @@ def run(model: str, n_images: int, rounds: int, log_dir: Path) -> dict[str, floa
 
 def table(result: dict[str, float]) -> str:
     lines = ["| door | images/s | CPU ms / request | GIL ms / request | of bare |", "|---|---|---|---|---|"]
-    for door in DOORS:
+    for door in (d for d in DOORS if f"ceiling_ratio_{d}" in result):
+        gil = result.get(f"ceiling_gil_ms_{door}")
         lines.append(f"| {door} | {result[f'ceiling_images_per_s_{door}']:.0f} | "
-                     f"{result[f'ceiling_cpu_ms_{door}']:.2f} | {result[f'ceiling_gil_ms_{door}']:.2f} | "
+                     f"{result[f'ceiling_cpu_ms_{door}']:.2f} | {'-' if gil is None else f'{gil:.2f}'} | "
                      f"{result[f'ceiling_ratio_{door}']:.2f} |")
     lines.append(f"| bare (in-process) | {result['ceiling_bare_images_per_s']:.0f} | "
                  f"{result['ceiling_bare_cpu_ms']:.2f} | - | 1 |")
@@ -203,10 +222,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--images", type=int, default=192, help="images per door per round")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="a few requests: the harness, not the figures")
+    parser.add_argument("--doors", nargs="+", choices=DOORS, default=list(DOORS))
+    parser.add_argument("--server-arg", action="append", default=[], dest="server_args",
+                        help="one more argument for the server (repeat it), e.g. --server-arg=--log-level=warning")
     args = parser.parse_args(argv)
     n_images, rounds = (32, 1) if args.quick else (args.images, args.rounds)
     with tempfile.TemporaryDirectory(prefix="ceiling_") as logs:
-        result = run(args.model, n_images, rounds, Path(logs))
+        result = run(args.model, n_images, rounds, Path(logs), args.doors, args.server_args)
     merge_into(args.out, result)
     print(table(result))
     print(f"{args.out}: {len(result)} ceiling_* keys merged ({args.model}, {n_images} images x {rounds} rounds)")

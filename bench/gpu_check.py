@@ -25,7 +25,9 @@ For each, on unique photo-like 640x480 JPEGs (``bench/workload.py``), interleave
   (the server process, from nvidia-smi; the bare pipeline, from torch), ``parity`` (the device
   path's embeddings against the CPU-preprocessing path's, same model and dtype).
 
-Then S2 (``bench.serving.s2``): hash-only hits of 64, 576 and 2,500 tokens of the Qwen tower's
+Then the serving path's own ceiling (``bench.ceiling``: the zero-cost tower through each door at
+concurrency 16 on this machine's cores, beside the bare pipeline; GIL ms where py-spy attaches),
+under ``ceiling``. Then S2 (``bench.serving.s2``): hash-only hits of 64, 576 and 2,500 tokens of the Qwen tower's
 3,584 bf16 against the raw wire. Each stage that fails is recorded under ``errors`` and the rest
 goes on: one run on a lent machine must bring back every figure it can.
 """
@@ -52,7 +54,7 @@ from pathlib import Path
 from typing import Any
 
 import encode_server.encoders  # noqa: F401  (first: OMP_WAIT_POLICY before torch loads)
-from bench import models
+from bench import ceiling, models
 from bench.rawhttp import Conn, Request, post_many
 from bench.serving import CONCURRENCY, MAX_PIXELS, RESULTS, S2_TOKENS, BarePipeline, Plan, checked, json_body, s2
 from bench.workload import photos
@@ -429,6 +431,12 @@ def run(sizes: Sizes, device: str, rehearsal: bool, out_path: Path) -> dict[str,
                 name, model, sizes, device, dtype, log_dir, sampler, 1_000_000 * (seed + 1), log))
             if measured is not None:
                 result["towers"][name] = measured
+    rounds = 1 if rehearsal else 2
+    measured_ceiling = stage("ceiling", lambda: ceiling.run(
+        "builtin:zero", sizes.images, rounds, log_dir, gil=ceiling.py_spy() is not None))
+    if measured_ceiling is not None:
+        result["ceiling"] = measured_ceiling
+        log(f"ceiling done\n{ceiling.table(measured_ceiling)}")
     if "qwen2_5_vl_7b" in dirs:
         plan = Plan(s2_requests=sizes.s2_requests)
         two = stage("s2", lambda: s2(dirs["qwen2_5_vl_7b"], plan, log_dir,
@@ -496,6 +504,9 @@ def table(result: dict[str, Any]) -> str:
     for key, goal_text in (("s2_ratio_safetensors", ">= 0.8"), ("s2_ratio_json", "")):
         if key in result:
             lines.append(f"| {key} | {result[key]:.3g} |{' - |' * (len(names) - 1)} {goal_text} |")
+    if "ceiling" in result:
+        heading = "The serving path's ceiling (builtin:zero, concurrency 16):"
+        lines += ["", heading, "", ceiling.table(result["ceiling"])]
     return "\n".join(lines)
 
 

@@ -37,6 +37,7 @@ say "installing $(ls "$GPU_DIR"/wheels/*.whl | wc -l) wheels into $work/site"
     --target "$work/site" "$GPU_DIR"/wheels/*.whl || fail "pip could not install the wheel set"
 # The checkout first (its code is what the wheels were built from), then the wheels.
 export PYTHONPATH="$repo:$work/site${PYTHONPATH:+:$PYTHONPATH}"
+export PATH="$work/site/bin:$PATH"  # the carried wheels' executables (py-spy, for the ceiling's GIL figures)
 "$PY" scripts/gpu_wheels.py import-check --site "$work/site" || fail "a carried wheel does not import"
 
 # 2. redis-server from the .deb files, its own libraries beside it (not on everyone's path).

@@ -5,6 +5,8 @@ script sends one kind of traffic, then prints the functions that hold the most s
     python -m bench.profile_server upload-raw    # the same as raw bodies
     python -m bench.profile_server hit-json      # one cached image, uploaded again as JSON
     python -m bench.profile_server burst         # unique images, 16 concurrent
+    python -m bench.profile_server burst-raw --gil --model builtin:zero   # raw bodies, 16 concurrent:
+                                                 # what holds the GIL (the serving path's ceiling)
 
 py-spy (``make install`` brings it) needs ptrace rights over the server: root, or
 ``kernel.yama.ptrace_scope=0``. ``--idle`` samples idle threads too (off: only on-CPU time).
@@ -27,9 +29,10 @@ from tests.server import start_server
 
 
 def traffic(kind: str, port: int, n: int) -> None:
-    if kind == "burst":
-        images = photos(5_000_000, n)
-        post_many(port, [Request("/v1/encode", json_body(d)) for d in images], 16)
+    if kind.startswith("burst"):
+        images = photos(5_000_000 + (kind == "burst-raw") * 100_000 + n, n)
+        post_many(port, [Request("/v1/encode", d, "image/jpeg") if kind == "burst-raw" else
+                         Request("/v1/encode", json_body(d)) for d in images], 16)
         return
     conn = Conn(port)
     if kind.startswith("hit"):
@@ -65,10 +68,11 @@ def summarize(collapsed: Path, top: int) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("kind", choices=("upload-json", "upload-raw", "hit-json", "burst"))
+    parser.add_argument("kind", choices=("upload-json", "upload-raw", "hit-json", "burst", "burst-raw"))
     parser.add_argument("-n", type=int, default=150)
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--idle", action="store_true")
+    parser.add_argument("--gil", action="store_true", help="only samples of the thread holding the GIL")
     parser.add_argument("--model", default="builtin:tiny")
     args = parser.parse_args()
     logs = Path(tempfile.mkdtemp(prefix="encode-profile-"))
@@ -78,7 +82,7 @@ def main() -> None:
         traffic(args.kind, port_of(server), 5)  # warm-up, not sampled
         spy_bin = str(Path(sys.executable).parent / "py-spy")
         cmd = [spy_bin, "record", "-p", str(server.proc.pid), "-r", "250", "-f", "raw", "-o", str(out),
-               "--threads", "--nonblocking"] + (["--idle"] if args.idle else [])
+               "--threads", "--nonblocking"] + (["--idle"] if args.idle else []) + (["--gil"] if args.gil else [])
         spy = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(1.5)
         started = time.perf_counter()

@@ -66,6 +66,8 @@ PLATFORMS = ["manylinux1_x86_64", "manylinux2010_x86_64", "manylinux2014_x86_64"
 ]
 # The device's packages the GPU path, the check and tests/gpu use beyond the server's requirements.
 REHEARSAL_EXTRA = ("torchvision", "packaging", "pytest", "pytest-timeout")
+# Carried for the check itself, not the server: py-spy samples the server's GIL (bench/ceiling.py).
+CHECK_EXTRA = ("py-spy",)
 SIZE_LIMIT = 64 * 2**20  # the run tool's carry limit, the whole working tree included
 DEBS = ("redis-server", "redis-tools", "libjemalloc2", "liblzf1", "libatomic1")
 
@@ -115,7 +117,7 @@ def derive(device: dict[str, Version | None]) -> list[Carried]:
     carried: dict[str, Carried] = {}
     queue: list[tuple[Requirement, str]] = [
         (Requirement(r), project) for project, path in PROJECTS.items() for r in _requirements_of(path)
-    ]
+    ] + [(Requirement(name), "bench/gpu_check.py") for name in CHECK_EXTRA]
     walked: set[tuple[str, frozenset[str]]] = set()
     while queue:
         req, parent = queue.pop(0)

@@ -191,7 +191,8 @@ class EncodeServer:
         except PortUnavailable as exc:
             raise StartFailed(str(exc)) from None
         try:
-            return http_socket, await start_grpc_server(self.runtime) if s.grpc_port else None
+            extra = self.sglang.add_grpc if self.sglang is not None else None
+            return http_socket, await start_grpc_server(self.runtime, extra) if s.grpc_port else None
         except PortUnavailable as exc:
             http_socket.close()
             raise StartFailed(str(exc)) from None

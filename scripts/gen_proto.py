@@ -1,9 +1,13 @@
-"""Generate the gRPC Python code from ``encoder.proto``: the one way it is made (``make proto``).
+"""Generate the gRPC Python code from ``encoder.proto`` (and SGLang's ``sglang_encoder.proto``): the one
+way it is made (``make proto``).
 
 The same descriptor goes to the server (``encode_server/api/proto/encode_server/v1``) and the
 client (``clients/python/encode_client/_proto``), registered under one file name, so that both
 can live in one process. ``protoc`` writes an absolute import in the ``_grpc`` module
 (``from encode_server.v1 import encoder_pb2``); it is made relative so each copy finds its own.
+SGLang's encoder service (``--sglang``: ``sglang_encoder/sglang_encoder.proto``, from smg-grpc-proto)
+goes to the server only, registered under its folder's name, so it never collides with the
+``sglang_encoder.proto`` that smg-grpc-proto registers in a process that imports both.
 A test regenerates into a temporary folder and compares with the checked-in files.
 """
 
@@ -24,6 +28,9 @@ TARGETS = {
     "client": Path("clients/python/encode_client/_proto"),
 }
 GENERATED = ("encoder_pb2.py", "encoder_pb2.pyi", "encoder_pb2_grpc.py")
+SGLANG_PROTO = "sglang_encoder/sglang_encoder.proto"
+SGLANG_TARGET = Path("encode_server/api/proto/sglang_encoder")
+SGLANG_GENERATED = ("sglang_encoder_pb2.py", "sglang_encoder_pb2.pyi", "sglang_encoder_pb2_grpc.py")
 
 
 def generate(out: Path) -> None:
@@ -32,7 +39,7 @@ def generate(out: Path) -> None:
         subprocess.run(
             [
                 sys.executable, "-m", "grpc_tools.protoc", f"-I{PROTO_ROOT}",
-                f"--python_out={tmp}", f"--pyi_out={tmp}", f"--grpc_python_out={tmp}", PROTO,
+                f"--python_out={tmp}", f"--pyi_out={tmp}", f"--grpc_python_out={tmp}", PROTO, SGLANG_PROTO,
             ],
             check=True,
         )
@@ -47,6 +54,16 @@ def generate(out: Path) -> None:
             dest.mkdir(parents=True, exist_ok=True)
             for name in GENERATED:
                 shutil.copyfile(made / name, dest / name)
+        sglang = Path(tmp) / "sglang_encoder"
+        grpc_module = sglang / "sglang_encoder_pb2_grpc.py"
+        text = grpc_module.read_text()
+        absolute = "from sglang_encoder import sglang_encoder_pb2 as"
+        assert absolute in text, "protoc changed its import style; update gen_proto.py"
+        grpc_module.write_text(text.replace(absolute, "from . import sglang_encoder_pb2 as"))
+        dest = out / SGLANG_TARGET
+        dest.mkdir(parents=True, exist_ok=True)
+        for name in SGLANG_GENERATED:
+            shutil.copyfile(sglang / name, dest / name)
 
 
 def main() -> None:

@@ -336,7 +336,9 @@ class HealthApi(health_pb2_grpc.HealthServicer):
             await asyncio.sleep(self.poll_s)
 
 
-async def start_grpc_server(runtime: Runtime) -> grpc.aio.Server:
+async def start_grpc_server(
+    runtime: Runtime, extra: Callable[[grpc.aio.Server], None] | None = None
+) -> grpc.aio.Server:
     """Bind ``--host``:``--grpc-port`` in the running event loop and start (``encode_server.app``
     calls it beside the HTTP door; neither door starts the other).
 
@@ -344,7 +346,8 @@ async def start_grpc_server(runtime: Runtime) -> grpc.aio.Server:
     ``SO_REUSEPORT`` is turned off, or a second server on the port would start and take half
     its connections (``api/ports.py``). Health says NOT_SERVING until the model is ready.
     Messages up to ``--max-request-bytes``; a call's metadata up to ``--max-header-bytes``
-    (grpc-core's soft and hard limits both: above it, RESOURCE_EXHAUSTED, every time)."""
+    (grpc-core's soft and hard limits both: above it, RESOURCE_EXHAUSTED, every time).
+    ``extra`` adds another service (``--sglang``: SGLang's ``SglangEncoder``, ``api/sglang_grpc.py``)."""
     s = runtime.settings
     check_bindable("gRPC", "--grpc-port", s.host, s.grpc_port)  # a clear reason, not grpc-core's log line
     server = grpc.aio.server(
@@ -360,6 +363,8 @@ async def start_grpc_server(runtime: Runtime) -> grpc.aio.Server:
     )
     add_encoder_servicer(GrpcApi(runtime), server)
     health_pb2_grpc.add_HealthServicer_to_server(HealthApi(runtime), server)
+    if extra is not None:
+        extra(server)
     host = f"[{s.host}]" if ":" in s.host else s.host
     try:
         server.add_insecure_port(f"{host}:{s.grpc_port}")

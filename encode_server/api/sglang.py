@@ -35,6 +35,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -49,7 +50,7 @@ from encode_server.api.runtime import Runtime
 from encode_server.api.sglang_fetch import FetchPolicy, resolve_item
 from encode_server.api.sglang_push import DeliveryFailed, Pusher, Registrations, endpoint_of
 from encode_server.api.status import status_for
-from encode_server.core.budget import OverBudget
+from encode_server.core.budget import Hold, OverBudget
 from encode_server.core.errors import BadInput, EncodeServerError, TooLarge
 from encode_server.core.sglang_wire import (
     SGLANG_MODALITIES,
@@ -61,7 +62,7 @@ from encode_server.core.sglang_wire import (
 )
 from encode_server.core.types import ItemResult, RequestItem
 
-__all__ = ["ROUTES", "Part", "SglangDoor", "assemble_part", "parse_encode", "sglang_body"]
+__all__ = ["ROUTES", "Failure", "Part", "Refused", "SglangDoor", "assemble_part", "parse_encode", "sglang_body"]
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +71,7 @@ REGISTER_RETRIES = 30  # SGLang's encoder: 30 tries, 5 s apart, per bootstrap
 REGISTER_INTERVAL_S = 5.0
 
 
-class _Refused(Exception):
+class Refused(Exception):
     """A request SGLang's own encoder refuses before encoding: 400, no error frame."""
 
 
@@ -96,32 +97,32 @@ class Part:
 
 
 def parse_encode(body: object) -> Part:
-    """SGLang's ``validate_encode_request``, with the delivery fields too: ``_Refused`` names what is wrong."""
+    """SGLang's ``validate_encode_request``, with the delivery fields too: ``Refused`` names what is wrong."""
     if not isinstance(body, dict):
-        raise _Refused(f"request is not a dict: {type(body).__name__}")
+        raise Refused(f"request is not a dict: {type(body).__name__}")
     req_id = body.get("req_id")
     if not isinstance(req_id, str) or not req_id:
-        raise _Refused("missing or invalid req_id")
+        raise Refused("missing or invalid req_id")
     modality = body.get("modality")
     if not isinstance(modality, str):
-        raise _Refused("missing or invalid modality")
+        raise Refused("missing or invalid modality")
     if modality.upper() not in SGLANG_MODALITIES:
-        raise _Refused(f"unsupported modality: {modality}")
+        raise Refused(f"unsupported modality: {modality}")
     items = body.get("mm_items")
     if items is None or (isinstance(items, (list, tuple)) and not items):
-        raise _Refused("missing or empty mm_items")
+        raise Refused("missing or empty mm_items")
     num_parts, part_idx = body.get("num_parts"), body.get("part_idx")
     if not isinstance(num_parts, int) or isinstance(num_parts, bool) or num_parts <= 0:
-        raise _Refused("num_parts must be a positive integer")
+        raise Refused("num_parts must be a positive integer")
     if not isinstance(part_idx, int) or isinstance(part_idx, bool) or not 0 <= part_idx < num_parts:
-        raise _Refused(f"part_idx must be in [0, {num_parts})")
+        raise Refused(f"part_idx must be in [0, {num_parts})")
     port = body.get("embedding_port")
     ports = port if isinstance(port, list) else [port]
     if port is not None:
         if not all(isinstance(p, int) and not isinstance(p, bool) and 0 < p < 65536 for p in ports):
-            raise _Refused("embedding_port must be a port number, a list of them, or null")
+            raise Refused("embedding_port must be a port number, a list of them, or null")
         if not isinstance(body.get("prefill_host"), str) or not body["prefill_host"]:
-            raise _Refused("an embedding_port needs its prefill_host")
+            raise Refused("an embedding_port needs its prefill_host")
     return Part(body)
 
 
@@ -167,6 +168,16 @@ def sglang_body(status: int, message: str, req_id: object, *, type: str | None =
     return Response(orjson.dumps(content), status_code=status, media_type="application/json", headers=headers)
 
 
+@dataclass(frozen=True)
+class Failure:
+    """What a failed part answers: SGLang reads ``message``, and turns ``status`` into the user's abort code."""
+
+    status: int
+    message: str
+    type: str | None = None
+    retry_after: str | None = None
+
+
 def _ok() -> Response:
     return Response(b"null", media_type="application/json")
 
@@ -184,6 +195,12 @@ class SglangDoor:
                                   allow_private=s.sglang_fetch_private, file_dir=s.sglang_file_dir)
         self._tasks: set[asyncio.Task[None]] = set()
         self._registered: list[str] = []
+
+    def add_grpc(self, server: Any) -> None:
+        """SGLang's ``SglangEncoder`` gRPC service on our gRPC server (``start_grpc_server``'s ``extra``)."""
+        from encode_server.api.sglang_grpc import add_sglang_servicer  # it imports this module
+
+        add_sglang_servicer(self, server)
 
     def install(self, app: FastAPI) -> None:
         app.add_api_route("/encode", self.encode, methods=["POST"], include_in_schema=False)
@@ -203,30 +220,49 @@ class SglangDoor:
             try:
                 obj = orjson.loads(body)
             except orjson.JSONDecodeError as exc:
-                raise _Refused(f"body is not valid JSON: {exc}") from None
+                raise Refused(f"body is not valid JSON: {exc}") from None
             req_id = obj.get("req_id") if isinstance(obj, dict) else None
             part = parse_encode(obj)
-        except _Refused as exc:
+        except Refused as exc:
             return sglang_body(400, str(exc), req_id)
         except EncodeServerError as exc:  # before the request could name its receivers: no error frame
             return self._error_body(exc, req_id)
+        failure = await self.run(part, service, tenant, hold, record)
+        if failure is None:
+            return _ok()
+        return sglang_body(failure.status, failure.message, part.req_id, type=failure.type,
+                           headers={"Retry-After": failure.retry_after} if failure.retry_after else None)
+
+    async def run(self, part: Part, service: Any, tenant: str | None, hold: Hold | None,
+                  record: RequestRecord) -> Failure | None:
+        """A checked part, either door: encode, deliver; on a failure, SGLang's error frame pushed
+        and what to answer (None: delivered)."""
         record.items = len(part.items)
         try:
             frames = await self._encode_part(part, service, tenant, hold, record)
         except (EncodeServerError, OverBudget) as exc:
             error = over_budget(self.runtime.metrics, exc) if isinstance(exc, OverBudget) else exc
             await self._push_error(part, status_for(error), error.message)
-            return self._error_body(error, part.req_id)
+            return Failure(status_for(error), error.message, error.type, retry_after(error))
         except Exception as exc:  # as SGLang's encoder does: the prefill hears of it, then the 500
             log.error("SGLang part %s failed", part.req_id, exc_info=exc)
             await self._push_error(part, 500, str(exc))
-            return sglang_body(500, str(exc), part.req_id)
+            return Failure(500, str(exc))
         try:
             await self._deliver(part, frames)
         except DeliveryFailed as exc:
             log.warning("SGLang part %s not delivered: %s", part.req_id, exc)
-            return sglang_body(502, f"[{part.req_id}] embedding delivery failed: {exc}", part.req_id)
-        return _ok()
+            return Failure(502, f"[{part.req_id}] embedding delivery failed: {exc}")
+        return None
+
+    def register(self, req_id: object, url: object, count: object) -> None:
+        """One rank's receive URL for a part (either door); ``ValueError`` names what is wrong."""
+        if not isinstance(req_id, str) or not req_id:
+            raise ValueError("missing or invalid req_id")
+        if not isinstance(url, str) or not isinstance(count, int) or isinstance(count, bool) or count <= 0:
+            raise ValueError("receive_url must be host:port and receive_count a positive integer")
+        endpoint_of(url)
+        self.registrations.register(req_id, url, count)
 
     async def receive_url(self, request: Request) -> Response:
         """SGLang's ``/scheduler_receive_url``: a rank's PULL socket for a part, held until the part is sent."""
@@ -235,15 +271,11 @@ class SglangDoor:
         try:
             self._tenant(request, record)
             body = orjson.loads(await read_body(request, 64 * 1024, body_hold(request.scope)))
-            req_id = body.get("req_id") if isinstance(body, dict) else None
-            url, count = body.get("receive_url"), body.get("receive_count")
-            if not isinstance(req_id, str) or not req_id:
-                raise _Refused("missing or invalid req_id")
-            if not isinstance(url, str) or not isinstance(count, int) or isinstance(count, bool) or count <= 0:
-                raise _Refused("receive_url must be host:port and receive_count a positive integer")
-            endpoint_of(url)
-            self.registrations.register(req_id, url, count)
-        except (_Refused, ValueError) as exc:
+            if not isinstance(body, dict):
+                raise ValueError(f"request is not a dict: {type(body).__name__}")
+            req_id = body.get("req_id")
+            self.register(req_id, body.get("receive_url"), body.get("receive_count"))
+        except ValueError as exc:
             return sglang_body(400, str(exc), req_id)
         except EncodeServerError as exc:
             return self._error_body(exc, req_id)
@@ -256,7 +288,7 @@ class SglangDoor:
         record.tenant = tenant
         return self.runtime.cache_tenant(tenant)
 
-    async def _encode_part(self, part: Part, service: Any, tenant: str | None, hold: Any,
+    async def _encode_part(self, part: Part, service: Any, tenant: str | None, hold: Hold | None,
                            record: RequestRecord) -> list[bytes | memoryview]:
         contract = self.contract
         modality = SGLANG_MODALITIES[part.modality]

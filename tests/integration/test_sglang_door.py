@@ -335,3 +335,67 @@ def test_a_rank_that_changes_receive_count_is_refused(server: ServerProcess) -> 
 
 def test_health_answers_200_for_sglangs_bootstrap(server: ServerProcess) -> None:
     assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200
+
+
+# -- the same door over gRPC (SGLang's --grpc-mode: sglang.grpc.encoder.SglangEncoder) -----------------
+
+
+@pytest.fixture(scope="module")
+def sglang_stub(server: ServerProcess) -> Iterator[Any]:
+    import grpc
+
+    from encode_server.api.proto.sglang_encoder import sglang_encoder_pb2_grpc
+
+    channel = grpc.insecure_channel(server.grpc_target)
+    yield sglang_encoder_pb2_grpc.SglangEncoderStub(channel)
+    channel.close()
+
+
+def test_grpc_encode_pushes_to_the_listed_port_or_to_the_registered_ranks(
+    server: ServerProcess, prefill: Prefill, sglang_stub: Any,
+) -> None:
+    from encode_server.api.proto.sglang_encoder import sglang_encoder_pb2 as pb
+
+    image = image_bytes(seed=9)
+    (tok, tok_port), (rank, rank_port) = prefill.socket(), prefill.socket()
+    try:
+        sglang_stub.Encode(pb.EncodeRequest(mm_items=[data_uri(image)], req_id="g1_local_part_0", num_parts=1,
+                                            part_idx=0, prefill_host="127.0.0.1", embedding_port=[tok_port]),
+                           timeout=60)
+        by_port, rows = load(tok.recv_multipart())
+        sglang_stub.SchedulerReceiveUrl(pb.SchedulerReceiveUrlRequest(
+            req_id="g2_local_part_0", receive_url=f"127.0.0.1:{rank_port}", receive_count=1), timeout=30)
+        sglang_stub.Encode(pb.EncodeRequest(mm_items=[data_uri(image)], req_id="g2_local_part_0", num_parts=1,
+                                            part_idx=0, prefill_host="127.0.0.1"), timeout=60)
+        by_rank, again = load(rank.recv_multipart())
+    finally:
+        tok.close(linger=0)
+        rank.close(linger=0)
+    expected, _ = v1_rows(server, [image])
+    assert (by_port.req_id, by_rank.req_id) == ("g1_local_part_0", "g2_local_part_0")
+    assert rows is not None and again is not None and torch.equal(rows, again)
+    assert np.array_equal(rows.float().numpy(), expected.astype(np.float32))
+    assert metric(server, 'encode_server_requests_total{code="200",route="grpc:SglangEncoder/Encode"}') >= 2
+
+
+def test_grpc_a_bad_image_is_invalid_argument_with_an_error_frame(
+    server: ServerProcess, prefill: Prefill, sglang_stub: Any,
+) -> None:
+    import grpc
+
+    from encode_server.api.proto.sglang_encoder import sglang_encoder_pb2 as pb
+
+    sock, port = prefill.socket()
+    try:
+        with pytest.raises(grpc.RpcError) as failed:
+            sglang_stub.Encode(pb.EncodeRequest(mm_items=[data_uri(b"junk")], req_id="g3_local_part_0", num_parts=1,
+                                                part_idx=0, prefill_host="127.0.0.1", embedding_port=[port]),
+                               timeout=60)
+        error, _ = load(sock.recv_multipart())
+    finally:
+        sock.close(linger=0)
+    assert failed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert error.error_code == 400 and error.error_msg == failed.value.details()
+    with pytest.raises(grpc.RpcError) as send:
+        sglang_stub.Send(pb.SendRequest(req_id="g3_local_part_0"), timeout=10)
+    assert send.value.code() == grpc.StatusCode.UNIMPLEMENTED

@@ -18,11 +18,15 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 from encode_server.core.budget import ByteBudget
 from encode_server.core.errors import Unavailable
 from encode_server.imaging import decoded_nbytes
 from encode_server.metrics import Metrics
+
+if TYPE_CHECKING:
+    from PIL import Image
 
 __all__ = ["Charge", "MemoryCharge", "QueueBound"]
 
@@ -106,9 +110,10 @@ class MemoryCharge:
         self._max_pixels = max_pixels
 
     @contextmanager
-    def pixels(self, data: bytes, index: int) -> Iterator[Charge]:
-        """An image's decoded pixels (size from its header) for the block, and what a batched
-        encoder's image holds until its batch (``PreparedItem.pending``) for as long as that lives."""
+    def pixels(self, data: bytes | Image.Image, index: int) -> Iterator[Charge]:
+        """An image's decoded pixels (size from its header: bytes, or ``open_image``'s) for the block,
+        and what a batched encoder's image holds until its batch (``PreparedItem.pending``) for as
+        long as that lives."""
         if self.budget is None:
             yield Charge(None, 0)
             return

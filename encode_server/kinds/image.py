@@ -7,10 +7,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
+from PIL import Image
+
 from encode_server.core.errors import BadInput, InvalidRequest, TooLarge
 from encode_server.core.types import IMAGE
 from encode_server.encoders.base import Encoder, PreparedItem
-from encode_server.imaging import decode_image, oriented_size
+from encode_server.imaging import decode_image, open_image, oriented_size
 
 from .base import ItemKind, TokenCount
 
@@ -19,17 +21,18 @@ __all__ = ["ImageKind", "image_inputs"]
 
 def image_inputs(
     encoder: Encoder, data: bytes, *, max_pixels: int, index: int | None = None,
-    settings: Mapping[str, Any] | None = None,
+    settings: Mapping[str, Any] | None = None, opened: Image.Image | None = None,
 ) -> PreparedItem:
     """Image bytes to ``encoder``'s inputs: deferred to its batch where the encoder preprocesses
     on its device, otherwise decoded here and preprocessed (under ``settings``, the effective
-    per-request settings, None for the defaults). Raises ``BadInput``/``TooLarge`` for bad bytes,
-    ``ValueError`` for an image the processor refuses. No memory is charged: the caller's."""
+    per-request settings, None for the defaults). ``opened``: ``open_image(data)`` where the caller
+    already read the header. Raises ``BadInput``/``TooLarge`` for bad bytes, ``ValueError`` for an
+    image the processor refuses. No memory is charged: the caller's."""
     # An item with its own settings takes the host path: a batched pipeline preprocesses a whole
     # batch under one processor config (the server's), which is not this item's.
     if settings is None and (deferred := encoder.defer(data, max_pixels=max_pixels, index=index)) is not None:
         return deferred
-    image = decode_image(data, max_pixels=max_pixels, index=index)
+    image = decode_image(data if opened is None else opened, max_pixels=max_pixels, index=index)
     return encoder.preprocess(image) if settings is None else encoder.preprocess_with(image, settings)
 
 
@@ -41,10 +44,12 @@ class ImageKind(ItemKind):
     plural = "images"
 
     def prepare(self, data: bytes, index: int, settings: Mapping[str, Any] | None) -> PreparedItem:
-        with self.memory.pixels(data, index) as charge:
+        max_pixels = self.settings.max_image_pixels
+        opened = open_image(data, max_pixels=max_pixels, index=index)  # once, for the charge and the decode
+        with self.memory.pixels(opened, index) as charge:
             try:
-                prepared = image_inputs(self.encoder, data, max_pixels=self.settings.max_image_pixels, index=index,
-                                        settings=settings)
+                prepared = image_inputs(self.encoder, data, max_pixels=max_pixels, index=index, settings=settings,
+                                        opened=opened)
             except ValueError as exc:  # e.g. an aspect ratio the processor refuses
                 raise BadInput(f"image cannot be preprocessed: {exc}", type="unsupported_image", index=index) from exc
             if prepared.pending is not None and prepared.held_bytes:

@@ -66,6 +66,17 @@ class Metrics:
             "preprocess_seconds", "Decode and preprocess time per image.", LATENCY_BUCKETS
         )
         self.forward = histogram("forward_seconds", "Forward pass time per batch.", LATENCY_BUCKETS)
+        stage = histogram(
+            "stage_seconds",
+            "The serving path's own stages, per encode request or item: read (the body, from its first "
+            "byte), to_preprocess (waiting for a preprocess thread), from_preprocess (waiting for the event "
+            "loop once decoded), respond (the answer made and sent, from the moment every item was resolved).",
+            LATENCY_BUCKETS, ("stage",),
+        )
+        # Children looked up once: ``labels()`` takes a lock and builds a key on every call.
+        self.stage_read, self.stage_to_preprocess, self.stage_from_preprocess, self.stage_respond = (
+            stage.labels(stage=name) for name in ("read", "to_preprocess", "from_preprocess", "respond")
+        )
         self.request_seconds = histogram(
             "request_seconds", "Request latency by route.", LATENCY_BUCKETS, ("route",)
         )

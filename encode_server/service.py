@@ -428,7 +428,11 @@ class EncodeService:
             # the batch of the items decoding beside it, and never waits for items not coming.
             kind = self.kinds[ident.modality]
             with self.batcher.arriving():
-                prepared = await loop.run_in_executor(self._preprocess_pool, self._prepare, kind, ident)
+                queued = time.perf_counter()
+                prepared, started, ended = await loop.run_in_executor(self._preprocess_pool, self._prepare, kind,
+                                                                      ident)
+                self.metrics.stage_to_preprocess.observe(started - queued)
+                self.metrics.stage_from_preprocess.observe(time.perf_counter() - ended)
             # A long video goes in parts, each its own forward pass, so other requests' items are
             # batched between them instead of waiting behind one long pass.
             parts = kind.split(prepared, self.settings.max_batch_tokens)
@@ -450,12 +454,14 @@ class EncodeService:
             self._inflight.pop(key, None)
             self.queue.release()
 
-    def _prepare(self, kind: ItemKind, ident: _Identified) -> PreparedItem:
+    def _prepare(self, kind: ItemKind, ident: _Identified) -> tuple[PreparedItem, float, float]:
+        """The item's inputs, and when this thread started and ended them (the hand-offs' timers)."""
         assert ident.data is not None
         started = time.perf_counter()
         prepared = kind.prepare(ident.data, ident.index, ident.settings)
-        self.metrics.preprocess.observe(time.perf_counter() - started)
-        return prepared
+        ended = time.perf_counter()
+        self.metrics.preprocess.observe(ended - started)
+        return prepared, started, ended
 
     def _result(self, ident: _Identified, hit: Resolved | None) -> ItemResult:
         if hit is None:

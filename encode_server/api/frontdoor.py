@@ -158,6 +158,9 @@ class RequestRecord:
     hits: int = 0
     tenant: str | None = None
     started: float = field(default_factory=time.perf_counter)
+    # An encode's stage timers (``stage_seconds``), set by its route: body read, every item resolved.
+    read_at: float | None = None
+    resolved_at: float | None = None
 
     def fields(self, elapsed: float) -> dict[str, Any]:
         return {
@@ -177,8 +180,13 @@ def record_request(runtime: Runtime, record: RequestRecord) -> Iterator[RequestR
         with runtime.serving():
             yield record
     finally:
-        elapsed = time.perf_counter() - record.started
+        ended = time.perf_counter()
+        elapsed = ended - record.started
         metrics.inflight_requests.dec()
+        if record.read_at is not None:
+            metrics.stage_read.observe(record.read_at - record.started)
+        if record.resolved_at is not None:
+            metrics.stage_respond.observe(ended - record.resolved_at)
         metrics.request_done(record.route, record.code, elapsed, record.sent)
         quiet = record.route in _ALWAYS_QUIET or (record.route in _QUIET_WHEN_OK and record.code < 400)
         access_log.log(

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -243,8 +244,10 @@ class GrpcApi(pb_grpc.EncoderServicer):
         self._check_size(request)
         items = _items(request.items, max_items=s.max_items, settings=_settings(request))
         record.items = len(items)
+        record.read_at = time.perf_counter()  # grpc-core received the message; this is its parse
         return_kind = Return.METADATA if request.return_kind == pb.RETURN_METADATA else Return.EMBEDDINGS
         results = await service.encode(items, return_kind=return_kind, tenant=tenant)
+        record.resolved_at = time.perf_counter()
         record.hits = sum(r.status == "hit" for r in results)
         served = service.describe()
         return pb.EncodeResponse(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -127,8 +128,10 @@ class HttpApi:
         body = await parse_encode_body(request, max_items=s.max_items, max_bytes=s.max_request_bytes,
                                        hold=body_hold(request.scope))
         record = _record(request)
+        record.read_at = time.perf_counter()
         record.items = len(body.items)
         results = await service.encode(body.items, return_kind=body.return_kind, tenant=tenant)
+        record.resolved_at = time.perf_counter()
         record.hits = sum(r.status == "hit" for r in results)
         safetensors = SAFETENSORS in request.headers.get("accept", "") and body.return_kind is Return.EMBEDDINGS
         render = (

@@ -67,6 +67,18 @@ def test_every_design_metric_is_exposed_with_its_type_and_updated(served: Server
         assert sample(text, "items_total", f'{{source="{source}",status="{status}"}}') == count
 
 
+def test_the_serving_paths_stages_are_timed_per_request_and_per_image(served: ServerProcess) -> None:
+    """Four encode requests (three uploads, one of hashes): each read and answered once; each of the
+    three images handed to a preprocess thread and back once; no stage longer than its requests."""
+    text = scrape(served)
+    count = lambda stage: sample(text, "stage_seconds_count", f'{{stage="{stage}"}}')  # noqa: E731
+    total = lambda stage: sample(text, "stage_seconds_sum", f'{{stage="{stage}"}}')  # noqa: E731
+    assert count("read") == count("respond") == 4
+    assert count("to_preprocess") == count("from_preprocess") == 3
+    requests = sample(text, "request_seconds_sum", '{route="/v1/encode"}')
+    assert all(0 < total(stage) < requests for stage in ("read", "to_preprocess", "from_preprocess", "respond"))
+
+
 def test_the_startup_heap_is_frozen_and_the_collectors_pauses_are_timed(served: ServerProcess) -> None:
     """The model and its libraries (torch, transformers: far more than 100,000 tracked objects) are
     out of the collector's walks once warm; the collections that loading, the warm-up and the

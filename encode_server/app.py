@@ -367,7 +367,8 @@ def sglang_door(runtime: Runtime) -> SglangDoor | None:
     try:
         from encode_server.api.sglang import SglangDoor
     except ImportError as exc:
-        raise SystemExit(f"--sglang needs pyzmq: pip install 'encode-server[sglang]' ({exc})") from None
+        raise SystemExit(f"--sglang needs pyzmq (the sglang extra: pip install '.[sglang]' in the clone): "
+                         f"{exc}") from None
     return SglangDoor(runtime)
 
 

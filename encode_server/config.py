@@ -198,7 +198,7 @@ class Settings:
         False, "also serve SGLang's encoder protocol, so a --language-only SGLang prefill can name this server in "
         "--encoder-urls: POST /encode and POST /scheduler_receive_url, embeddings pushed to the prefill over ZMQ "
         "(zmq_to_scheduler, zmq_to_tokenizer), the gRPC SglangEncoder service on --grpc-port; needs pyzmq "
-        "(pip install encode-server[sglang]) and a family SGLang takes from an encoder"
+        "(the sglang extra) and a family SGLang takes from an encoder (docs/sglang.md)"
     )
     sglang_fetch_private: bool = _opt(
         False, "--sglang: fetch mm_items URLs that resolve to private, loopback, link-local or reserved addresses "

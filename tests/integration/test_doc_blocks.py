@@ -110,6 +110,12 @@ SKIP: dict[tuple[str, str], str] = {
     ("docs/vllm.md", "{ printf '{\"model\": \"tiny\", \"max_tokens\": 16, \"messages\": [{\"role\": \"user\", "
      "\"content\": ['"):
         "a chat through the CPU-host stack's proxy: tests/vllm/test_doc_blocks_cpu.py sends it",
+    ("docs/sglang.md", "pip install '.[sglang]'                 # in the clone: pyzmq (make install's .venv has it "
+     "already)"):
+        "a server for a hub model and a host named redis, run until stopped; tests/integration/test_sglang_door.py "
+        "runs --sglang on the built-in model",
+    ("docs/sglang.md", "python -m sglang.launch_server --model-path Qwen/Qwen2.5-VL-7B-Instruct --port 30000 \\"):
+        "a whole SGLang prefill needs CUDA; tests/sglang runs SGLang's own receiving code against real servers",
     ("docs/epd-proxy.md",
      "encode-epd-proxy --listen 0.0.0.0:8080 --vllm http://prefill-a:8000 --vllm http://prefill-b:8000 \\"):
         "proxies in front of vLLMs and encode-servers on named hosts, run until stopped; tests/vllm runs the "

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import httpx
 import numpy as np
@@ -399,3 +399,42 @@ def test_grpc_a_bad_image_is_invalid_argument_with_an_error_frame(
     with pytest.raises(grpc.RpcError) as send:
         sglang_stub.Send(pb.SendRequest(req_id="g3_local_part_0"), timeout=10)
     assert send.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+class _Bootstrap(BaseHTTPRequestHandler):
+    """SGLang's EncoderBootstrapServer, as an encoder sees it: register, unregister."""
+
+    calls: ClassVar[list[tuple[str, str, dict[str, Any]]]] = []
+
+    def _record(self) -> None:
+        import json
+
+        body = json.loads(self.rfile.read(int(self.headers.get("content-length", 0))) or b"{}")
+        type(self).calls.append((self.command, self.path, body))
+        self.send_response(200)
+        self.send_header("Content-Length", "4")
+        self.end_headers()
+        self.wfile.write(b"null")
+
+    do_POST = do_DELETE = _record
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_the_server_registers_with_sglangs_bootstrap_once_ready_and_unregisters_on_shutdown(server_logs: Path
+                                                                                            ) -> None:
+    bootstrap = ThreadingHTTPServer(("127.0.0.1", 0), _Bootstrap)
+    threading.Thread(target=bootstrap.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{bootstrap.server_address[1]}"
+    try:
+        proc = start_server("--sglang", "--sglang-register-urls", url, log_dir=server_logs)
+        deadline = time.monotonic() + 20
+        while not _Bootstrap.calls and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _Bootstrap.calls == [("POST", "/register_encoder_url", {"url": proc.url})]
+        assert proc.stop() == 0, proc.log()
+        assert _Bootstrap.calls[1:] == [("DELETE", "/unregister_encoder_url", {"url": proc.url})]
+    finally:
+        bootstrap.shutdown()
+        bootstrap.server_close()

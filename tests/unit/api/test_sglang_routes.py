@@ -1,0 +1,39 @@
+"""SGLang's routes exist only with ``--sglang``, are counted under their own route label, and stay out
+of the OpenAPI document (they are SGLang's protocol, not encode-server's API)."""
+
+from __future__ import annotations
+
+import pytest
+
+from encode_server.api.http import create_app
+from encode_server.api.runtime import Runtime
+from encode_server.api.sglang import ROUTES, SglangDoor
+from encode_server.config import Settings, settings_from
+from encode_server.metrics import Metrics
+
+
+def paths(app: object) -> set[str]:
+    return {getattr(route, "path", "") for route in app.routes}  # type: ignore[attr-defined]
+
+
+def test_without_sglang_there_are_no_sglang_routes() -> None:
+    app = create_app(Runtime(Settings(), Metrics()))
+    assert not set(ROUTES) & paths(app)
+
+
+def test_with_sglang_its_routes_are_served_but_not_documented() -> None:
+    runtime = Runtime(settings_from(["--sglang"]), Metrics())
+    door = SglangDoor(runtime)
+    try:
+        app = create_app(runtime, door)
+        assert set(ROUTES) <= paths(app)
+        assert not set(ROUTES) & set(app.openapi()["paths"])
+    finally:
+        door.pusher.close()
+
+
+@pytest.mark.parametrize("flag", [["--sglang-fetch-private"], ["--sglang-file-dir", "/srv"],
+                                  ["--sglang-register-urls", "http://p:8997"], ["--sglang-url", "http://e:8000"]])
+def test_a_sglang_flag_without_sglang_is_refused(flag: list[str]) -> None:
+    with pytest.raises(SystemExit, match="needs --sglang"):
+        settings_from(flag)

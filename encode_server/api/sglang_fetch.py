@@ -29,7 +29,7 @@ import ipaddress
 import socket
 import ssl
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -132,31 +132,24 @@ def _public(address: str) -> bool:
                 or ip.is_unspecified)
 
 
-class _Guarded:
-    """A connection that refuses a peer outside the policy once connected (the address it really reached)."""
-
-    allow_private: bool
-    sock: socket.socket | None
-
-    def connect(self) -> None:
-        super().connect()  # type: ignore[misc]
-        assert self.sock is not None
-        peer = self.sock.getpeername()[0]
-        if not self.allow_private and not _public(peer):
-            self.sock.close()
-            raise _Refused(f"it resolves to {peer}, a private address (--sglang-fetch-private allows it)")
-
-
 class _Refused(Exception):
     pass
 
 
-class _HTTP(_Guarded, http.client.HTTPConnection):
-    pass
+def _guarded(allow_private: bool) -> Callable[..., socket.socket]:
+    """``http.client``'s connect, refusing a peer outside the policy before a byte is sent (TLS included):
+    the address the connection really reached, whatever the name resolved to a moment before."""
 
+    def create_connection(address: tuple[str, int], timeout: float | None = None,
+                          source_address: tuple[str, int] | None = None) -> socket.socket:
+        sock = socket.create_connection(address, timeout, source_address)
+        peer = sock.getpeername()[0]
+        if not allow_private and not _public(peer):
+            sock.close()
+            raise _Refused(f"it resolves to {peer}, a private address (--sglang-fetch-private allows it)")
+        return sock
 
-class _HTTPS(_Guarded, http.client.HTTPSConnection):
-    pass
+    return create_connection
 
 
 def _fetch(url: str, index: int, policy: FetchPolicy, hold: Hold | None) -> bytes:
@@ -179,10 +172,11 @@ def _fetch(url: str, index: int, policy: FetchPolicy, hold: Hold | None) -> byte
             raise BadInput(f"cannot fetch {url}: no time left (--request-timeout)", type="fetch_failed", index=index)
         conn: http.client.HTTPConnection
         if parts.scheme == "https":
-            conn = _HTTPS(parts.hostname, port, timeout=remaining, context=ssl.create_default_context())
+            conn = http.client.HTTPSConnection(parts.hostname, port, timeout=remaining,
+                                               context=ssl.create_default_context())
         else:
-            conn = _HTTP(parts.hostname, port, timeout=remaining)
-        conn.allow_private = policy.allow_private  # type: ignore[attr-defined]
+            conn = http.client.HTTPConnection(parts.hostname, port, timeout=remaining)
+        conn._create_connection = _guarded(policy.allow_private)  # type: ignore[attr-defined]
         path = parts.path or "/"
         if parts.query:
             path += "?" + parts.query

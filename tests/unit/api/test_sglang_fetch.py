@@ -171,3 +171,13 @@ def test_a_receive_url_is_a_tcp_endpoint(url: str, endpoint: str) -> None:
 def test_a_malformed_receive_url_is_refused(url: str) -> None:
     with pytest.raises(ValueError):
         endpoint_of(url)
+
+
+def test_the_peer_really_reached_is_checked_too(site: str) -> None:
+    # What a DNS answer that changed after the name's check would reach: refused at connect.
+    from encode_server.api.sglang_fetch import _guarded, _Refused
+
+    port = int(site.rsplit(":", 1)[1])
+    with pytest.raises(_Refused, match=r"127\.0\.0\.1"):
+        _guarded(False)(("127.0.0.1", port), 5)
+    _guarded(True)(("127.0.0.1", port), 5).close()

@@ -28,7 +28,8 @@ import torch
 import zmq
 
 from tests.images import image_bytes
-from tests.server import ServerProcess, start_server
+from tests.server import ServerProcess, run_server_to_exit, start_server
+from tests.tiny_models import make_clip
 from tests.videos import make_video
 
 pytestmark = pytest.mark.integration
@@ -438,3 +439,9 @@ def test_the_server_registers_with_sglangs_bootstrap_once_ready_and_unregisters_
     finally:
         bootstrap.shutdown()
         bootstrap.server_close()
+
+
+def test_a_family_sglang_does_not_take_stops_a_sglang_start(tmp_path: Path) -> None:
+    code, log = run_server_to_exit("--sglang", "--model", str(make_clip(tmp_path / "clip")))
+    assert code == 1, log
+    assert "not a family SGLang's language-only prefill takes" in log and "qwen2_vl" in log

@@ -61,6 +61,7 @@ from encode_server.core.sglang_wire import (
     error_message,
 )
 from encode_server.core.types import ItemResult, RequestItem
+from encode_server.service import EncodeService
 
 __all__ = ["ROUTES", "Failure", "Part", "Refused", "SglangDoor", "assemble_part", "parse_encode", "sglang_body"]
 
@@ -123,7 +124,12 @@ def parse_encode(body: object) -> Part:
             raise Refused("embedding_port must be a port number, a list of them, or null")
         if not isinstance(body.get("prefill_host"), str) or not body["prefill_host"]:
             raise Refused("an embedding_port needs its prefill_host")
-    return Part(body)
+    part = Part(body)
+    try:
+        part.endpoints()
+    except ValueError as exc:
+        raise Refused(f"prefill_host: {exc}") from None
+    return part
 
 
 def assemble_part(part: Part, results: Sequence[ItemResult], contract: SglangContract) -> list[bytes | memoryview]:
@@ -233,7 +239,7 @@ class SglangDoor:
         return sglang_body(failure.status, failure.message, part.req_id, type=failure.type,
                            headers={"Retry-After": failure.retry_after} if failure.retry_after else None)
 
-    async def run(self, part: Part, service: Any, tenant: str | None, hold: Hold | None,
+    async def run(self, part: Part, service: EncodeService, tenant: str | None, hold: Hold | None,
                   record: RequestRecord) -> Failure | None:
         """A checked part, either door: encode, deliver; on a failure, SGLang's error frame pushed
         and what to answer (None: delivered)."""
@@ -288,7 +294,7 @@ class SglangDoor:
         record.tenant = tenant
         return self.runtime.cache_tenant(tenant)
 
-    async def _encode_part(self, part: Part, service: Any, tenant: str | None, hold: Hold | None,
+    async def _encode_part(self, part: Part, service: EncodeService, tenant: str | None, hold: Hold | None,
                            record: RequestRecord) -> list[bytes | memoryview]:
         contract = self.contract
         modality = SGLANG_MODALITIES[part.modality]

@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import torch
 
-__all__ = ["encode_rows", "items_total", "prompt_for"]
+__all__ = ["encode_rows", "items_total", "placeholder_id", "prompt_for"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -39,15 +39,32 @@ def items_total(url: str, status: str, source: str) -> float:
     return total
 
 
-def prompt_for(tokenizer: Any, hf_config: Any, images: int = 0, videos: int = 0) -> str:
-    """A chat prompt with one placeholder per item, in the family's own tokens (from its config:
-    ``vision_start_token_id``, ``image_token_id``, ``video_token_id``, ``vision_end_token_id``),
-    the prompt SGLang's processor expands to the items' rows."""
+def prompt_for(tokenizer: Any, hf_config: Any, images: int = 0, videos: int = 0, audios: int = 0) -> str:
+    """A chat prompt with one placeholder per item, in the family's own tokens as its config names them
+    (Qwen's ``vision_start_token_id`` + ``image_token_id`` / ``video_token_id`` + ``vision_end_token_id``,
+    the Omni thinkers' ``audio_*_token_id``, Kimi's ``media_placeholder_token_id``): the prompt SGLang's
+    processor expands to the items' rows."""
     config = getattr(hf_config, "thinker_config", hf_config)
 
     def token(name: str) -> str:
         return str(tokenizer.convert_ids_to_tokens(int(getattr(config, name))))
 
-    start, end = token("vision_start_token_id"), token("vision_end_token_id")
-    parts = [start + token("image_token_id") + end] * images + [start + token("video_token_id") + end] * videos
+    if hasattr(config, "media_placeholder_token_id"):
+        if videos or audios:
+            raise ValueError("this family takes images only")
+        parts = [token("media_placeholder_token_id") + " "] * images
+    else:
+        start, end = token("vision_start_token_id"), token("vision_end_token_id")
+        parts = [start + token("image_token_id") + end] * images + [start + token("video_token_id") + end] * videos
+        if audios:
+            audio = token("audio_start_token_id") + token("audio_token_id") + token("audio_end_token_id")
+            parts += [audio] * audios
     return "<|im_start|>user\n" + "".join(parts) + "describe<|im_end|>\n<|im_start|>assistant\n"
+
+
+def placeholder_id(hf_config: Any, modality: str) -> int:
+    """The token id SGLang repeats once per row of an item of ``modality``."""
+    config = getattr(hf_config, "thinker_config", hf_config)
+    if hasattr(config, "media_placeholder_token_id"):
+        return int(config.media_placeholder_token_id)
+    return int(getattr(config, f"{modality}_token_id"))

@@ -180,17 +180,18 @@ class Prefill:
         return self.tokenizer_side.encode_urls
 
     def request(self, prompt: str, *, images: Sequence[Any] = (), videos: Sequence[Any] = (),
-                rid: str | None = None) -> GenerateReqInput:
+                audios: Sequence[Any] = (), rid: str | None = None) -> GenerateReqInput:
         """A generate request as SGLang's HTTP server hands it to the tokenizer manager."""
         obj = GenerateReqInput(text=prompt, image_data=list(images) or None, video_data=list(videos) or None,
-                               rid=rid or uuid.uuid4().hex)
+                               audio_data=list(audios) or None, rid=rid or uuid.uuid4().hex)
         obj.need_wait_for_mm_inputs = True
         return obj
 
-    def receive(self, prompt: str, *, images: Sequence[Any] = (), videos: Sequence[Any] = ()) -> Received:
+    def receive(self, prompt: str, *, images: Sequence[Any] = (), videos: Sequence[Any] = (),
+                audios: Sequence[Any] = ()) -> Received:
         """The request's embeddings through this prefill's backend, or ``Failure``."""
         started = time.monotonic()
-        obj = self.request(prompt, images=images, videos=videos)
+        obj = self.request(prompt, images=images, videos=videos, audios=audios)
         if self.backend == "zmq_to_tokenizer":
             outputs = [self._receive_at_tokenizer(obj, prompt)]
         else:

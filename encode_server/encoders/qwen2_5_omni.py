@@ -49,7 +49,6 @@ from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
 )
 
 from encode_server.core.errors import EncodeServerError
-from encode_server.core.sglang_wire import Extra, SglangContract
 from encode_server.core.types import AudioInfo, VideoInfo
 
 from .audio_chunks import ChunkPlan
@@ -249,9 +248,7 @@ FAMILY = Family(
         tensors={"video": {"second_per_grid_ts": "float32"}},
         audio_in_video=True,
     ),
-    sglang=SglangContract(
-        {"image": "image_grid_thw", "video": "video_grid_thw", "audio": "audio_feature_lengths"},
-        {"video": (Extra("second_per_grid_ts", "second_per_grid_ts", "float32"),)},
-        ("Qwen2_5OmniForConditionalGeneration",),
-    ),
 )
+# No ``sglang``: SGLang 0.5.23 names Qwen2_5OmniForConditionalGeneration on its encoder-disaggregation
+# list, but has no model or processor for Qwen2.5-Omni (its checkpoints say Qwen2_5OmniModel): its
+# language-only prefill cannot start for it, whatever the encoder (tests/sglang/test_families.py).

@@ -12,8 +12,9 @@ from encode_server.encoders import FAMILIES, load_encoder
 from tests.images import rgb_image
 
 # SGLang 0.5.23's encoder-disaggregation allow-list (arg_groups/pd_disaggregation_hook.py), the part of
-# it encode-server has families for; Qwen2-Audio is on it, but its meta has no mel-frame count.
-SGLANG_TAKES = {"qwen2_vl", "qwen3_vl", "qwen2_5_omni", "qwen3_omni", "kimi_k25"}
+# it encode-server has families for and SGLang has a model for: Qwen2-Audio is on it, but its meta has
+# no mel-frame count; Qwen2.5-Omni is on it by name, but SGLang has no model or processor for it.
+SGLANG_TAKES = {"qwen2_vl", "qwen3_vl", "qwen3_omni", "kimi_k25"}
 
 
 def test_the_families_sglang_takes_declare_how() -> None:

@@ -73,7 +73,8 @@ def qwen_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def replicas(qwen_dir: Path, logs: Path) -> Iterator[list[Any]]:
-    """Two encode-servers on the tiny Qwen2.5-VL, sharing this session's Redis prefix."""
+    """Two encode-servers on the tiny Qwen2.5-VL, sharing this session's Redis prefix, each with its
+    gRPC port (SGLang's ``SglangEncoder`` beside our own service)."""
     import redis
 
     from tests.redis_procs import delete_prefix
@@ -83,7 +84,7 @@ def replicas(qwen_dir: Path, logs: Path) -> Iterator[list[Any]]:
     try:
         for _ in range(2):
             servers.append(start_server(
-                "--model", str(qwen_dir), "--redis-url", REDIS_URL, "--cache-prefix", PREFIX, "--grpc-port", "0",
+                "--model", str(qwen_dir), "--redis-url", REDIS_URL, "--cache-prefix", PREFIX,
                 "--dtype", "float32", *SGLANG_FLAGS, log_dir=logs, python=os.environ["ENCODE_SERVER_PYTHON"],
             ))
         yield servers

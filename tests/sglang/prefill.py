@@ -43,6 +43,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch
 import torch.distributed as dist
 from sglang.srt.disaggregation.encoder.receiver import (
+    MMReceiverGrpc,
     MMReceiverHTTP,
     WaitingMMRequestStatus,
 )
@@ -61,6 +62,9 @@ from transformers import AutoConfig
 __all__ = ["Failure", "Prefill", "Received", "modality_rows"]
 
 BACKENDS = ("zmq_to_tokenizer", "zmq_to_scheduler")
+# SGLang's receivers by transport (its create_mm_receiver's table, SGLANG_ENCODER_MM_RECEIVER_MODE):
+# HTTP encoders, or gRPC ones (``grpc://host:port``, its --grpc-mode).
+RECEIVERS: dict[str, type[MMReceiverHTTP] | type[MMReceiverGrpc]] = {"http": MMReceiverHTTP, "grpc": MMReceiverGrpc}
 
 
 class Failure(Exception):
@@ -141,15 +145,17 @@ class _Scheduler:
 
 class Prefill:
     """One SGLang prefill (``--language-only --encoder-urls ...``) on ``model_dir``, ``backend``
-    ``zmq_to_tokenizer`` or ``zmq_to_scheduler`` with ``tp_size`` ranks.
+    ``zmq_to_tokenizer`` or ``zmq_to_scheduler`` with ``tp_size`` ranks, its encoders called over
+    ``transport`` (``http``, or ``grpc``: ``encoder_urls`` are then ``grpc://host:port``).
 
     Its configuration is process-wide in SGLang (``publish``): build one prefill at a time, and use
     it before building the next."""
 
     def __init__(self, model_dir: str, encoder_urls: Sequence[str], *, backend: str = "zmq_to_tokenizer",
-                 tp_size: int = 1, timeout: float = 60.0) -> None:
+                 tp_size: int = 1, timeout: float = 60.0, transport: str = "http") -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend {backend!r} is not one of {BACKENDS}")
+        receiver = RECEIVERS[transport]
         self.backend = backend
         self.timeout = timeout
         self.args = ServerArgs(
@@ -160,11 +166,11 @@ class Prefill:
         self.hf_config = AutoConfig.from_pretrained(model_dir)
         # The tokenizer manager's receiver (the dispatch, and the zmq_to_tokenizer receive) and its
         # processor: what the scheduler-side receiver builds too (``_init_mm_processor``).
-        self.tokenizer_side = MMReceiverHTTP(self.args, hf_config=self.hf_config, encode_urls=list(encoder_urls))
+        self.tokenizer_side = receiver(self.args, hf_config=self.hf_config, encode_urls=list(encoder_urls))
         self.tokenizer_side._init_mm_processor(self.args, self.hf_config)
         self.mm_processor = self.tokenizer_side.mm_processor
         self.tokenizer = self.mm_processor._processor.tokenizer
-        self.ranks: list[MMReceiverHTTP] = []
+        self.ranks: list[MMReceiverHTTP | MMReceiverGrpc] = []
         if backend == "zmq_to_scheduler":
             _init_gloo()
             group = _OneProcessTpGroup(tp_size)
@@ -172,7 +178,7 @@ class Prefill:
                 with get_parallel().override(tp_rank=rank, attn_tp_rank=rank, attn_dp_rank=0, attn_cp_rank=0,
                                              pp_rank=0, tp_group=group, pp_group=None):
                     scheduler = _Scheduler()
-                    self.ranks.append(MMReceiverHTTP(self.args, hf_config=self.hf_config, scheduler=scheduler))
+                    self.ranks.append(receiver(self.args, hf_config=self.hf_config, scheduler=scheduler))
                     scheduler.abort_ready(self.hf_config, self.tokenizer)
 
     @property
@@ -188,14 +194,16 @@ class Prefill:
         return obj
 
     def receive(self, prompt: str, *, images: Sequence[Any] = (), videos: Sequence[Any] = (),
-                audios: Sequence[Any] = ()) -> Received:
-        """The request's embeddings through this prefill's backend, or ``Failure``."""
+                audios: Sequence[Any] = (), ranks_after: float = 0.0) -> Received:
+        """The request's embeddings through this prefill's backend, or ``Failure``. ``ranks_after``:
+        seconds between the tokenizer's dispatch and the ranks' first tick (their registrations then
+        reach the encoders after its ``/encode``)."""
         started = time.monotonic()
         obj = self.request(prompt, images=images, videos=videos, audios=audios)
         if self.backend == "zmq_to_tokenizer":
             outputs = [self._receive_at_tokenizer(obj, prompt)]
         else:
-            outputs = self._receive_at_ranks(obj, prompt)
+            outputs = self._receive_at_ranks(obj, prompt, ranks_after)
         return Received(outputs, time.monotonic() - started)
 
     def _receive_at_tokenizer(self, obj: GenerateReqInput, prompt: str) -> Any:
@@ -219,7 +227,7 @@ class Prefill:
             encoder_urls=obj.encoder_urls,
         )
 
-    def _receive_at_ranks(self, obj: GenerateReqInput, prompt: str) -> list[Any]:
+    def _receive_at_ranks(self, obj: GenerateReqInput, prompt: str, ranks_after: float) -> list[Any]:
         """The tokenizer dispatches (``send_encode_request``: ``/encode`` without a port, in a thread),
         every rank registers its socket and polls (``process_waiting_requests``, the scheduler's tick)."""
         dispatch_errors: list[EncoderDispatchErrorReq] = []
@@ -227,6 +235,7 @@ class Prefill:
         if ready is None:
             raise AssertionError("SGLang did not dispatch the request to an encoder")
         per_rank = [self._tokenized(obj, prompt) for _ in self.ranks]
+        time.sleep(ranks_after)
         ready.set()  # the scheduler has the request: a dispatch error may now be delivered to it
         inbox: list[list[Any]] = [[req] for req in per_rank]
         delivered = 0

@@ -12,7 +12,12 @@ checked). The rows SGLang ends with must equal encode-server's own ``/v1/encode`
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hashlib
+import http.server
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +96,62 @@ def test_zmq_to_scheduler_delivers_to_both_tensor_parallel_ranks(replicas: list[
     for output in received.outputs:
         _check_images(prefill, output, replicas[1].url, images)
     assert prefill.pending() == 0
+
+
+def test_ranks_that_register_after_the_encode_still_get_the_part(replicas: list[Any], qwen_dir: Path,
+                                                                  prefill_of: Any) -> None:
+    """The scheduler may take the request after the encoder got its ``/encode``: the part is held
+    until both ranks have registered (SGLang's own encoder waits up to 180 s)."""
+    prefill: Prefill = prefill_of(qwen_dir, [replicas[0].url], backend="zmq_to_scheduler", tp_size=2)
+    images = [png(72, 72, seed=24)]
+    received = prefill.receive(prompt_for(prefill.tokenizer, prefill.hf_config, images=1),
+                               images=[image_item(d) for d in images], ranks_after=1.5)
+    assert received.seconds >= 1.5
+    for output in received.outputs:
+        _check_images(prefill, output, replicas[0].url, images)
+
+
+def test_items_by_http_url_are_fetched_and_their_content_hash_checked(replicas: list[Any], qwen_dir: Path,
+                                                                     prefill_of: Any) -> None:
+    """An item SGLang passes on as an ``http://`` URL (on loopback: ``--sglang-fetch-private``) is
+    fetched; one whose ``content_hash`` is not its bytes' fails the request with a 400."""
+    image = png(88, 66, seed=25)
+    with _serving({"/cat.png": image}) as base:
+        prefill: Prefill = prefill_of(qwen_dir, [replicas[0].url], backend="zmq_to_scheduler", tp_size=1)
+        prompt = prompt_for(prefill.tokenizer, prefill.hf_config, images=1)
+        sha = "sha256:" + hashlib.sha256(image).hexdigest()
+        received = prefill.receive(prompt, images=[{"url": f"{base}/cat.png", "content_hash": sha}])
+        _check_images(prefill, received.output, replicas[0].url, [image])
+        wrong = "sha256:" + hashlib.sha256(b"another image").hexdigest()
+        with pytest.raises(Failure) as failed:
+            prefill.receive(prompt, images=[{"url": f"{base}/cat.png", "content_hash": wrong}])
+        assert failed.value.code == 400, failed.value
+
+
+@contextlib.contextmanager
+def _serving(files: dict[str, bytes]) -> Iterator[str]:
+    """A plain HTTP server on loopback serving ``files`` by path."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = files.get(self.path)
+            self.send_response(200 if body is not None else 404)
+            self.send_header("Content-Type", "image/png")
+            self.send_header("Content-Length", str(len(body or b"")))
+            self.end_headers()
+            self.wfile.write(body or b"")
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def test_a_video_lands_with_its_grid_and_seconds_per_group(replicas: list[Any], qwen_dir: Path,

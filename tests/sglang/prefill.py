@@ -166,7 +166,10 @@ class Prefill:
         self.hf_config = AutoConfig.from_pretrained(model_dir)
         # The tokenizer manager's receiver (the dispatch, and the zmq_to_tokenizer receive) and its
         # processor: what the scheduler-side receiver builds too (``_init_mm_processor``).
-        self.tokenizer_side = receiver(self.args, hf_config=self.hf_config, encode_urls=list(encoder_urls))
+        # A list is shared, not copied: the tokenizer manager hands its receiver the encoder bootstrap's
+        # own list, which grows and shrinks as encoders register, unregister and fail their probes.
+        urls = encoder_urls if isinstance(encoder_urls, list) else list(encoder_urls)
+        self.tokenizer_side = receiver(self.args, hf_config=self.hf_config, encode_urls=urls)
         self.tokenizer_side._init_mm_processor(self.args, self.hf_config)
         self.mm_processor = self.tokenizer_side.mm_processor
         self.tokenizer = self.mm_processor._processor.tokenizer

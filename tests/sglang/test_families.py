@@ -115,6 +115,14 @@ def test_a_familys_items_land_as_encode_servers_rows(
     # A family SGLang cannot start a language-only prefill for fails here (as Qwen2.5-Omni did: SGLang
     # 0.5.23 has no model or processor for it): it must then declare no contract.
     prefill: Prefill = prefill_of(_sglang_checkpoint(name, checkpoint), [server.url])
+    seen: dict[str, Any] = {}  # what SGLang's receiver hands the processor besides the rows
+    validate = prefill.mm_processor.get_validated_mm_data
+
+    def recording(prompt: Any, embeddings: Any, **kwargs: Any) -> Any:
+        seen.update(kwargs)
+        return validate(prompt, embeddings, **kwargs)
+
+    monkeypatch.setattr(prefill.mm_processor, "get_validated_mm_data", recording)
     datas = _items(modality)
     counts = {f"{modality}s": len(datas)}
     prompt = prompt_for(prefill.tokenizer, prefill.hf_config, **counts)
@@ -122,6 +130,23 @@ def test_a_familys_items_land_as_encode_servers_rows(
     received = prefill.receive(prompt, **{f"{modality}s": items})
     output = received.output
     got = modality_rows(output)[modality]
-    expected = torch.cat([encode_rows(server.url, d, modality)[0] for d in datas])
+    answers = [encode_rows(server.url, d, modality) for d in datas]
+    expected = torch.cat([rows for rows, _ in answers])
     assert got.dtype == expected.dtype and torch.equal(got, expected)
     assert sum(1 for t in output.input_ids if t == placeholder_id(prefill.hf_config, modality)) == expected.shape[0]
+    # the grids and the family's extras SGLang read are the items' meta (or SGLang's own default)
+    contract = SGLANG_FAMILIES[name].sglang
+    assert contract is not None
+    grids = [meta[contract.grids[modality]] for _, meta in answers]
+    assert seen[_GRID_KWARGS[modality]].flatten().tolist() == torch.tensor(grids).flatten().tolist()
+    for extra in contract.extras.get(modality, ()):
+        want = [meta.get(extra.meta_key, extra.default) for _, meta in answers]
+        assert extra.attr in seen, f"SGLang's receiver got no {extra.attr}"
+        if extra.kind == "float32":
+            assert [float(v) for v in seen[extra.attr]] == torch.tensor(want, dtype=torch.float32).tolist()
+        else:
+            assert [[float(t) for t in v] for v in seen[extra.attr]] == [[float(t) for t in v] for v in want]
+
+
+# What SGLang's part collection hands the processor a modality's grids as (get_mm_extra_meta).
+_GRID_KWARGS = {"image": "img_grid_thw", "video": "video_grid_thw", "audio": "audio_feature_lens"}

@@ -15,9 +15,11 @@ The bare pipeline: this process decodes, resizes and "encodes" the same images i
 Per door, rounds interleaved with the bare pipeline's (a shared machine's load falls on both):
 
 - ``ceiling_images_per_s_<door>``: images per second, 16 requests in flight;
-- ``ceiling_cpu_ms_<door>``: the server process's CPU time (user + system, every thread) per request;
-- ``ceiling_gil_ms_<door>``: the time per request a server thread held the GIL, from py-spy
-  sampling the server (``--gil``: only samples in which a thread holds it, at ``GIL_RATE`` Hz);
+- ``ceiling_cpu_ms_<door>``: the server's CPU time (user + system, every thread, and its
+  ``--preprocess-processes`` workers) per request;
+- ``ceiling_gil_ms_<door>``: the time per request a thread of the server's process held its GIL
+  (the one every request goes through; the workers have their own), from py-spy sampling it
+  (``--gil``: only samples in which a thread holds it, at ``GIL_RATE`` Hz);
 - ``ceiling_ratio_<door>``: the door's images per second over the bare pipeline's;
 - ``ceiling_bare_images_per_s``, ``ceiling_bare_cpu_ms``: the bare pipeline's.
 
@@ -32,6 +34,8 @@ import argparse
 import asyncio
 import base64
 import json
+import math
+import os
 import shutil
 import statistics
 import subprocess
@@ -158,12 +162,27 @@ def _bare(encoder: Any, images: Sequence[bytes]) -> tuple[float, float]:
     return time.perf_counter() - started, time.process_time() - cpu
 
 
+def _measure(server: ServerProcess, door: str, images: Sequence[bytes], gil: bool) -> tuple[float, float, float]:
+    """(images per second, server CPU ms per request, GIL ms per request: NaN without ``gil``)."""
+    pid = server.proc.pid
+    held: dict[str, float] = {}
+    cpu0 = process_cpu_seconds(pid, children=True)
+    with gil_samples(pid, held) if gil else nullcontext():
+        wall = _send(door, server, images)
+    cpu = process_cpu_seconds(pid, children=True) - cpu0
+    gil_ms = 1000 * held["samples"] / GIL_RATE / len(images) if gil else math.nan
+    return len(images) / wall, 1000 * cpu / len(images), gil_ms
+
+
 def run(model: str, n_images: int, rounds: int, log_dir: Path, doors: Sequence[str] = DOORS,
-        server_args: Sequence[str] = (), gil: bool = True) -> dict[str, float]:
+        server_args: Sequence[str] = (), gil: bool = True, base: Path | None = None) -> dict[str, float]:
     """Every ``ceiling_*`` key (module docstring): ``rounds`` of (bare, each door) over
     ``n_images`` fresh images each, the median of the rounds' figures. ``doors`` and
     ``server_args`` (more flags for the server) are for trying a change: ``make bench`` runs all.
-    ``gil`` False: no py-spy, no ``ceiling_gil_ms_*`` keys."""
+    ``gil`` False: no py-spy, no ``ceiling_gil_ms_*`` keys. ``base``: another checkout of the
+    server (``git worktree add /tmp/base main``), served beside this one on the same images in
+    the same rounds, the order alternating: a change's before and after in one run, under the
+    same load; its figures come back as ``base:ceiling_*``."""
     from encode_server.encoders import load_encoder
 
     encoder = load_encoder(model, device="cpu")
@@ -175,12 +194,16 @@ def run(model: str, n_images: int, rounds: int, log_dir: Path, doors: Sequence[s
     # A gRPC call reserves what receiving the largest message takes (four copies of
     # --max-request-bytes) before its message arrives: at the default 64 MiB, the 2 GiB request
     # budget holds 7 calls and the rest of 16 are refused (503); a photo's limit holds them all.
-    server = start_server("--model", model, "--max-request-bytes", str(MAX_REQUEST_BYTES), *server_args,
-                          log_dir=log_dir, timeout=300)
+    args = ("--model", model, "--max-request-bytes", str(MAX_REQUEST_BYTES), *server_args)
+    servers = {"": start_server(*args, log_dir=log_dir, timeout=300)}
     try:
-        pid = server.proc.pid
-        for door in doors:  # warm each door: connections, first-call paths
-            _send(door, server, photos(910_000 + 100 * DOORS.index(door), CONCURRENCY))
+        if base is not None:
+            env = {"PYTHONPATH": f"{base}:{os.environ.get('PYTHONPATH', '')}".rstrip(":")}
+            servers["base:"] = start_server(*args, log_dir=log_dir, env=env, timeout=300, fresh=True)
+            figures.update({f"base:{key}": [] for key in figures if not key.startswith("ceiling_bare_")})
+        for server in servers.values():
+            for door in doors:  # warm each door: connections, first-call paths
+                _send(door, server, photos(910_000 + 100 * DOORS.index(door), CONCURRENCY))
         for r in range(rounds):
             wall, cpu = _bare(encoder, photos(1_000_000 * (r + 1), n_images))
             bare_rate = n_images / wall
@@ -188,28 +211,28 @@ def run(model: str, n_images: int, rounds: int, log_dir: Path, doors: Sequence[s
             figures["ceiling_bare_cpu_ms"].append(1000 * cpu / n_images)
             for d, door in enumerate(doors):
                 images = photos(1_000_000 * (r + 1) + 10_000 * (d + 1), n_images)
-                held: dict[str, float] = {}
-                cpu0 = process_cpu_seconds(pid)
-                with gil_samples(pid, held) if gil else nullcontext():
-                    wall = _send(door, server, images)
-                cpu = process_cpu_seconds(pid) - cpu0
-                figures[f"ceiling_images_per_s_{door}"].append(n_images / wall)
-                figures[f"ceiling_cpu_ms_{door}"].append(1000 * cpu / n_images)
-                if gil:
-                    figures[f"ceiling_gil_ms_{door}"].append(1000 * held["samples"] / GIL_RATE / n_images)
-                figures[f"ceiling_ratio_{door}"].append(n_images / wall / bare_rate)
+                order = list(servers.items())
+                for prefix, server in order[::-1] if (r + d) % 2 else order:
+                    rate, cpu_ms, gil_ms = _measure(server, door, images, gil)
+                    figures[f"{prefix}ceiling_images_per_s_{door}"].append(rate)
+                    figures[f"{prefix}ceiling_cpu_ms_{door}"].append(cpu_ms)
+                    if gil:
+                        figures[f"{prefix}ceiling_gil_ms_{door}"].append(gil_ms)
+                    figures[f"{prefix}ceiling_ratio_{door}"].append(rate / bare_rate)
     finally:
-        server.stop()
+        for server in servers.values():
+            server.stop()
     return {key: statistics.median(values) for key, values in figures.items()}
 
 
 def table(result: dict[str, float]) -> str:
     lines = ["| door | images/s | CPU ms / request | GIL ms / request | of bare |", "|---|---|---|---|---|"]
-    for door in (d for d in DOORS if f"ceiling_ratio_{d}" in result):
-        gil = result.get(f"ceiling_gil_ms_{door}")
-        lines.append(f"| {door} | {result[f'ceiling_images_per_s_{door}']:.0f} | "
-                     f"{result[f'ceiling_cpu_ms_{door}']:.2f} | {'-' if gil is None else f'{gil:.2f}'} | "
-                     f"{result[f'ceiling_ratio_{door}']:.2f} |")
+    for prefix in ("", "base:"):
+        for door in (d for d in DOORS if f"{prefix}ceiling_ratio_{d}" in result):
+            gil = result.get(f"{prefix}ceiling_gil_ms_{door}")
+            lines.append(f"| {prefix}{door} | {result[f'{prefix}ceiling_images_per_s_{door}']:.0f} | "
+                         f"{result[f'{prefix}ceiling_cpu_ms_{door}']:.2f} | "
+                         f"{'-' if gil is None else f'{gil:.2f}'} | {result[f'{prefix}ceiling_ratio_{door}']:.2f} |")
     lines.append(f"| bare (in-process) | {result['ceiling_bare_images_per_s']:.0f} | "
                  f"{result['ceiling_bare_cpu_ms']:.2f} | - | 1 |")
     return "\n".join(lines)
@@ -225,11 +248,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--doors", nargs="+", choices=DOORS, default=list(DOORS))
     parser.add_argument("--server-arg", action="append", default=[], dest="server_args",
                         help="one more argument for the server (repeat it), e.g. --server-arg=--log-level=warning")
+    parser.add_argument("--base", type=Path, help="another checkout's server beside this one (before/after); "
+                        "its figures are printed, not merged")
     args = parser.parse_args(argv)
     n_images, rounds = (32, 1) if args.quick else (args.images, args.rounds)
     with tempfile.TemporaryDirectory(prefix="ceiling_") as logs:
-        result = run(args.model, n_images, rounds, Path(logs), args.doors, args.server_args)
-    merge_into(args.out, result)
+        result = run(args.model, n_images, rounds, Path(logs), args.doors, args.server_args, base=args.base)
+    merge_into(args.out, {k: v for k, v in result.items() if not k.startswith("base:")})
     print(table(result))
     print(f"{args.out}: {len(result)} ceiling_* keys merged ({args.model}, {n_images} images x {rounds} rounds)")
     return 0

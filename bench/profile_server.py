@@ -73,10 +73,12 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--idle", action="store_true")
     parser.add_argument("--gil", action="store_true", help="only samples of the thread holding the GIL")
+    parser.add_argument("--server-arg", action="append", default=[], dest="server_args",
+                        help="one more argument for the server (repeat it), e.g. --server-arg=--preprocess-processes=2")
     parser.add_argument("--model", default="builtin:tiny")
     args = parser.parse_args()
     logs = Path(tempfile.mkdtemp(prefix="encode-profile-"))
-    server = start_server("--model", args.model, log_dir=logs)
+    server = start_server("--model", args.model, *args.server_args, log_dir=logs)
     out = logs / "profile.txt"
     try:
         traffic(args.kind, port_of(server), 5)  # warm-up, not sampled

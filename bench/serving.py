@@ -522,10 +522,27 @@ def _repeat(port: int, req: Request, count: int, pid: int) -> tuple[float, float
         conn.close()
 
 
-def process_cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` (all its threads), from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def process_cpu_seconds(pid: int, *, children: bool = False) -> float:
+    """User + system CPU seconds of process ``pid`` (all its threads), from /proc; with ``children``,
+    of its live descendants too (``--preprocess-processes`` workers)."""
+    def cpu(stat: list[str]) -> float:
+        return (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
+
+    total = cpu(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split())
+    if children:
+        stats: dict[int, list[str]] = {}
+        for path in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                stats[int(path.parent.name)] = path.read_text().rsplit(")", 1)[1].split()
+            except (OSError, ValueError):  # gone meanwhile
+                continue
+        family, grew = {pid}, True
+        while grew:
+            more = {p for p, stat in stats.items() if int(stat[1]) in family} - family
+            family |= more
+            grew = bool(more)
+        total += sum(cpu(stats[p]) for p in family - {pid})
+    return total
 
 
 # -- S3 / S5: a popular-image mix through the client ----------------------------------------------

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import pickle
 import signal
 import socket
 import sys
@@ -54,6 +55,7 @@ from encode_server.heap import GcPauses, freeze_startup_heap
 from encode_server.kinds import kinds_for
 from encode_server.malloc import release_free_memory
 from encode_server.metrics import Metrics
+from encode_server.preprocess_procs import PreprocessProcesses
 from encode_server.service import EncodeService, Served
 from encode_server.warmup import WarmupFailed, prepare_to_serve
 
@@ -203,9 +205,10 @@ class EncodeServer:
         started = time.perf_counter()
         encoder = await asyncio.to_thread(self.load_encoder)
         contract = sglang_contract(encoder) if self.sglang is not None else None
+        procs = await asyncio.to_thread(preprocess_processes, encoder, s)
         service = build_service(
             encoder, s, metrics, forward, shared=await shared_tier(s, metrics, encoder), budget=self.runtime.budget,
-            exporter=file_exporter(s, encoder),
+            exporter=file_exporter(s, encoder), procs=procs,
         )
         await service.start()
         if service.warmup is not None:
@@ -275,6 +278,7 @@ def build_service(
     shared: SharedTier | None = None,
     budget: ByteBudget | None = None,
     exporter: FileExporter | None = None,
+    procs: PreprocessProcesses | None = None,
 ) -> EncodeService:
     """The service over its tiers: the local LRU, ``shared`` (or none), and the encoder's batcher,
     whose forward passes run on ``forward``, ``--forward-workers`` of them at once (the executor
@@ -302,10 +306,27 @@ def build_service(
     served = Served(encoder.info, family, encoder.dtype_reason, serving_fingerprint(encoder, settings))
     capacity = budget.capacity if budget is not None else None
     return EncodeService(
-        served, settings, metrics, local=local, batcher=batcher, kinds=kinds_for(encoder, settings, memory),
+        served, settings, metrics, local=local, batcher=batcher, kinds=kinds_for(encoder, settings, memory, procs),
         item_settings=request_settings(encoder, settings), shared=shared, exporter=exporter,
         warm=partial(prepare_to_serve, encoder, settings, budget=capacity),
     )
+
+
+def preprocess_processes(encoder: Encoder, settings: Settings) -> PreprocessProcesses | None:
+    """``--preprocess-processes`` workers, started (each loads the encoder's host twin), or None."""
+    if not settings.preprocess_processes:
+        return None
+    try:
+        procs = PreprocessProcesses(encoder, settings.preprocess_processes)
+    except (ValueError, pickle.PicklingError, TypeError, AttributeError) as exc:
+        raise StartFailed(f"--preprocess-processes: {exc}") from None
+    try:
+        procs.start(encoder)
+    except (ValueError, RuntimeError) as exc:
+        procs.close()
+        raise StartFailed(f"--preprocess-processes: {exc}") from None
+    log.info("images decoded and preprocessed in %d worker processes", procs.count)
+    return procs
 
 
 def request_settings(encoder: Encoder, settings: Settings) -> RequestSettings:

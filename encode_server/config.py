@@ -158,6 +158,11 @@ class Settings:
         60.0, "per-request timeout in seconds (504 timeout past it); the encode itself goes on and is cached"
     )
     preprocess_workers: int = _opt(0, "threads that decode and preprocess images (0: one per CPU core it may use)")
+    preprocess_processes: int = _opt(
+        0, "worker processes that decode and preprocess images, off the server's GIL (0: none, the threads do it "
+        "in the server's process); images with their own mm_processor_kwargs, videos, audio and a device "
+        "pipeline (--preprocess-device model) stay on the threads"
+    )
     warmup: str = _opt(
         "worst", "before it is ready: 'worst' runs the largest image the limits allow (a full batch of it) and, for "
         "a video family, the longest video, and publishes the peak memory in GET /v1/model (a server that cannot "
@@ -384,6 +389,8 @@ def _validate(s: Settings) -> None:
         raise SystemExit(f"--max-wait-ms must be >= 0, got {shown(s.max_wait_ms)}")
     if s.forward_workers < 0:
         raise SystemExit(f"--forward-workers must be >= 0 (0: chosen for the device), got {s.forward_workers}")
+    if s.preprocess_processes < 0:
+        raise SystemExit(f"--preprocess-processes must be >= 0 (0: none), got {s.preprocess_processes}")
     if s.preprocess_workers < 0:
         raise SystemExit(f"--preprocess-workers must be >= 0 (0: one per core), got {s.preprocess_workers}")
     if s.redis_replay_mb < 0:

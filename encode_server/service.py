@@ -171,6 +171,8 @@ class EncodeService:
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         self._preprocess_pool.shutdown(wait=False, cancel_futures=True)
+        for kind in self.kinds.values():
+            kind.close()
         if self.shared is not None:
             await self.shared.close()
         if self.exporter is not None:

@@ -27,7 +27,7 @@ HTTP.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 __all__ = [
     "BadInput",
@@ -66,6 +66,17 @@ class EncodeServerError(Exception):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(type={self.type!r}, index={self.index!r}, message={self.message!r})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled whole (a preprocessing process's refusal): ``__init__`` takes its fields as keywords,
+        which the default (``args`` only) would lose."""
+        return (_rebuilt, (type(self), self.message, dict(self.__dict__)))
+
+
+def _rebuilt(cls: type[EncodeServerError], message: str, state: dict[str, Any]) -> EncodeServerError:
+    error = cls(message)
+    error.__dict__.update(state)
+    return error
 
 
 class BadInput(EncodeServerError):

@@ -144,6 +144,12 @@ class Encoder(ABC):
     def preprocess(self, image: Image.Image) -> PreparedItem:
         """An RGB image (EXIF orientation already applied) to inputs, its token count and meta."""
 
+    def host_twin(self) -> Encoder | None:
+        """This encoder without its weights, picklable, for ``--preprocess-processes``: its
+        ``preprocess`` in a worker process makes what it makes here. None (the default): this
+        encoder preprocesses on threads only."""
+        return None
+
     def defer(self, data: bytes, *, max_pixels: int, index: int | None = None) -> PreparedItem | None:
         """For an encoder that decodes and preprocesses whole batches on its device
         (``encoders/batched.py``): the image as it waits for its batch, its header read, its rows

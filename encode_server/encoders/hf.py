@@ -4,8 +4,10 @@ move of inputs to the device and of outputs back to bytes, batched preprocessing
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
+import pickle
 import platform
 import subprocess
 import sys
@@ -200,6 +202,14 @@ class LoadSpec:
     output: str
 
 
+def _pickles(value: object) -> bool:
+    try:
+        pickle.dumps(value)
+    except Exception:  # whatever pickle raises: the value stays behind
+        return False
+    return True
+
+
 class HFEncoder(Encoder):
     """A transformers module plus its image processor.
 
@@ -261,6 +271,19 @@ class HFEncoder(Encoder):
     @abstractmethod
     def cost_of(self, num_tokens: int, meta: dict[str, Any]) -> int:
         """The patch tokens an image of this count and meta costs through the tower."""
+
+    def host_twin(self) -> Encoder | None:
+        """A shallow copy with every module dropped, and whatever does not pickle (the forward's
+        caches): ``preprocess`` reads the processor and plain settings only (the class invariant;
+        ``preprocess_procs`` checks a worker's inputs against these at start). None when a device
+        pipeline preprocesses."""
+        if self.batched is not None:
+            return None
+        twin = copy.copy(self)
+        for name, value in vars(self).items():
+            if isinstance(value, torch.nn.Module) or not _pickles(value):
+                setattr(twin, name, None)
+        return twin
 
     def defer(self, data: bytes, *, max_pixels: int, index: int | None = None) -> PreparedItem | None:
         if self.batched is None:

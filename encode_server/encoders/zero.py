@@ -13,6 +13,7 @@ Its rows are all zeros (``info.meaningless``); every process holds the same ``we
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -66,6 +67,11 @@ class ZeroCostEncoder(Encoder):
         pixels = image.resize((side, side), Image.Resampling.BILINEAR)
         return PreparedItem({"pixel_values": torch.frombuffer(bytearray(pixels.tobytes()), dtype=torch.uint8)},
                             self.shape.rows, self.shape.rows)
+
+    def host_twin(self) -> Encoder | None:
+        twin = copy.copy(self)
+        twin._rows = b""  # the answer's block: forward's, never a worker's
+        return twin
 
     def forward(self, batch: Sequence[PreparedItem]) -> list[EncodedTensor | EncodeServerError]:
         return [EncodedTensor(self._rows, (self.shape.rows, self.shape.width), self._dtype) for _ in batch]

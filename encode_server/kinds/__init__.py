@@ -11,6 +11,7 @@ from encode_server.admission import MemoryCharge
 from encode_server.config import Settings
 from encode_server.core.types import AUDIO, IMAGE, VIDEO
 from encode_server.encoders.base import Encoder
+from encode_server.preprocess_procs import PreprocessProcesses
 
 from .audio import AudioKind, plan_audio
 from .base import ItemKind, TokenCount
@@ -25,9 +26,15 @@ __all__ = [
 KINDS: dict[str, type[ItemKind]] = {IMAGE: ImageKind, VIDEO: VideoKind, AUDIO: AudioKind}
 
 
-def kinds_for(encoder: Encoder, settings: Settings, memory: MemoryCharge) -> dict[str, ItemKind]:
+def kinds_for(
+    encoder: Encoder, settings: Settings, memory: MemoryCharge, procs: PreprocessProcesses | None = None
+) -> dict[str, ItemKind]:
     """The kinds ``encoder`` takes (its family's modalities; a model without a family: images),
-    in the family's order, each charging ``memory``."""
+    in the family's order, each charging ``memory``; images preprocessed in ``procs`` where given."""
     family = encoder.family
     modalities = family.modalities if family is not None else (IMAGE,)
-    return {modality: KINDS[modality](encoder, settings, memory) for modality in modalities}
+    return {
+        modality: ImageKind(encoder, settings, memory, procs) if modality == IMAGE
+        else KINDS[modality](encoder, settings, memory)
+        for modality in modalities
+    }

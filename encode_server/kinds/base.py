@@ -48,6 +48,9 @@ class ItemKind(ABC):
         self.settings = settings
         self.memory = memory
 
+    def close(self) -> None:  # noqa: B027 (most kinds start nothing)
+        """What the kind started (worker processes), stopped with the service."""
+
     @abstractmethod
     def prepare(self, data: bytes, index: int, settings: Mapping[str, Any] | None) -> PreparedItem:
         """The item's bytes to model inputs, checked against the limits and decoded within its

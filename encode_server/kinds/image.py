@@ -5,16 +5,21 @@ until its batch (``Encoder.defer``)."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from PIL import Image
 
+from encode_server.admission import MemoryCharge
+from encode_server.config import Settings
 from encode_server.core.errors import BadInput, InvalidRequest, TooLarge
 from encode_server.core.types import IMAGE
 from encode_server.encoders.base import Encoder, PreparedItem
 from encode_server.imaging import decode_image, open_image, oriented_size
 
 from .base import ItemKind, TokenCount
+
+if TYPE_CHECKING:
+    from encode_server.preprocess_procs import PreprocessProcesses
 
 __all__ = ["ImageKind", "image_inputs"]
 
@@ -43,18 +48,33 @@ class ImageKind(ItemKind):
     modality = IMAGE
     plural = "images"
 
+    def __init__(self, encoder: Encoder, settings: Settings, memory: MemoryCharge,
+                 procs: PreprocessProcesses | None = None) -> None:
+        super().__init__(encoder, settings, memory)
+        self.procs = procs  # --preprocess-processes: images with the server's settings go there
+
     def prepare(self, data: bytes, index: int, settings: Mapping[str, Any] | None) -> PreparedItem:
         max_pixels = self.settings.max_image_pixels
-        opened = open_image(data, max_pixels=max_pixels, index=index)  # once, for the charge and the decode
-        with self.memory.pixels(opened, index) as charge:
+        procs = self.procs if settings is None else None
+        # Opened once, for the charge and the decode; where a worker process decodes, the charge
+        # alone reads the header here (and only when there is a budget to charge).
+        opened = None if procs is not None else open_image(data, max_pixels=max_pixels, index=index)
+        with self.memory.pixels(data if opened is None else opened, index) as charge:
             try:
-                prepared = image_inputs(self.encoder, data, max_pixels=max_pixels, index=index, settings=settings,
-                                        opened=opened)
+                if procs is not None:
+                    prepared = procs.prepare(data, max_pixels=max_pixels, index=index)
+                else:
+                    prepared = image_inputs(self.encoder, data, max_pixels=max_pixels, index=index,
+                                            settings=settings, opened=opened)
             except ValueError as exc:  # e.g. an aspect ratio the processor refuses
                 raise BadInput(f"image cannot be preprocessed: {exc}", type="unsupported_image", index=index) from exc
             if prepared.pending is not None and prepared.held_bytes:
                 charge.keep_while_alive(prepared.pending, prepared.held_bytes)
         return prepared
+
+    def close(self) -> None:
+        if self.procs is not None:
+            self.procs.close()
 
     def count(self, data: bytes, index: int, settings: Mapping[str, Any] | None) -> TokenCount:
         """From the header, with the EXIF orientation applied as ``prepare`` applies it (reading

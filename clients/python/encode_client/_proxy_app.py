@@ -19,14 +19,13 @@ from starlette.responses import JSONResponse, Response
 
 from encode_client._callers import Caller, Callers
 from encode_client._client import AsyncClient
-from encode_client._lanes import AsyncLanes
 from encode_client._proxy_errors import REWRITE_ERRORS, Refused, error_body, openai_error, rewrite_refusal
 from encode_client._proxy_forward import HOP_BY_HOP, Forwarder, Release
 from encode_client._proxy_head import head_bytes, head_refusal
 from encode_client._proxy_metrics import ProxyMetrics
 from encode_client._proxy_rewrite import CHAT, Checked, check_body, prepare_body
 from encode_client._proxy_settings import ProxySettings
-from encode_client._upstreams import Upstream, Upstreams
+from encode_client._upstreams import Upstreams
 from encode_client.epd import EpdContract
 
 __all__ = ["FORWARDED", "OPEN_PATHS", "OWN_ROUTES", "ProxyApp"]
@@ -42,7 +41,7 @@ FORWARDED = frozenset(
 )
 OWN_ROUTES = frozenset({("GET", "/health"), ("GET", "/metrics")})  # the proxy's own, never forwarded
 OPEN_PATHS = frozenset({"/health", "/ping", "/version", "/metrics", "/load"})  # probes: no key needed
-_LANES = 16  # httpx pools to vLLM and to encode-server, used in turn (``_lanes``: one pool slows down)
+_LANES = 16  # httpx pools to encode-server, used in turn (``_lanes``: one pool slows down)
 # How long an idle upstream connection is kept for reuse: well under the 5 s after which vLLM's and
 # encode-server's uvicorn close one (their keep-alive timeout), so the proxy does not send a request
 # on a connection the server is closing at that moment (httpx's default, 5 s, is exactly the race).
@@ -86,7 +85,6 @@ class ProxyApp:
         self.inflight = 0
         self._open: set[_Exchange] = set()  # every HTTP request being answered, the probes' too
         self._contract: EpdContract | None = None
-        self._http: AsyncLanes | None = None
         self._forwarder: Forwarder | None = None
         self._encoders: dict[str | None, AsyncClient] = {}
         for upstream in self.upstreams.all:
@@ -99,9 +97,8 @@ class ProxyApp:
         s = self.settings
         pool = httpx.Limits(max_connections=s.max_connections, max_keepalive_connections=s.max_connections,
                             keepalive_expiry=_KEEPALIVE_S)
-        timeout = httpx.Timeout(s.timeout, connect=s.connect_timeout, pool=s.connect_timeout)
-        self._http = AsyncLanes(_LANES, timeout=timeout, limits=pool)
-        self._forwarder = Forwarder(self._http, self.upstreams, self.metrics, timeout=s.timeout)
+        self._forwarder = Forwarder(self.upstreams, self.metrics, timeout=s.timeout, connect_timeout=s.connect_timeout,
+                                    max_connections=s.max_connections, keepalive=_KEEPALIVE_S)
         keys = [c.key for c in self.callers] if self.callers is not None else [s.api_key]
         self._encoders = {
             k: AsyncClient(list(s.encoder_urls), api_key=k, response="json", timeout=s.encoder_timeout, pool=pool,
@@ -112,8 +109,8 @@ class ProxyApp:
     async def shutdown(self) -> None:
         for encoder in self._encoders.values():
             await encoder.aclose()
-        if self._http is not None:
-            await self._http.aclose()
+        if self._forwarder is not None:
+            await self._forwarder.aclose()
 
     def encoder_for(self, caller: Caller | None) -> AsyncClient:
         """The encode-server client that speaks for ``caller`` (with its key, hence its tenant)."""
@@ -360,17 +357,9 @@ class ProxyApp:
         if self.draining:
             return openai_error(503, "draining: the proxy is shutting down", "unavailable_error",
                                 **{"Retry-After": "1", "Connection": "close"})
-        assert self._http is not None
-        http = self._http.next()
+        assert self._forwarder is not None
         timeout = min(2.0, self.settings.connect_timeout)
-
-        async def probe(upstream: Upstream) -> bool:
-            try:
-                return (await http.get(upstream.url + "/health", timeout=timeout)).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        states = await asyncio.gather(*(probe(u) for u in self.upstreams.all))
+        states = await asyncio.gather(*(self._forwarder.healthy(u, timeout) for u in self.upstreams.all))
         for upstream, up in zip(self.upstreams.all, states, strict=True):
             self.metrics.upstream_up.labels(upstream.url).set(int(up))
         report = {u.url: "up" if up else "down" for u, up in zip(self.upstreams.all, states, strict=True)}

@@ -7,26 +7,27 @@ what each exception of the rewrite and of the forward becomes::
         EpdContractError            502 encoder_error (encode-server serves a model no prefill takes)
         ServerError                 its own 4xx, or 503 for a 5xx: encoder_error
         ReplicaUnavailable          503 encoder_unavailable
-    upstream_refusal(exc, ...)  an httpx error sending to vLLM (a refused connection fails over first):
-        PoolTimeout                 503 overloaded_error (no connection free: --max-connections)
-        TimeoutException            504 upstream_timeout
-        HTTPError                   502 upstream_unavailable
+    upstream_refusal(exc, ...)  an error sending to vLLM (a refused connection fails over first):
+        NoConnectionFree            503 overloaded_error (no connection free: --max-connections)
+        asyncio.TimeoutError        504 upstream_timeout (aiohttp's ServerTimeoutError is one)
+        aiohttp.ClientError         502 upstream_unavailable
 
 Anything else is a bug, answered 500 ``internal_error`` and logged by the app.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping
 from typing import Any
 
-import httpx
 from starlette.responses import JSONResponse
 
 from encode_client._errors import ReplicaUnavailable, ServerError
 from encode_client.epd import EpdContractError, EPDError
 
-__all__ = ["REWRITE_ERRORS", "Refused", "error_body", "openai_error", "rewrite_refusal", "upstream_refusal"]
+__all__ = ["REWRITE_ERRORS", "NoConnectionFree", "Refused", "error_body", "openai_error", "rewrite_refusal",
+           "upstream_refusal"]
 
 # What the rewrite raises on purpose (``encode_client.epd``, and the body's JSON): each maps to a
 # 4xx or 5xx in ``rewrite_refusal``.
@@ -74,12 +75,17 @@ def rewrite_refusal(exc: Exception) -> Refused:
     raise TypeError(f"not an error of the rewrite: {exc!r}") from exc
 
 
-def upstream_refusal(exc: httpx.HTTPError, upstream: str, timeout: float) -> Refused:
-    """The answer for an httpx error sending a request to the vLLM server at ``upstream``."""
+class NoConnectionFree(Exception):
+    """Every one of the ``--max-connections`` connections to vLLM stayed busy for
+    ``--connect-timeout`` seconds."""
+
+
+def upstream_refusal(exc: Exception, upstream: str, timeout: float) -> Refused:
+    """The answer for an error sending a request to the vLLM server at ``upstream``."""
     match exc:
-        case httpx.PoolTimeout():
+        case NoConnectionFree():
             return Refused(503, "no connection to vLLM free in time (--max-connections)", "overloaded_error",
                            **{"Retry-After": "1"})
-        case httpx.TimeoutException():
+        case asyncio.TimeoutError():
             return Refused(504, f"vLLM at {upstream} did not answer within {timeout} s", "upstream_timeout")
     return Refused(502, f"vLLM server at {upstream} failed: {exc!r}", "upstream_unavailable")

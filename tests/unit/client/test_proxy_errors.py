@@ -11,11 +11,12 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+import aiohttp
 import httpx
 import pytest
 from encode_client import AsyncClient, ReplicaUnavailable, Result, ServerError
 from encode_client._base import Call
-from encode_client._proxy_errors import REWRITE_ERRORS, rewrite_refusal, upstream_refusal
+from encode_client._proxy_errors import REWRITE_ERRORS, NoConnectionFree, rewrite_refusal, upstream_refusal
 from encode_client.epd import EpdContract, EpdContractError, EPDError
 from encode_client.proxy import ProxyApp, ProxySettings
 
@@ -57,13 +58,13 @@ def test_the_cases_cover_every_class_the_table_names() -> None:
 
 
 @pytest.mark.parametrize(("exc", "status", "kind"), [
-    (httpx.PoolTimeout("no connection"), 503, "overloaded_error"),
-    (httpx.ReadTimeout("slow"), 504, "upstream_timeout"),
-    (httpx.WriteTimeout("slow"), 504, "upstream_timeout"),
-    (httpx.RemoteProtocolError("reset"), 502, "upstream_unavailable"),
-    (httpx.ReadError("broken"), 502, "upstream_unavailable"),
+    (NoConnectionFree(), 503, "overloaded_error"),
+    (aiohttp.SocketTimeoutError("slow"), 504, "upstream_timeout"),
+    (asyncio.TimeoutError(), 504, "upstream_timeout"),
+    (aiohttp.ServerDisconnectedError(), 502, "upstream_unavailable"),
+    (aiohttp.ClientPayloadError("broken"), 502, "upstream_unavailable"),
 ], ids=lambda v: type(v).__name__)
-def test_each_error_sending_to_vllm_is_the_openai_error_it_was(exc: httpx.HTTPError, status: int, kind: str) -> None:
+def test_each_error_sending_to_vllm_is_the_openai_error_it_was(exc: Exception, status: int, kind: str) -> None:
     refused = upstream_refusal(exc, "http://vllm:8000", 600.0)
     assert (refused.status, refused.kind) == (status, kind)
     assert refused.response().headers.get("retry-after") == ("1" if status == 503 else None)

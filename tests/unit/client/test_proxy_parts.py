@@ -8,7 +8,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
 
-import httpx
+import aiohttp
 import pytest
 from encode_client._proxy_forward import HeadBroken, read_head
 from encode_client._upstreams import Upstreams
@@ -123,18 +123,21 @@ def test_a_stream_that_says_nothing_decisive_is_released_past_the_limit_or_at_it
 # -- reading an answer's head, apart from the forward's retries (``_proxy_forward.read_head``) --
 
 
-def _answer(status: int, content_type: str, *chunks: bytes, broken: bool = False) -> httpx.Response:
+Answer = tuple[int, str, AsyncIterator[bytes]]
+
+
+def _answer(status: int, content_type: str, *chunks: bytes, broken: bool = False) -> Answer:
     async def stream() -> AsyncIterator[bytes]:
         for chunk in chunks:
             yield chunk
         if broken:
-            raise httpx.ReadError("reset")
+            raise aiohttp.ClientPayloadError("reset")
 
-    return httpx.Response(status, headers={"content-type": content_type}, content=stream())
+    return status, content_type, stream()
 
 
-async def _read(answer: httpx.Response) -> tuple[bytes, bytes, bool]:
-    head = await read_head(answer)
+async def _read(answer: Answer) -> tuple[bytes, bytes, bool]:
+    head = await read_head(*answer)
     return head.prefix, b"".join([chunk async for chunk in head.rest]), head.failed
 
 
@@ -149,7 +152,7 @@ async def _read(answer: httpx.Response) -> tuple[bytes, bytes, bool]:
     (lambda: _answer(200, "application/json", b'{"choices": []}'), (b"", b'{"choices": []}', False)),
 ], ids=["stream-failed", "stream-content", "500-generic", "500-other", "200-unread"])
 def test_an_answers_head_says_whether_vllm_failed_the_request_and_keeps_every_byte(
-    answer: Callable[[], httpx.Response], read: tuple[bytes, bytes, bool]
+    answer: Callable[[], Answer], read: tuple[bytes, bytes, bool]
 ) -> None:
     assert asyncio.run(_read(answer())) == read
 

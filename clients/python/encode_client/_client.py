@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import httpx
 
@@ -17,6 +17,9 @@ from encode_client._errors import ReplicaUnavailable
 from encode_client._images import ImageInput
 from encode_client._lanes import AsyncLanes
 from encode_client._types import LookupItem, Result, TokenCount, WarmItem
+
+if TYPE_CHECKING:
+    from encode_client._aio import AioHttp
 
 __all__ = ["AsyncClient", "Client"]
 
@@ -158,12 +161,20 @@ class AsyncClient(BaseClient):
         *,
         pool: httpx.Limits | None = None,
         lanes: int = 1,
+        http: Literal["httpx", "aiohttp"] = "httpx",
         **options: Any,
     ) -> None:
         """``pool``: see ``Client``; ``lanes``: that many httpx pools sharing ``pool``, used in turn
-        (for many concurrent calls: one httpx pool slows down with its connections, ``_lanes``)."""
+        (for many concurrent calls: one httpx pool slows down with its connections, ``_lanes``);
+        ``http="aiohttp"``: HTTP calls over one aiohttp pool instead (``_aio``: a fraction of
+        httpx's CPU per call; aiohttp comes with the ``proxy`` extra)."""
         super().__init__(urls, **options)
         self._lanes = AsyncLanes(lanes, timeout=self.timeout, limits=pool)
+        self._aio: AioHttp | None = None
+        if http == "aiohttp":
+            from encode_client._aio import AioHttp
+
+            self._aio = AioHttp(self.timeout, pool)
         self._stubs: dict[str, Any] = {}
         self._channels: list[Any] = []
 
@@ -175,6 +186,8 @@ class AsyncClient(BaseClient):
 
     async def aclose(self) -> None:
         await self._lanes.aclose()
+        if self._aio is not None:
+            await self._aio.aclose()
         for channel in self._channels:
             await channel.close()
 
@@ -235,6 +248,8 @@ class AsyncClient(BaseClient):
             if call.replica.startswith("grpc://"):
                 return await self._send_grpc(call)
             req = _http.build(call.replica, call.op, call.payload, response=self.response, api_key=self.api_key)
+            if self._aio is not None:
+                return _http.parse(call.op, *await self._aio.request(req, call.replica), call.replica)
             try:
                 r = await self._lanes.next().request(
                     req.method, req.url, json=req.json, content=req.content, files=req.files, headers=req.headers

@@ -41,7 +41,6 @@ FORWARDED = frozenset(
 )
 OWN_ROUTES = frozenset({("GET", "/health"), ("GET", "/metrics")})  # the proxy's own, never forwarded
 OPEN_PATHS = frozenset({"/health", "/ping", "/version", "/metrics", "/load"})  # probes: no key needed
-_LANES = 16  # httpx pools to encode-server, used in turn (``_lanes``: one pool slows down)
 # How long an idle upstream connection is kept for reuse: well under the 5 s after which vLLM's and
 # encode-server's uvicorn close one (their keep-alive timeout), so the proxy does not send a request
 # on a connection the server is closing at that moment (httpx's default, 5 s, is exactly the race).
@@ -102,7 +101,7 @@ class ProxyApp:
         keys = [c.key for c in self.callers] if self.callers is not None else [s.api_key]
         self._encoders = {
             k: AsyncClient(list(s.encoder_urls), api_key=k, response="json", timeout=s.encoder_timeout, pool=pool,
-                           lanes=_LANES)
+                           http="aiohttp")
             for k in keys
         }
 

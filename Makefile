@@ -210,11 +210,13 @@ bench: install tools
 	$(BIN)/python -m bench.video
 	$(BIN)/python -m bench.audio
 
-# EPD as its users see it (bench/epd_system.py): vLLM's own `vllm bench serve` against three stacks
-# (aggregated vLLM, vLLM's own EPD, encode-server's EPD), R = 1 and 2 replicas, three workloads, two
-# models; about 30 minutes on 2 cores, alone on the machine. Writes bench/results/latest.json's sys_*
-# keys and bench/results/epd_system.png; docs/benchmarks.md has the runs.
+# EPD as its users see it: first the EPD proxy's own CPU per request by stage (bench/proxy_cpu.py,
+# a minute, no vLLM: the epd_cpu_ms_proxy_* keys), then (bench/epd_system.py) vLLM's own `vllm bench
+# serve` against three stacks (aggregated vLLM, vLLM's own EPD, encode-server's EPD), R = 1 and 2
+# replicas, three workloads, two models; about 30 minutes on 2 cores, alone on the machine. Writes
+# bench/results/latest.json's sys_* keys and bench/results/epd_system.png; docs/benchmarks.md has the runs.
 bench-epd: install tools vllm-env
+	$(BIN)/python -m bench.proxy_cpu
 	$(BIN)/python -m bench.epd_system
 
 # What a tower-free vLLM prefill frees (docs/vllm.md, "The memory it frees"): two vLLM engines, one

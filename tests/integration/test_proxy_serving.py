@@ -11,7 +11,9 @@ on demand: hold a request, fail one); tests/vllm/test_proxy.py runs the proxy ag
 from __future__ import annotations
 
 import base64
+import http.client
 import itertools
+import json
 import os
 import socket
 import threading
@@ -61,8 +63,8 @@ def text_chat(**extra: Any) -> dict[str, Any]:
     return {"model": "stub", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **extra}
 
 
-def post(url: str, body: dict[str, Any], timeout: float = 30) -> httpx.Response:
-    return httpx.post(url + "/v1/chat/completions", json=body, timeout=timeout)
+def post(url: str, body: dict[str, Any], timeout: float = 30, headers: dict[str, str] | None = None) -> httpx.Response:
+    return httpx.post(url + "/v1/chat/completions", json=body, timeout=timeout, headers=headers)
 
 
 def metric(proxy: EPDProxy, name: str, **labels: str) -> float:
@@ -115,6 +117,7 @@ class _DropsKeptAlive:
 
     def __init__(self, always: bool = False) -> None:
         self.always, self.answered, self.dropped = always, 0, 0
+        self.heads: list[list[bytes]] = []  # each request's header lines, as they came
         self._sock = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
         threading.Thread(target=self._accept, daemon=True).start()
@@ -133,6 +136,7 @@ class _DropsKeptAlive:
                 head = [line for line in iter(reader.readline, b"\r\n") if line]
                 if not head:
                     return
+                self.heads.append(head)
                 length = next((int(h.split(b":")[1]) for h in head if h.lower().startswith(b"content-length")), 0)
                 reader.read(length)
                 if n >= 1 or self.always:
@@ -166,6 +170,29 @@ def test_a_kept_alive_connection_closed_under_a_request_is_sent_again_once() -> 
             r = post(proxy.url, text_chat())
             assert r.status_code == 502 and r.json()["error"]["type"] == "upstream_unavailable"
             assert upstream.dropped == 2
+    finally:
+        upstream.close()
+
+
+def test_vllm_is_asked_for_the_encoding_the_caller_asked_for_and_no_other() -> None:
+    """The proxy relays vLLM's bytes undecoded, so it must not ask vLLM for a compression its
+    caller did not ask for: no Accept-Encoding of its own; the caller's goes through."""
+    upstream = _DropsKeptAlive(always=False)
+    try:
+        with running([upstream.url]) as proxy:
+            host, port = proxy.url.removeprefix("http://").split(":")
+            conn = http.client.HTTPConnection(host, int(port), timeout=30)
+            body = json.dumps(text_chat()).encode()
+            conn.putrequest("POST", "/v1/chat/completions", skip_accept_encoding=True)
+            conn.putheader("content-type", "application/json")
+            conn.putheader("content-length", str(len(body)))
+            conn.endheaders(body)
+            assert conn.getresponse().status == 200
+            conn.close()
+            assert post(proxy.url, text_chat(), headers={"Accept-Encoding": "gzip"}).status_code == 200
+        first, second = ([h.lower() for h in head] for head in upstream.heads[:2])
+        assert not [h for h in first if h.startswith(b"accept-encoding")], first
+        assert b"accept-encoding: gzip\r\n" in second, second
     finally:
         upstream.close()
 

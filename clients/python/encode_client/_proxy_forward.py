@@ -119,9 +119,11 @@ class Forwarder:
         return self._pooled
 
     def _new_session(self, connector: aiohttp.TCPConnector) -> aiohttp.ClientSession:
-        # The bytes as vLLM sent them (no decompression); no cookies kept between callers.
+        # The bytes as vLLM sent them (no decompression), so no encoding the caller did not ask for
+        # (the caller's own Accept-Encoding is forwarded); no cookies kept between callers.
         return aiohttp.ClientSession(connector=connector, timeout=self._timeout, auto_decompress=False,
-                                     cookie_jar=aiohttp.DummyCookieJar(), skip_auto_headers=("User-Agent",))
+                                     cookie_jar=aiohttp.DummyCookieJar(),
+                                     skip_auto_headers=("User-Agent", "Accept-Encoding"))
 
     async def aclose(self) -> None:
         for session in (self._pooled, self._fresh):

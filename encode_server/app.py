@@ -20,7 +20,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from functools import partial
 from types import FrameType
@@ -104,7 +104,7 @@ class EncodeServer:
         self.runtime = Runtime(settings, self.metrics)
         self.sglang = sglang_door(self.runtime)
         self.http = DrainingServer(_uvicorn_config(settings, self.runtime, self.sglang), self.runtime,
-                                   settings.drain_seconds)
+                                   settings.drain_seconds, self.sglang.withdraw if self.sglang is not None else None)
         self.exit_code = 0
 
     async def serve(self) -> int:
@@ -437,10 +437,12 @@ class DrainingServer(uvicorn.Server):
     further SIGINT forces its exit.
     """
 
-    def __init__(self, config: uvicorn.Config, runtime: Runtime, drain_seconds: float) -> None:
+    def __init__(self, config: uvicorn.Config, runtime: Runtime, drain_seconds: float,
+                 on_drain: Callable[[], Awaitable[None]] | None = None) -> None:
         super().__init__(config)
         self.runtime = runtime
         self.drain_seconds = drain_seconds
+        self.on_drain = on_drain  # at the drain's start: leave what routes work here (SGLang's bootstraps)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain: asyncio.Task[None] | None = None
         self._stopping = False
@@ -504,6 +506,8 @@ class DrainingServer(uvicorn.Server):
     async def _drain_then_exit(self) -> None:
         inflight = self.runtime.inflight
         log.info("SIGTERM: draining %d request(s) in flight, for at most %g s", inflight, self.drain_seconds)
+        if self.on_drain is not None:
+            await self.on_drain()
         if await self.runtime.drain(self.drain_seconds):
             log.info("drained; shutting down")
         else:

@@ -111,8 +111,11 @@ def _record(request: Request) -> RequestRecord:
 class HttpApi:
     """The routes, as bound methods over the ``Runtime`` they serve: no closures over app state."""
 
-    def __init__(self, runtime: Runtime) -> None:
+    def __init__(self, runtime: Runtime, *, health_is_readiness: bool = False) -> None:
         self.runtime = runtime
+        # --sglang: SGLang's prefill polls /health to keep an encoder in its rotation, and its own
+        # encoder answers 503 until it can encode; so does this one then, loading and draining.
+        self.health_is_readiness = health_is_readiness
 
     def _tenant(self, request: Request) -> str | None:
         """Authenticate a /v1 request; the tenant that keys its cache entries (None: shared)."""
@@ -201,7 +204,9 @@ class HttpApi:
         return JSONResponse(describe_model(self.runtime.require_service()))
 
     async def health(self) -> Response:
-        """The process is alive (liveness)."""
+        """The process is alive (liveness); with ``--sglang``, ready to encode (what SGLang reads it as)."""
+        if self.health_is_readiness and not self.runtime.ready:
+            return await self.ready()
         return JSONResponse({"status": "ok"})
 
     async def ready(self) -> Response:
@@ -273,7 +278,7 @@ def create_app(runtime: Runtime, sglang: SglangDoor | None = None) -> FastAPI:
     """The HTTP front door over ``runtime``: it serves whatever service the composition root
     (``encode_server.app``) hands the runtime, and says 503 ``not_ready`` until then. With
     ``sglang`` (``--sglang``), SGLang's encoder routes too (``api/sglang.py``)."""
-    api = HttpApi(runtime)
+    api = HttpApi(runtime, health_is_readiness=sglang is not None)
     app = FastAPI(title="encode-server", version=__version__)
     routes = frozenset({"/v1/encode", "/v1/lookup", "/v1/tokens", "/v1/model", "/health", "/ready", "/metrics",
                         *(("/encode", "/scheduler_receive_url") if sglang is not None else ())})

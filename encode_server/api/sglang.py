@@ -35,6 +35,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -48,10 +49,10 @@ from encode_server.api.budget import body_hold, over_budget
 from encode_server.api.frontdoor import RequestRecord, check_count, retry_after
 from encode_server.api.runtime import Runtime
 from encode_server.api.sglang_fetch import FetchPolicy, resolve_item
-from encode_server.api.sglang_push import DeliveryFailed, Pusher, Registrations, endpoint_of
+from encode_server.api.sglang_push import DeliveryFailed, Full, Pusher, Registrations, endpoint_of
 from encode_server.api.status import status_for
 from encode_server.core.budget import Hold, OverBudget
-from encode_server.core.errors import BadInput, EncodeServerError, TooLarge
+from encode_server.core.errors import BadInput, EncodeServerError, TooLarge, Unavailable
 from encode_server.core.sglang_wire import (
     SGLANG_MODALITIES,
     FloatTensor,
@@ -70,6 +71,7 @@ log = logging.getLogger(__name__)
 ROUTES = ("/encode", "/scheduler_receive_url")
 REGISTER_RETRIES = 30  # SGLang's encoder: 30 tries, 5 s apart, per bootstrap
 REGISTER_INTERVAL_S = 5.0
+FETCH_THREADS = 16  # items fetched by URL at once, over every request
 
 
 class Refused(Exception):
@@ -197,8 +199,12 @@ class SglangDoor:
         self.contract: SglangContract | None = None  # the family's, handed over once the model is loaded
         self.registrations = Registrations()
         self.pusher = Pusher(timeout=s.request_timeout)
+        # Fetches on threads of their own: a slow media server holds one of these, never a thread
+        # the rest of the server needs (the loop's default executor).
+        self._fetches = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="sglang-fetch")
         self.policy = FetchPolicy(max_bytes=s.max_request_bytes, timeout=s.request_timeout,
-                                  allow_private=s.sglang_fetch_private, file_dir=s.sglang_file_dir)
+                                  allow_private=s.sglang_fetch_private, file_dir=s.sglang_file_dir,
+                                  executor=self._fetches)
         self._tasks: set[asyncio.Task[None]] = set()
         self._registered: list[str] = []
 
@@ -268,7 +274,10 @@ class SglangDoor:
         if not isinstance(url, str) or not isinstance(count, int) or isinstance(count, bool) or count <= 0:
             raise ValueError("receive_url must be host:port and receive_count a positive integer")
         endpoint_of(url)
-        self.registrations.register(req_id, url, count)
+        try:
+            self.registrations.register(req_id, url, count)
+        except Full as exc:
+            raise Unavailable(f"registration refused: {exc}; retry later", type="overloaded", retry_after=1.0) from None
 
     async def receive_url(self, request: Request) -> Response:
         """SGLang's ``/scheduler_receive_url``: a rank's PULL socket for a part, held until the part is sent."""
@@ -404,6 +413,8 @@ class SglangDoor:
         """``POST {bootstrap}/register_encoder_url {"url": ...}``, retried as SGLang's encoder retries it."""
         url = self.own_url(bootstrap)
         for _ in range(REGISTER_RETRIES):
+            if self.runtime.draining:  # withdrawn meanwhile: never back into the rotation
+                return
             status = await asyncio.to_thread(_call, "POST", f"{bootstrap}/register_encoder_url", {"url": url})
             if status == 200:
                 log.info("registered %s with SGLang's encoder bootstrap at %s", url, bootstrap)
@@ -413,17 +424,24 @@ class SglangDoor:
         log.error("gave up registering %s with SGLang's encoder bootstrap at %s after %d tries", url, bootstrap,
                   REGISTER_RETRIES)
 
+    async def withdraw(self) -> None:
+        """Out of SGLang's rotation at once (a drain's start): unregistered from every bootstrap, so
+        its prefills stop sending new parts while the ones in flight finish (``/health`` answers
+        503 from now, for prefills that list this encoder in ``--encoder-urls``)."""
+        registered, self._registered = self._registered, []
+        for bootstrap in registered:
+            url = self.own_url(bootstrap)
+            await asyncio.to_thread(_call, "DELETE", f"{bootstrap}/unregister_encoder_url", {"url": url}, 2.0)
+
     async def close(self) -> None:
-        """Unregister from the bootstraps, stop the background work, close the sockets."""
+        """Unregister from the bootstraps (if the drain has not), stop the background work, close the sockets."""
         for task in list(self._tasks):
             task.cancel()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
-        for bootstrap in self._registered:
-            url = self.own_url(bootstrap)
-            await asyncio.to_thread(_call, "DELETE", f"{bootstrap}/unregister_encoder_url", {"url": url}, 2.0)
-        self._registered.clear()
+        await self.withdraw()
         self.pusher.close()
+        self._fetches.shutdown(wait=False, cancel_futures=True)
 
 
 def _call(method: str, url: str, payload: Mapping[str, str], timeout: float = 5.0) -> int | None:

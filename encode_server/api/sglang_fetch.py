@@ -26,11 +26,14 @@ import asyncio
 import hashlib
 import http.client
 import ipaddress
+import os
 import socket
 import ssl
+import stat
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urljoin, urlsplit
@@ -50,12 +53,14 @@ _CHUNK = 1 << 16
 
 @dataclass(frozen=True)
 class FetchPolicy:
-    """What this server may read for an SGLang item: the upload limit, private addresses, a file root."""
+    """What this server may read for an SGLang item: the upload limit, private addresses, a file root;
+    ``executor``: the threads fetches and reads run on (None: the loop's default)."""
 
     max_bytes: int
     timeout: float
     allow_private: bool = False
     file_dir: str | None = None
+    executor: Executor | None = field(default=None, compare=False)
 
 
 def check_content_hash(expected: object, data: bytes, index: int) -> None:
@@ -85,15 +90,39 @@ async def resolve_item(entry: object, index: int, policy: FetchPolicy, hold: Hol
         raise InvalidRequest("an mm_items entry's url must be a non-empty string", index=index)
     head = entry[:8].lower()
     if head.startswith(("http://", "https://")):
-        data = await asyncio.to_thread(_fetch, entry, index, policy, hold)
+        data = await _off_loop(policy, _fetch, entry, index, policy, hold)
     elif head.startswith("data:"):
         data = decode_base64(entry, index, hold)
-    elif head.startswith("file://") or entry.startswith(("/", "./", "../", "~")):
-        data = await asyncio.to_thread(_read_file, entry, index, policy, hold)
+    elif head.startswith("file://") or _a_path(entry):
+        data = await _off_loop(policy, _read_file, entry, index, policy, hold)
     else:  # SGLang's last resort: the string is the base64 of the file
-        data = decode_base64(entry, index, hold)
+        try:
+            data = decode_base64(entry, index, hold)
+        except BadInput:
+            if not entry.startswith("/"):
+                raise
+            data = await _off_loop(policy, _read_file, entry, index, policy, hold)  # "/etc/passwd": a path
     check_content_hash(content_hash, data, index)
     return data
+
+
+async def _off_loop(policy: FetchPolicy, work: Callable[..., bytes], *args: Any) -> bytes:
+    """``work`` on the door's own fetch threads (bounded: slow servers cannot take the threads the
+    rest of the server shares), else on the loop's default executor."""
+    return await asyncio.get_running_loop().run_in_executor(policy.executor, work, *args)
+
+
+# Raw base64 of a JPEG starts with "/9j/": a string is a local path only where it cannot be base64.
+_BASE64_ALPHABET = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/=\n\r")
+
+
+def _a_path(entry: str) -> bool:
+    """A relative or home path, or an absolute one with a character base64 never holds (a dot, a
+    dash...); anything else is tried as base64 first, as SGLang reads a string that names no file
+    (an absolute path that is not base64 either is then read as a path: ``file://`` says it plainly)."""
+    if entry.startswith(("./", "../", "~")):
+        return True
+    return entry.startswith("/") and not set(entry[:4096]) <= _BASE64_ALPHABET
 
 
 def _refuse_preprocessing(entry: Mapping[str, Any], index: int) -> None:
@@ -113,23 +142,34 @@ def _read_file(entry: str, index: int, policy: FetchPolicy, hold: Hold | None) -
     if not path.is_relative_to(root):
         raise BadInput(f"{raw} is outside --sglang-file-dir", type="url_refused", index=index)
     try:
-        size = path.stat().st_size
-        if size > policy.max_bytes:
-            raise TooLarge(f"{raw} is {size} bytes, above the limit of {policy.max_bytes} (--max-request-bytes)",
-                           index=index)
-        if hold is not None:
-            hold.grow_or_raise(size)
-        return path.read_bytes()
+        # Opened without blocking (a FIFO would wait for a writer), then checked: what is checked
+        # is what is read.
+        with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as file:
+            info = os.fstat(file.fileno())
+            if not stat.S_ISREG(info.st_mode):
+                raise BadInput(f"{raw} is not a regular file", type="url_refused", index=index)
+            if info.st_size > policy.max_bytes:
+                raise TooLarge(f"{raw} is {info.st_size} bytes, above the limit of {policy.max_bytes} "
+                               "(--max-request-bytes)", index=index)
+            if hold is not None:
+                hold.grow_or_raise(info.st_size)
+            data = file.read(policy.max_bytes + 1)  # a file that grew meanwhile is read no further
     except OSError as exc:
         raise BadInput(f"cannot read {raw}: {exc.strerror}", type="fetch_failed", index=index) from None
+    if len(data) > policy.max_bytes:
+        raise TooLarge(f"{raw} is above the limit of {policy.max_bytes} bytes (--max-request-bytes)", index=index)
+    return data
 
 
 def _public(address: str) -> bool:
+    """A globally routable unicast address (not private, shared like 100.64.0.0/10 where cloud
+    metadata services live, loopback, link-local, reserved...), the IPv4 inside an IPv6 address
+    (mapped, 6to4, Teredo) checked as well."""
     ip = ipaddress.ip_address(address.split("%", 1)[0])
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    return not (ip.is_private or ip.is_loopback or ip.is_link_local or ip.is_multicast or ip.is_reserved
-                or ip.is_unspecified)
+    inner: list[ipaddress.IPv4Address] = []
+    if isinstance(ip, ipaddress.IPv6Address):
+        inner = [a for a in (ip.ipv4_mapped, ip.sixtofour, *(ip.teredo or ())) if a is not None]
+    return all(a.is_global and not a.is_multicast for a in (ip, *inner))
 
 
 class _Refused(Exception):
@@ -155,14 +195,17 @@ def _guarded(allow_private: bool) -> Callable[..., socket.socket]:
 def _fetch(url: str, index: int, policy: FetchPolicy, hold: Hold | None) -> bytes:
     deadline = time.monotonic() + policy.timeout
     for _ in range(MAX_REDIRECTS + 1):
-        parts = urlsplit(url)
+        try:
+            parts = urlsplit(url)
+            port = parts.port or (443 if parts.scheme == "https" else 80)
+        except ValueError as exc:  # a port out of range, a malformed IPv6 literal
+            raise BadInput(f"cannot fetch {url!r}: {exc}", type="url_refused", index=index) from None
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise BadInput(f"cannot fetch {url!r}: only http(s) URLs with a host", type="url_refused", index=index)
-        port = parts.port or (443 if parts.scheme == "https" else 80)
         if not policy.allow_private:
             try:
                 found = {info[4][0] for info in socket.getaddrinfo(parts.hostname, port, type=socket.SOCK_STREAM)}
-            except OSError as exc:
+            except (OSError, ValueError) as exc:  # ValueError: UnicodeError of a malformed name
                 raise BadInput(f"cannot fetch {url}: {exc}", type="fetch_failed", index=index) from None
             if private := sorted(a for a in found if not _public(str(a))):
                 raise BadInput(f"cannot fetch {url}: {parts.hostname} resolves to {private[0]}, a private address "
@@ -188,22 +231,34 @@ def _fetch(url: str, index: int, policy: FetchPolicy, hold: Hold | None) -> byte
                 continue
             if response.status != 200:
                 raise BadInput(f"cannot fetch {url}: HTTP {response.status}", type="fetch_failed", index=index)
-            return _read_bounded(response, url, index, policy.max_bytes, hold)
+            return _read_bounded(response, conn.sock, url, index, policy.max_bytes, hold, deadline)
         except _Refused as exc:
             raise BadInput(f"cannot fetch {url}: {exc}", type="url_refused", index=index) from None
-        except (OSError, http.client.HTTPException) as exc:
+        except (OSError, ValueError, http.client.HTTPException) as exc:
             raise BadInput(f"cannot fetch {url}: {exc}", type="fetch_failed", index=index) from None
         finally:
             conn.close()
     raise BadInput(f"cannot fetch {url}: more than {MAX_REDIRECTS} redirects", type="fetch_failed", index=index)
 
 
-def _read_bounded(response: http.client.HTTPResponse, url: str, index: int, limit: int, hold: Hold | None) -> bytes:
+def _read_bounded(response: http.client.HTTPResponse, sock: socket.socket | None, url: str, index: int, limit: int,
+                  hold: Hold | None, deadline: float) -> bytes:
+    """The body, at most ``limit`` bytes, all of it by ``deadline`` (a server that trickles its bytes
+    is cut there: each read may wait only for what is left of the time)."""
     declared = response.getheader("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise TooLarge(f"{url} is {declared} bytes, above the limit of {limit} (--max-request-bytes)", index=index)
     body = bytearray()
-    while chunk := response.read(_CHUNK):
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise BadInput(f"cannot fetch {url}: not all of it within --request-timeout", type="fetch_failed",
+                           index=index)
+        if sock is not None:
+            sock.settimeout(left)
+        chunk = response.read1(_CHUNK)  # what one receive brings: read() would wait to fill the chunk
+        if not chunk:
+            break
         if len(body) + len(chunk) > limit:
             raise TooLarge(f"{url} is above the limit of {limit} bytes (--max-request-bytes)", index=index)
         if hold is not None:

@@ -28,12 +28,15 @@ from dataclasses import dataclass, field
 import zmq
 import zmq.asyncio
 
-__all__ = ["REGISTRATION_TTL_S", "DeliveryFailed", "Pusher", "Registrations", "endpoint_of"]
+__all__ = ["MAX_PARTS", "REGISTRATION_TTL_S", "DeliveryFailed", "Full", "Pusher", "Registrations", "endpoint_of"]
 
 REGISTRATION_TTL_S = 180.0
 # PUSH sockets kept for scheduler ranks; past this the least recently used is closed.
 MAX_CACHED_SOCKETS = 1024
 _LINGER_MS = 5000
+_SEND_HWM = 16
+_RECONNECT_MAX_MS = 5000
+MAX_PARTS = 65_536  # parts whose registrations are held at once
 
 
 class DeliveryFailed(Exception):
@@ -58,6 +61,10 @@ class _Part:
     touched: float = field(default_factory=time.monotonic)
 
 
+class Full(Exception):
+    """Too many parts hold registrations: 503, retry later."""
+
+
 class Registrations:
     """The receive URLs registered per part id, whichever of ``/encode`` and the registrations came first.
 
@@ -75,11 +82,16 @@ class Registrations:
         return len(self._parts)
 
     def register(self, req_id: str, url: str, count: int) -> None:
-        """Add ``url`` for ``req_id``; ``ValueError`` when ``count`` disagrees with an earlier one."""
+        """Add ``url`` for ``req_id``; ``ValueError`` when ``count`` disagrees with an earlier one, or
+        more distinct URLs than it come; ``Full`` past :data:`MAX_PARTS` parts held."""
         self._sweep()
+        if req_id not in self._parts and len(self._parts) >= MAX_PARTS:
+            raise Full(f"{len(self._parts)} parts already wait for their /encode")
         part = self._parts.setdefault(req_id, _Part())
         if part.count is not None and part.count != count:
             raise ValueError(f"Inconsistent receive_count for req_id={req_id}: registered {part.count}, got {count}")
+        if url not in part.urls and len(part.urls) >= count:
+            raise ValueError(f"req_id={req_id} already has its {count} receive URLs")
         part.count = count
         part.touched = time.monotonic()
         if url not in part.urls:
@@ -123,7 +135,14 @@ class Pusher:
         sock = self.context.socket(zmq.PUSH)
         sock.setsockopt(zmq.IMMEDIATE, 1)
         sock.setsockopt(zmq.LINGER, _LINGER_MS)
-        sock.connect(endpoint)
+        sock.setsockopt(zmq.IPV6, 1)  # a rank's [v6]:port (endpoint_of brackets it)
+        sock.setsockopt(zmq.SNDHWM, _SEND_HWM)  # embeddings queued for a slow rank: few, not libzmq's 1,000
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, _RECONNECT_MAX_MS)  # a gone rank: back off, not every 100 ms
+        try:
+            sock.connect(endpoint)
+        except zmq.ZMQError as exc:  # a receive URL libzmq cannot parse or resolve
+            sock.close(linger=0)
+            raise DeliveryFailed(f"cannot connect to {endpoint}: {exc}") from None
         return sock
 
     async def send_kept(self, endpoint: str, frames: Sequence[bytes | memoryview]) -> None:
@@ -143,6 +162,7 @@ class Pusher:
             except DeliveryFailed:
                 if self._sockets.get(endpoint) is sock:
                     del self._sockets[endpoint]
+                    self._locks.pop(endpoint, None)
                 sock.close(linger=0)
                 raise
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -15,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from encode_server.api.sglang_fetch import FetchPolicy, check_content_hash, resolve_item
-from encode_server.api.sglang_push import Registrations, endpoint_of
+from encode_server.api.sglang_fetch import FetchPolicy, _a_path, _public, check_content_hash, resolve_item
+from encode_server.api.sglang_push import Full, Registrations, endpoint_of
 from encode_server.core.budget import ByteBudget
 from encode_server.core.errors import BadInput, InvalidRequest, TooLarge
 
@@ -25,6 +26,18 @@ BODY = b"\x89PNG fake bytes" * 100
 
 class _Site(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
+        if self.path == "/trickle":  # a byte every 0.2 s: each read is quick, the whole never ends in time
+            self.send_response(200)
+            self.send_header("Content-Length", "1000")
+            self.end_headers()
+            try:
+                for _ in range(25):  # 5 s at most, well past the client's 1 s
+                    self.wfile.write(b"x")
+                    self.wfile.flush()
+                    time.sleep(0.2)
+            except OSError:
+                pass
+            return
         if self.path.startswith("/hop"):
             hops = int(self.path[4:] or 0)
             self.send_response(302)
@@ -181,3 +194,67 @@ def test_the_peer_really_reached_is_checked_too(site: str) -> None:
     with pytest.raises(_Refused, match=r"127\.0\.0\.1"):
         _guarded(False)(("127.0.0.1", port), 5)
     _guarded(True)(("127.0.0.1", port), 5).close()
+
+
+def test_raw_base64_of_a_jpeg_is_base64_not_a_path(tmp_path: Path) -> None:
+    """A JPEG's base64 starts with "/9j/": SGLang sends raw base64 as the client gave it."""
+    jpeg = b"\xff\xd8\xff\xe0" + BODY
+    encoded = base64.b64encode(jpeg).decode()
+    assert encoded.startswith("/9j/")
+    assert fetch(encoded, CLOSED) == jpeg
+    assert fetch(encoded, FetchPolicy(max_bytes=1 << 20, timeout=10, file_dir=str(tmp_path))) == jpeg
+
+
+@pytest.mark.parametrize(("entry", "path"), [
+    ("/srv/media/cat.jpg", True), ("./cat.png", True), ("../x", True), ("~/cat.jpg", True),
+    ("/9j/4AAQSkZJRgABAQ==", False), ("iVBORw0KGgo=", False),
+])
+def test_a_string_is_a_path_only_where_it_cannot_be_base64(entry: str, path: bool) -> None:
+    assert _a_path(entry) is path
+
+
+@pytest.mark.parametrize(("address", "public"), [
+    ("8.8.8.8", True), ("2001:4860:4860::8888", True),
+    ("100.100.100.200", False),  # shared address space: a cloud's metadata service lives there
+    ("10.0.0.1", False), ("169.254.169.254", False), ("127.0.0.1", False), ("::1", False), ("fe80::1", False),
+    ("::ffff:10.0.0.1", False), ("2002:c0a8:0101::1", False),  # 6to4 of 192.168.1.1
+    ("224.0.0.1", False), ("0.0.0.0", False),
+])
+def test_only_globally_routable_addresses_are_public(address: str, public: bool) -> None:
+    assert _public(address) is public
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:99999/x", "http://[::1/x"])
+def test_a_malformed_url_is_a_400_not_a_500(url: str) -> None:
+    with pytest.raises(BadInput) as refused:
+        fetch(url, OPEN)
+    assert refused.value.type in ("url_refused", "fetch_failed")
+
+
+def test_a_server_that_trickles_its_bytes_is_cut_at_the_time_limit(site: str) -> None:
+    started = time.monotonic()
+    with pytest.raises(BadInput) as refused:
+        fetch(f"{site}/trickle", FetchPolicy(max_bytes=1 << 20, timeout=1.0, allow_private=True))
+    assert refused.value.type == "fetch_failed"
+    assert time.monotonic() - started < 3
+
+
+def test_only_regular_files_are_read(tmp_path: Path) -> None:
+    fifo = tmp_path / "pipe.jpg"
+    os.mkfifo(fifo)
+    with pytest.raises(BadInput) as refused:
+        fetch(f"file://{fifo}", FetchPolicy(max_bytes=1 << 20, timeout=10, file_dir=str(tmp_path)))
+    assert refused.value.type in ("url_refused", "fetch_failed")
+
+
+def test_a_part_takes_no_more_urls_than_its_count_and_the_parts_held_are_bounded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    held = Registrations()
+    held.register("r_local_part_0", "h:1", 1)
+    with pytest.raises(ValueError, match="already has its 1"):
+        held.register("r_local_part_0", "h:2", 1)
+    monkeypatch.setattr("encode_server.api.sglang_push.MAX_PARTS", 2)
+    held.register("r_local_part_1", "h:1", 1)
+    with pytest.raises(Full):
+        held.register("r_local_part_2", "h:1", 1)

@@ -3,6 +3,8 @@ of the OpenAPI document (they are SGLang's protocol, not encode-server's API).""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from encode_server.api.http import create_app
@@ -37,3 +39,17 @@ def test_with_sglang_its_routes_are_served_but_not_documented() -> None:
 def test_a_sglang_flag_without_sglang_is_refused(flag: list[str]) -> None:
     with pytest.raises(SystemExit, match="needs --sglang"):
         settings_from(flag)
+
+
+def test_with_sglang_health_is_sglangs_readiness_without_it_liveness() -> None:
+    """SGLang's prefill keeps an encoder in its rotation while /health is 200: with --sglang it is 503
+    while the model loads and from the drain's start; without, it is the process's liveness."""
+    from encode_server.api.http import HttpApi
+
+    plain = HttpApi(Runtime(Settings(), Metrics()))
+    assert asyncio.run(plain.health()).status_code == 200  # loading, still alive
+    runtime = Runtime(settings_from(["--sglang"]), Metrics())
+    sglang = HttpApi(runtime, health_is_readiness=True)
+    assert asyncio.run(sglang.health()).status_code == 503  # loading
+    runtime.draining = True
+    assert asyncio.run(sglang.health()).status_code == 503

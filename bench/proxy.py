@@ -50,6 +50,7 @@ from typing import Any
 import httpx
 
 from bench.latest import RESULTS, merge_into
+from bench.proxy_cpu import ready_process
 from bench.vllm_peer import vllm_env
 from tests.server import free_port, start_server
 
@@ -176,25 +177,9 @@ def proxy_process(vllm_url: str, encoder_url: str, log_dir: Path) -> Iterator[st
     port = free_port()
     cmd = [sys.executable, "-m", "encode_client.proxy", "--listen", f"127.0.0.1:{port}", "--vllm", vllm_url,
            "--encoder", encoder_url, "--log-level", "warning"]
-    log = (log_dir / "proxy.log").open("wb")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the proxy did not start; see {log_dir / 'proxy.log'}")
-            time.sleep(0.2)
+    with ready_process(cmd, dict(os.environ), log_dir / "proxy.log", url + "/health"):
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(60)
-        log.close()
 
 
 @contextmanager

@@ -139,7 +139,9 @@ def stage_shares(raw: str) -> tuple[dict[str, float], int]:
 
 
 @contextmanager
-def _process(cmd: list[str], env: dict[str, str], log: Path, ready: str) -> Iterator[subprocess.Popen[bytes]]:
+def ready_process(cmd: list[str], env: dict[str, str], log: Path, ready: str) -> Iterator[subprocess.Popen[bytes]]:
+    """``cmd`` started (in the repository, its output into ``log``) once ``ready`` answers 200;
+    terminated when the block ends."""
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
         try:
@@ -192,7 +194,7 @@ def proxy_process(checkout: Path, vllm_url: str, encoder_url: str, log: Path) ->
            "--encoder", encoder_url, "--log-level", "warning"]
     env = {**os.environ, "PYTHONPATH": str(checkout / "clients" / "python")}
     url = f"http://127.0.0.1:{port}"
-    with _process(cmd, env, log, url + "/health") as proc:
+    with ready_process(cmd, env, log, url + "/health") as proc:
         yield url, proc.pid
 
 

@@ -31,6 +31,7 @@ from encode_server.logs import ACCESS_LOGGER
 
 __all__ = [
     "RequestRecord",
+    "authorize",
     "cancelled_by_stop",
     "check_count",
     "item_fields",
@@ -168,6 +169,15 @@ class RequestRecord:
             "route": self.route, "code": self.code, "items": self.items, "hits": self.hits,
             "bytes": self.sent, "duration_ms": round(elapsed * 1000, 2), "tenant": self.tenant,
         }
+
+
+def authorize(runtime: Runtime, authorization: object, record: RequestRecord) -> str | None:
+    """A request's ``Authorization`` (an HTTP header or gRPC metadata: anything but a string is none)
+    checked (``Unauthorized``), its tenant on ``record``; the tenant that keys its cache entries
+    (None: shared). Every door's routes authenticate through here."""
+    tenant = runtime.authenticate(authorization if isinstance(authorization, str) else None)
+    record.tenant = tenant
+    return runtime.cache_tenant(tenant)
 
 
 @contextmanager

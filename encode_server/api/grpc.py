@@ -26,6 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from encode_server.api.budget import GRPC_BUDGET_OPTIONS, GrpcBudgetInterceptor
 from encode_server.api.frontdoor import (
     RequestRecord,
+    authorize,
     cancelled_by_stop,
     check_count,
     item_fields,
@@ -175,10 +176,7 @@ class GrpcApi(pb_grpc.EncoderServicer):
 
     def _authorize(self, context: grpc.aio.ServicerContext, record: RequestRecord) -> str | None:
         """The tenant that keys this call's cache entries (None: shared), as on HTTP."""
-        header = dict(context.invocation_metadata() or ()).get("authorization")
-        tenant = self.runtime.authenticate(header if isinstance(header, str) else None)
-        record.tenant = tenant
-        return self.runtime.cache_tenant(tenant)
+        return authorize(self.runtime, dict(context.invocation_metadata() or ()).get("authorization"), record)
 
     async def _call(
         self,

@@ -27,6 +27,7 @@ from encode_server.api.bodies import parse_encode_body, parse_lookup_body, parse
 from encode_server.api.budget import BodyBudgetMiddleware, body_hold
 from encode_server.api.frontdoor import (
     RequestRecord,
+    authorize,
     cancelled_by_stop,
     item_fields,
     new_request_id,
@@ -119,9 +120,7 @@ class HttpApi:
 
     def _tenant(self, request: Request) -> str | None:
         """Authenticate a /v1 request; the tenant that keys its cache entries (None: shared)."""
-        tenant = self.runtime.authenticate(request.headers.get("authorization"))
-        _record(request).tenant = tenant
-        return self.runtime.cache_tenant(tenant)
+        return authorize(self.runtime, request.headers.get("authorization"), _record(request))
 
     async def encode(self, request: Request) -> Response:
         """Resolve images (uploads, hashes, or both) to embeddings: tiers first, encoder last."""

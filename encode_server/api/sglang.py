@@ -46,7 +46,7 @@ from fastapi.responses import Response
 
 from encode_server.api.bodies import read_body
 from encode_server.api.budget import body_hold, over_budget
-from encode_server.api.frontdoor import RequestRecord, check_count, retry_after
+from encode_server.api.frontdoor import RequestRecord, authorize, check_count, retry_after
 from encode_server.api.runtime import Runtime
 from encode_server.api.sglang_fetch import FetchPolicy, resolve_item
 from encode_server.api.sglang_push import DeliveryFailed, Full, Pusher, Registrations, endpoint_of
@@ -299,9 +299,7 @@ class SglangDoor:
     # -- steps ---------------------------------------------------------------------------------------
 
     def _tenant(self, request: Request, record: RequestRecord) -> str | None:
-        tenant = self.runtime.authenticate(request.headers.get("authorization"))
-        record.tenant = tenant
-        return self.runtime.cache_tenant(tenant)
+        return authorize(self.runtime, request.headers.get("authorization"), record)
 
     async def _encode_part(self, part: Part, service: EncodeService, tenant: str | None, hold: Hold | None,
                            record: RequestRecord) -> list[bytes | memoryview]:

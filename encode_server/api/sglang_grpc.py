@@ -21,7 +21,7 @@ from typing import Any
 
 import grpc
 
-from encode_server.api.frontdoor import RequestRecord, cancelled_by_stop, new_request_id, record_request
+from encode_server.api.frontdoor import RequestRecord, authorize, cancelled_by_stop, new_request_id, record_request
 from encode_server.api.proto.sglang_encoder import sglang_encoder_pb2 as pb
 from encode_server.api.proto.sglang_encoder import sglang_encoder_pb2_grpc as pb_grpc
 from encode_server.api.runtime import shutting_down
@@ -85,10 +85,7 @@ class SglangGrpc(pb_grpc.SglangEncoderServicer):
         return record_request(self.runtime, record)
 
     def _authorize(self, context: grpc.aio.ServicerContext, record: RequestRecord) -> str | None:
-        header = dict(context.invocation_metadata() or ()).get("authorization")
-        tenant = self.runtime.authenticate(header if isinstance(header, str) else None)
-        record.tenant = tenant
-        return self.runtime.cache_tenant(tenant)
+        return authorize(self.runtime, dict(context.invocation_metadata() or ()).get("authorization"), record)
 
     async def _encode(self, request: pb.EncodeRequest, context: grpc.aio.ServicerContext,
                       record: RequestRecord) -> Failure | None:
